@@ -1,0 +1,181 @@
+"""The Backend protocol and backend selection (API.md "Backends").
+
+A backend implements the LLM-DataDist V2 calls on some substrate (``sim``: kvdd's simulator on
+host memory; ``native``: the real ``libllm_datadist.so`` through the Cython binding) and returns raw
+integer statuses; it never raises for an LLM status.  :class:`kvdd.LlmDataDist` wraps one.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from .status import BackendUnavailableError
+from .types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
+
+__all__ = [
+    "Backend",
+    "BACKEND_NAMES",
+    "available_backends",
+    "backend_problem",
+    "create_backend",
+    "resolve_backend_name",
+    "looks_like_ascend_node",
+]
+
+BACKEND_NAMES: tuple[str, ...] = ("sim", "native")
+ENV_VAR = "KVDD_BACKEND"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend implements: the C++ ``LlmDataDist`` methods, statuses as ints.
+
+    Argument names and order are those of :class:`kvdd.LlmDataDist`; outputs come back with the
+    status (``(status, rets)`` for link/unlink, ``(status, cache_id)`` for registration,
+    ``(status, cache | None)`` for allocate_cache).
+    """
+
+    @property
+    def listen_port(self) -> int | None: ...
+
+    def initialize(self, options: Mapping[str, str]) -> int: ...
+
+    def finalize(self) -> None: ...
+
+    def set_role(self, role: int, options: Mapping[str, str]) -> int: ...
+
+    def link_llm_clusters(
+        self, clusters: Sequence[ClusterInfo], timeout_ms: int
+    ) -> tuple[int, list[int]]: ...
+
+    def unlink_llm_clusters(
+        self, clusters: Sequence[ClusterInfo], timeout_ms: int, force: bool
+    ) -> tuple[int, list[int]]: ...
+
+    def register_kv_cache(
+        self, cache_desc: CacheDesc, addrs: Sequence[int], cfg: RegisterCfg
+    ) -> tuple[int, int]: ...
+
+    def unregister_kv_cache(self, cache_id: int) -> int: ...
+
+    def allocate_cache(self, cache_desc: CacheDesc) -> tuple[int, Cache | None]: ...
+
+    def deallocate_cache(self, cache_id: int) -> int: ...
+
+    def pull_kv_cache(
+        self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int, size: int,
+        ext_param: KvCacheExtParam,
+    ) -> int: ...
+
+    def pull_kv_blocks(
+        self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
+        dst_blocks: Sequence[int], ext_param: KvCacheExtParam,
+    ) -> int: ...
+
+    def push_kv_cache(
+        self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int, size: int,
+        ext_param: KvCacheExtParam,
+    ) -> int: ...
+
+    def push_kv_blocks(
+        self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
+        dst_blocks: Sequence[int], ext_param: KvCacheExtParam,
+    ) -> int: ...
+
+    def copy_kv_cache(
+        self, src_cache: Cache, dst_cache: Cache, src_batch_index: int, dst_batch_index: int,
+        offset: int, size: int,
+    ) -> int: ...
+
+    def copy_kv_blocks(
+        self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
+        dst_blocks_list: Sequence[Sequence[int]],
+    ) -> int: ...
+
+
+def _build_config() -> tuple[bool, bool, str]:
+    try:
+        from . import _build_config as cfg
+    except ImportError:  # running from a source tree without a build
+        return False, False, "kvdd was not built with meson (no _build_config)"
+    return bool(cfg.NATIVE_BUILT), bool(cfg.NATIVE_TEST_DOUBLE), str(cfg.NATIVE_REASON)
+
+
+def backend_problem(name: str) -> str | None:
+    """Why backend ``name`` cannot be used here, or None when it can."""
+    if name == "sim":
+        return None
+    if name != "native":
+        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(BACKEND_NAMES)}")
+    built, _, reason = _build_config()
+    if not built:
+        return (
+            f"the native backend was not built ({reason}). On an Atlas node with CANN, rebuild "
+            "with: pip install . -Csetup-args=-Dnative=enabled "
+            "-Csetup-args=-Dascend-home=$ASCEND_HOME_PATH"
+        )
+    try:
+        importlib.import_module("kvdd._native._datadist")
+    except ImportError as exc:
+        return (
+            f"the native backend is built but does not load ({exc}); source CANN's set_env.sh "
+            "so that LD_LIBRARY_PATH finds libllm_datadist.so"
+        )
+    return None
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names of the backends usable in this installation, e.g. ``('sim',)`` or ``('sim', 'native')``."""
+    return tuple(name for name in BACKEND_NAMES if backend_problem(name) is None)
+
+
+def looks_like_ascend_node() -> bool:
+    """True when ``ASCEND_HOME_PATH`` is set or ``/dev/davinci*`` devices exist."""
+    return bool(os.environ.get("ASCEND_HOME_PATH")) or bool(glob.glob("/dev/davinci*"))
+
+
+def resolve_backend_name(backend: str | None) -> str:
+    """Apply API.md's selection rule: argument, then ``$KVDD_BACKEND``, then auto."""
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str or None, not {type(backend).__name__}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown backend {backend!r}; valid names: {', '.join(BACKEND_NAMES)}")
+        return backend
+    env = os.environ.get(ENV_VAR)
+    if env:
+        if env not in BACKEND_NAMES:
+            raise ValueError(
+                f"{ENV_VAR}={env!r} is not a backend; valid names: {', '.join(BACKEND_NAMES)}"
+            )
+        return env
+    _, test_double, _ = _build_config()
+    problem = backend_problem("native")
+    if problem is None and not test_double:
+        return "native"
+    if looks_like_ascend_node():
+        why = problem or "the native backend was built against kvdd's CI test double"
+        raise BackendUnavailableError(
+            "this machine looks like an Ascend node (ASCEND_HOME_PATH or /dev/davinci*) but "
+            f"{why}. Build the native backend, or choose the simulator explicitly with "
+            f"backend='sim' or {ENV_VAR}=sim."
+        )
+    return "sim"
+
+
+def create_backend(name: str, cluster_id: int, role: int) -> Backend:
+    """Instantiate backend ``name`` (already resolved) for one LlmDataDist instance."""
+    if name == "sim":
+        from .sim.engine import SimBackend
+
+        return SimBackend(cluster_id, role)
+    problem = backend_problem(name)
+    if problem is not None:
+        raise BackendUnavailableError(problem)
+    module = importlib.import_module("kvdd._native._datadist")
+    backend: Backend = module.NativeBackend(cluster_id, role)
+    return backend

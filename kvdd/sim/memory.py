@@ -1,0 +1,49 @@
+"""Host memory of the simulator: registered regions and the checks every copy relies on.
+
+A registered cache tensor becomes a :class:`kvdd._native._copy.Region` (address, size, keep-alive
+owner).  Copies only ever run between Regions, and the copy kernels re-check every run against
+the Regions' bounds, so no byte outside a registered tensor is touched (SEMANTICS.md §10 rule 1).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from .._native._copy import Region, copy_runs
+
+__all__ = ["Region", "copy_runs", "is_accessible"]
+
+def _read_rw_spans() -> tuple[list[int], list[int]]:
+    # /proc/self/maps as sorted, merged [start, end) spans of readable+writable memory.
+    starts: list[int] = []
+    ends: list[int] = []
+    with open("/proc/self/maps", "rb") as f:
+        for line in f:
+            fields = line.split(None, 2)
+            if len(fields) < 2 or not fields[1].startswith(b"rw"):
+                continue
+            lo_s, hi_s = fields[0].split(b"-")
+            lo, hi = int(lo_s, 16), int(hi_s, 16)
+            if ends and ends[-1] == lo:
+                ends[-1] = hi
+            else:
+                starts.append(lo)
+                ends.append(hi)
+    return starts, ends
+
+
+def is_accessible(addr: int, nbytes: int) -> bool:
+    """True when ``[addr, addr + nbytes)`` is readable and writable memory of this process.
+
+    Used at registration (SEMANTICS.md §10 rule 4): reads ``/proc/self/maps`` afresh each time
+    (about a hundred microseconds), so memory unmapped since an earlier check is never accepted.
+    On systems without ``/proc`` every non-null range is accepted.
+    """
+    if nbytes <= 0 or addr <= 0 or addr + nbytes > 2**64:
+        return False
+    try:
+        starts, ends = _read_rw_spans()
+    except OSError:
+        return True
+    i = bisect.bisect_right(starts, addr) - 1
+    return i >= 0 and ends[i] >= addr + nbytes

@@ -1,0 +1,312 @@
+"""LLM-DataDist status codes and the exception family built on them.
+
+The C++ API returns ``ge::Status`` (``uint32_t``) from every call; the values are listed in
+SEMANTICS.md §1 (``LLM_SUCCESS = 0``, ``LLM_FAILED = 0xFFFFFFFF`` and ``0x5010B000 + n``).
+Backends return these integers; :func:`raise_for_status` is the one place where a non-zero status
+becomes an :class:`LLMError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+__all__ = [
+    "Status",
+    "status_name",
+    "LLMError",
+    "LLMParamInvalidError",
+    "LLMCacheError",
+    "LLMLinkError",
+    "LLMTimeoutError",
+    "LLMMemoryError",
+    "LLMFeatureNotEnabledError",
+    "BackendUnavailableError",
+    "raise_for_status",
+    "LLMKvCacheNotExistError",
+    "LLMCacheKeyAlreadyExistError",
+    "LLMCacheIdAlreadyExistError",
+    "LLMCacheIncompatibleError",
+    "LLMCopyCacheFailedError",
+    "LLMPrefixAlreadyExistError",
+    "LLMPrefixNotExistError",
+    "LLMRepeatRequestError",
+    "LLMRequestAlreadyCompletedError",
+    "LLMSeqLenOverLimitError",
+    "LLMNotYetLinkError",
+    "LLMAlreadyLinkError",
+    "LLMLinkFailedError",
+    "LLMUnlinkFailedError",
+    "LLMNotifyPromptUnlinkFailedError",
+    "LLMClusterNumExceedLimitError",
+    "LLMProcessingLinkError",
+    "LLMExistLinkError",
+    "LLMLinkBusyError",
+    "LLMTimeoutError",
+    "LLMWaitProcTimeoutError",
+    "LLMDeviceOutOfMemoryError",
+    "LLMOutOfMemoryError",
+    "LLMNoFreeBlockError",
+    "LLMBlocksOutOfMemoryError",
+]
+
+_BASE = 0x5010B000
+
+
+class Status(enum.IntEnum):
+    """Every status code of the LLM-DataDist error table (SEMANTICS.md §1).
+
+    ``Status.LLM_PARAM_INVALID == 0x5010B005``.  Hardware can also return raw numbers outside this
+    table (ACL runtime codes); :class:`LLMError` keeps those as plain ints.
+    """
+
+    LLM_SUCCESS = 0
+    LLM_WAIT_PROC_TIMEOUT = _BASE + 1
+    LLM_KV_CACHE_NOT_EXIST = _BASE + 2
+    LLM_REPEAT_REQUEST = _BASE + 3
+    LLM_REQUEST_ALREADY_COMPLETED = _BASE + 4
+    LLM_PARAM_INVALID = _BASE + 5
+    LLM_ENGINE_FINALIZED = _BASE + 6
+    LLM_NOT_YET_LINK = _BASE + 7
+    LLM_ALREADY_LINK = _BASE + 8
+    LLM_LINK_FAILED = _BASE + 9
+    LLM_UNLINK_FAILED = _BASE + 10
+    LLM_NOTIFY_PROMPT_UNLINK_FAILED = _BASE + 11
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = _BASE + 12
+    LLM_PROCESSING_LINK = _BASE + 13
+    LLM_DEVICE_OUT_OF_MEMORY = _BASE + 14
+    LLM_PREFIX_ALREADY_EXIST = _BASE + 15
+    LLM_PREFIX_NOT_EXIST = _BASE + 16
+    LLM_SEQ_LEN_OVER_LIMIT = _BASE + 17
+    LLM_NO_FREE_BLOCK = _BASE + 18
+    LLM_BLOCKS_OUT_OF_MEMORY = _BASE + 19
+    LLM_CACHE_INCOMPATIBLE = _BASE + 20
+    LLM_CACHE_KEY_ALREADY_EXIST = _BASE + 21
+    LLM_COPY_CACHE_FAILED = _BASE + 22
+    LLM_CACHE_ID_ALREADY_EXIST = _BASE + 23
+    LLM_EXIST_LINK = _BASE + 24
+    LLM_FEATURE_NOT_ENABLED = _BASE + 25
+    LLM_TIMEOUT = _BASE + 26
+    LLM_LINK_BUSY = _BASE + 27
+    LLM_OUT_OF_MEMORY = _BASE + 28
+    LLM_FAILED = 0xFFFFFFFF
+
+
+def as_status(value: int) -> int:
+    """``Status(value)`` when the value is a known code, else the raw int."""
+    try:
+        return Status(value)
+    except ValueError:
+        return int(value)
+
+
+def status_name(value: int) -> str:
+    """``'LLM_PARAM_INVALID (0x5010B005)'``; unknown codes give ``'unknown status (0x...)'``."""
+    try:
+        name = Status(value).name
+    except ValueError:
+        name = "unknown status"
+    return f"{name} (0x{int(value) & 0xFFFFFFFF:08X})"
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+class LLMError(Exception):
+    """A non-success status returned by an LLM-DataDist call.
+
+    Attributes
+    ----------
+    status : int
+        A :class:`Status` member when the code is known, else the raw number.
+    rets : list[int] | None
+        Per-cluster statuses for link/unlink (``[]`` when the call failed before the per-cluster
+        phase), ``None`` for every other call.
+
+    Use :meth:`from_status` to get the class matching a status; tests should assert the exact
+    class and ``.status``.  Instances pickle with all attributes.
+    """
+
+    #: status -> class registry; filled as the classes below are defined.
+    _registry: ClassVar[dict[int, type[LLMError]]] = {}
+
+    def __init__(self, status: int, message: str = "", rets: list[int] | None = None) -> None:
+        self.status: int = as_status(status)
+        self.rets: list[int] | None = None if rets is None else [as_status(r) for r in rets]
+        self.detail = message
+        text = f"{status_name(self.status)}: {message}" if message else status_name(self.status)
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (type(self), int(self.status), self.detail, self.rets))
+
+    @classmethod
+    def from_status(cls, status: int, message: str = "", rets: list[int] | None = None) -> LLMError:
+        """Return an instance of the class registered for ``status`` (``LLMError`` for unknown
+        codes, ``LLM_FAILED`` and ``LLM_ENGINE_FINALIZED``)."""
+        klass = LLMError._registry.get(int(status), LLMError)
+        return klass(status, message, rets)
+
+
+def _rebuild_error(klass: type[LLMError], status: int, message: str, rets: list[int] | None) -> LLMError:
+    return klass(status, message, rets)
+
+
+class LLMParamInvalidError(LLMError, ValueError):
+    """LLM_PARAM_INVALID: the C++ call rejected an argument or option."""
+
+
+class LLMCacheError(LLMError, LookupError):
+    """Family base for cache-lookup statuses (KV_CACHE_NOT_EXIST, ...)."""
+
+
+class LLMLinkError(LLMError):
+    """Family base for link statuses (NOT_YET_LINK, ALREADY_LINK, LINK_FAILED, ...)."""
+
+
+class LLMTimeoutError(LLMError, TimeoutError):
+    """Family base for LLM_TIMEOUT and LLM_WAIT_PROC_TIMEOUT."""
+
+
+class LLMMemoryError(LLMError, MemoryError):
+    """Family base for out-of-memory statuses."""
+
+
+class LLMFeatureNotEnabledError(LLMError, NotImplementedError):
+    """LLM_FEATURE_NOT_ENABLED: the call is not supported by this library build (SEMANTICS.md §3.9)."""
+
+
+class LLMKvCacheNotExistError(LLMCacheError):
+    """LLM_KV_CACHE_NOT_EXIST."""
+
+class LLMCacheKeyAlreadyExistError(LLMCacheError):
+    """LLM_CACHE_KEY_ALREADY_EXIST."""
+
+class LLMCacheIdAlreadyExistError(LLMCacheError):
+    """LLM_CACHE_ID_ALREADY_EXIST."""
+
+class LLMCacheIncompatibleError(LLMCacheError):
+    """LLM_CACHE_INCOMPATIBLE."""
+
+class LLMCopyCacheFailedError(LLMCacheError):
+    """LLM_COPY_CACHE_FAILED."""
+
+class LLMPrefixAlreadyExistError(LLMCacheError):
+    """LLM_PREFIX_ALREADY_EXIST."""
+
+class LLMPrefixNotExistError(LLMCacheError):
+    """LLM_PREFIX_NOT_EXIST."""
+
+class LLMRepeatRequestError(LLMCacheError):
+    """LLM_REPEAT_REQUEST."""
+
+class LLMRequestAlreadyCompletedError(LLMCacheError):
+    """LLM_REQUEST_ALREADY_COMPLETED."""
+
+class LLMSeqLenOverLimitError(LLMCacheError):
+    """LLM_SEQ_LEN_OVER_LIMIT."""
+
+class LLMNotYetLinkError(LLMLinkError):
+    """LLM_NOT_YET_LINK."""
+
+class LLMAlreadyLinkError(LLMLinkError):
+    """LLM_ALREADY_LINK."""
+
+class LLMLinkFailedError(LLMLinkError):
+    """LLM_LINK_FAILED."""
+
+class LLMUnlinkFailedError(LLMLinkError):
+    """LLM_UNLINK_FAILED."""
+
+class LLMNotifyPromptUnlinkFailedError(LLMLinkError):
+    """LLM_NOTIFY_PROMPT_UNLINK_FAILED."""
+
+class LLMClusterNumExceedLimitError(LLMLinkError):
+    """LLM_CLUSTER_NUM_EXCEED_LIMIT."""
+
+class LLMProcessingLinkError(LLMLinkError):
+    """LLM_PROCESSING_LINK."""
+
+class LLMExistLinkError(LLMLinkError):
+    """LLM_EXIST_LINK."""
+
+class LLMLinkBusyError(LLMLinkError):
+    """LLM_LINK_BUSY."""
+
+class LLMTimeoutError(LLMTimeoutError):
+    """LLM_TIMEOUT."""
+
+class LLMWaitProcTimeoutError(LLMTimeoutError):
+    """LLM_WAIT_PROC_TIMEOUT."""
+
+class LLMDeviceOutOfMemoryError(LLMMemoryError):
+    """LLM_DEVICE_OUT_OF_MEMORY."""
+
+class LLMOutOfMemoryError(LLMMemoryError):
+    """LLM_OUT_OF_MEMORY."""
+
+class LLMNoFreeBlockError(LLMMemoryError):
+    """LLM_NO_FREE_BLOCK."""
+
+class LLMBlocksOutOfMemoryError(LLMMemoryError):
+    """LLM_BLOCKS_OUT_OF_MEMORY."""
+
+
+_CLASS_BY_STATUS: tuple[tuple[Status, type[LLMError]], ...] = (
+    (Status.LLM_PARAM_INVALID, LLMParamInvalidError),
+    (Status.LLM_FEATURE_NOT_ENABLED, LLMFeatureNotEnabledError),
+    (Status.LLM_KV_CACHE_NOT_EXIST, LLMKvCacheNotExistError),
+    (Status.LLM_CACHE_KEY_ALREADY_EXIST, LLMCacheKeyAlreadyExistError),
+    (Status.LLM_CACHE_ID_ALREADY_EXIST, LLMCacheIdAlreadyExistError),
+    (Status.LLM_CACHE_INCOMPATIBLE, LLMCacheIncompatibleError),
+    (Status.LLM_COPY_CACHE_FAILED, LLMCopyCacheFailedError),
+    (Status.LLM_PREFIX_ALREADY_EXIST, LLMPrefixAlreadyExistError),
+    (Status.LLM_PREFIX_NOT_EXIST, LLMPrefixNotExistError),
+    (Status.LLM_REPEAT_REQUEST, LLMRepeatRequestError),
+    (Status.LLM_REQUEST_ALREADY_COMPLETED, LLMRequestAlreadyCompletedError),
+    (Status.LLM_SEQ_LEN_OVER_LIMIT, LLMSeqLenOverLimitError),
+    (Status.LLM_NOT_YET_LINK, LLMNotYetLinkError),
+    (Status.LLM_ALREADY_LINK, LLMAlreadyLinkError),
+    (Status.LLM_LINK_FAILED, LLMLinkFailedError),
+    (Status.LLM_UNLINK_FAILED, LLMUnlinkFailedError),
+    (Status.LLM_NOTIFY_PROMPT_UNLINK_FAILED, LLMNotifyPromptUnlinkFailedError),
+    (Status.LLM_CLUSTER_NUM_EXCEED_LIMIT, LLMClusterNumExceedLimitError),
+    (Status.LLM_PROCESSING_LINK, LLMProcessingLinkError),
+    (Status.LLM_EXIST_LINK, LLMExistLinkError),
+    (Status.LLM_LINK_BUSY, LLMLinkBusyError),
+    (Status.LLM_TIMEOUT, LLMTimeoutError),
+    (Status.LLM_WAIT_PROC_TIMEOUT, LLMWaitProcTimeoutError),
+    (Status.LLM_DEVICE_OUT_OF_MEMORY, LLMDeviceOutOfMemoryError),
+    (Status.LLM_OUT_OF_MEMORY, LLMOutOfMemoryError),
+    (Status.LLM_NO_FREE_BLOCK, LLMNoFreeBlockError),
+    (Status.LLM_BLOCKS_OUT_OF_MEMORY, LLMBlocksOutOfMemoryError),
+)
+
+
+def _register_all() -> None:
+    for status, klass in _CLASS_BY_STATUS:
+        if int(status) in LLMError._registry:
+            raise RuntimeError(f"duplicate exception class for {status.name}")
+        LLMError._registry[int(status)] = klass
+
+
+_register_all()
+
+
+class BackendUnavailableError(ImportError):
+    """The requested backend is not built in this installation or cannot be loaded here."""
+
+
+def raise_for_status(
+    status: int, what: str, rets: list[int] | None = None, detail: str | None = None
+) -> None:
+    """Raise the :class:`LLMError` subclass for ``status`` unless it is ``LLM_SUCCESS``.
+
+    This is the single place where backend statuses become exceptions (the facade calls it after
+    every backend call).  ``what`` names the C++ call; ``detail`` is the backend's explanation.
+    """
+    if status == Status.LLM_SUCCESS:
+        return
+    message = what if not detail else f"{what}: {detail}"
+    raise LLMError.from_status(status, message, rets)
