@@ -42,7 +42,6 @@ __all__ = [
     "LLMProcessingLinkError",
     "LLMExistLinkError",
     "LLMLinkBusyError",
-    "LLMTimeoutError",
     "LLMWaitProcTimeoutError",
     "LLMDeviceOutOfMemoryError",
     "LLMOutOfMemoryError",
@@ -166,7 +165,7 @@ class LLMLinkError(LLMError):
 
 
 class LLMTimeoutError(LLMError, TimeoutError):
-    """Family base for LLM_TIMEOUT and LLM_WAIT_PROC_TIMEOUT."""
+    """LLM_TIMEOUT, and family base of LLM_WAIT_PROC_TIMEOUT (API.md: class name = status name)."""
 
 
 class LLMMemoryError(LLMError, MemoryError):
@@ -233,9 +232,6 @@ class LLMExistLinkError(LLMLinkError):
 
 class LLMLinkBusyError(LLMLinkError):
     """LLM_LINK_BUSY."""
-
-class LLMTimeoutError(LLMTimeoutError):
-    """LLM_TIMEOUT."""
 
 class LLMWaitProcTimeoutError(LLMTimeoutError):
     """LLM_WAIT_PROC_TIMEOUT."""
