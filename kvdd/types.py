@@ -237,8 +237,9 @@ def tensor_nbytes(shape: Sequence[int], data_type: int) -> int:
         bits = elements * size[1]
         if bits > INT64[1]:
             raise ValueError("bit count overflows int64")
-        numer = _wrap32(_wrap32(bits) + 7)
-        nbytes = int(numer / 8)  # C division truncates toward zero
+        # CeilDiv(int32 a, 8) is `a / 8`, plus one when inexact: no `a + 7` that could overflow.
+        narrowed = _wrap32(bits)
+        nbytes = -(-narrowed // 8) if narrowed >= 0 else 0  # negative: T undefined (below)
         if nbytes <= 0:
             raise ValueError(f"sub-byte size overflows int32 upstream ({bits} bits)")
         return nbytes
