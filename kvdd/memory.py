@@ -88,6 +88,8 @@ def _one(obj: object, i: int) -> tuple[int, int]:
             raise ValueError(f"{what}: cannot read its DLPack capsule ({exc})") from None
         if not arr.flags.c_contiguous:
             raise ValueError(f"{what}: not C-contiguous")
+        if not arr.flags.writeable:  # DLPack >= 1.0 exporters flag read-only memory
+            raise ValueError(f"{what}: memory is read-only; a KV cache must be writable")
         return int(arr.ctypes.data), int(arr.nbytes)
     raise TypeError(f"{what}: expected a numpy array, a torch tensor, or an object with "
                     "__array_interface__ or __dlpack__")
