@@ -1,0 +1,60 @@
+"""The ``kvdd`` command line: ``demo`` (the main job), ``bench`` and ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    from . import __version__
+    from .backend import BACKEND_NAMES, backend_problem, looks_like_ascend_node, resolve_backend_name
+
+    try:
+        from . import _build_config as cfg
+
+        built = f"native built={cfg.NATIVE_BUILT} test_double={cfg.NATIVE_TEST_DOUBLE} " \
+                f"ascend_home={cfg.ASCEND_HOME or '-'} cxx11_abi={cfg.CXX11_ABI} ({cfg.NATIVE_REASON})"
+    except ImportError:
+        built = "no build configuration (kvdd is not installed through meson)"
+    print(f"kvdd {__version__} on Python {platform.python_version()} ({platform.machine()})")
+    print(f"build: {built}")
+    for name in BACKEND_NAMES:
+        problem = backend_problem(name)
+        print(f"backend {name}: {'usable' if problem is None else 'unavailable: ' + problem}")
+    print(f"looks like an Ascend node: {looks_like_ascend_node()}")
+    try:
+        print(f"backend=None selects: {resolve_backend_name(None)}")
+    except (ImportError, ValueError) as exc:
+        print(f"backend=None selects: nothing ({exc})")
+    try:
+        from ._native import _copy
+
+        print(f"copy kernels: {_copy.cpu_features()}")
+    except (ImportError, AttributeError) as exc:
+        print(f"copy kernels: unavailable ({exc})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="which backends are built and usable here, and why not")
+    doctor.set_defaults(func=_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
