@@ -12,9 +12,10 @@ import enum
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex, Union
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "LlmRole",
@@ -259,12 +260,24 @@ def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)
 
 
-@dataclass(frozen=True)
+# What the constructors accept (API.md): integer fields take int and numpy integers (anything with
+# __index__; bool is rejected at run time), sequence fields any sequence of those or an integer
+# numpy array.  The attributes are always int / tuple[int, ...].  The dataclasses therefore have
+# explicit __init__ methods (init=False) typed with these, then validate in __post_init__.
+_IntSeq = Union[Sequence[SupportsIndex], npt.NDArray[np.integer[Any]]]
+
+
+@dataclass(frozen=True, init=False)
 class IpInfo:
     """``llm_datadist::IpInfo``: ``ip`` (``AscendString``) and ``port`` (``uint16_t``, default 0)."""
 
     ip: str
     port: int = 0
+
+    def __init__(self, ip: str, port: SupportsIndex = 0) -> None:
+        _set(self, "ip", ip)
+        _set(self, "port", port)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _check_str("IpInfo.ip", self.ip)
@@ -280,7 +293,7 @@ def _check_ip_infos(name: str, value: object) -> tuple[IpInfo, ...]:
     return tuple(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ClusterInfo:
     """``llm_datadist::ClusterInfo``: the peer to link to (SEMANTICS.md §3.5).
 
@@ -293,6 +306,19 @@ class ClusterInfo:
     local_ip_infos: tuple[IpInfo, ...] = ()
     remote_ip_infos: tuple[IpInfo, ...] = ()
 
+    def __init__(
+        self,
+        remote_cluster_id: SupportsIndex = 0,
+        remote_role_type: SupportsIndex = 0,
+        local_ip_infos: Sequence[IpInfo] = (),
+        remote_ip_infos: Sequence[IpInfo] = (),
+    ) -> None:
+        _set(self, "remote_cluster_id", remote_cluster_id)
+        _set(self, "remote_role_type", remote_role_type)
+        _set(self, "local_ip_infos", local_ip_infos)
+        _set(self, "remote_ip_infos", remote_ip_infos)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         _set(self, "remote_cluster_id",
              check_int("ClusterInfo.remote_cluster_id", self.remote_cluster_id, UINT64))
@@ -303,7 +329,7 @@ class ClusterInfo:
              _check_ip_infos("ClusterInfo.remote_ip_infos", self.remote_ip_infos))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CacheDesc:
     """``llm_datadist::CacheDesc``: describes the ``num_tensors`` equally shaped tensors of a cache.
 
@@ -319,6 +345,19 @@ class CacheDesc:
     data_type: int = DataType.DT_UNDEFINED
     shape: tuple[int, ...] = ()
     placement: int = CachePlacement.DEVICE
+
+    def __init__(
+        self,
+        num_tensors: SupportsIndex = 0,
+        data_type: SupportsIndex = DataType.DT_UNDEFINED,
+        shape: _IntSeq = (),
+        placement: SupportsIndex = CachePlacement.DEVICE,
+    ) -> None:
+        _set(self, "num_tensors", num_tensors)
+        _set(self, "data_type", data_type)
+        _set(self, "shape", shape)
+        _set(self, "placement", placement)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _set(self, "num_tensors", check_int("CacheDesc.num_tensors", self.num_tensors, UINT32))
@@ -358,7 +397,7 @@ class CacheDesc:
         return self.tensor_nbytes // b
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Cache:
     """``llm_datadist::Cache``: ``cache_id`` (int64, default -1), ``tensor_addrs`` (uint64 each),
     ``cache_desc``.  Pulls read only ``cache_id``; pushes also read ``cache_desc.placement`` and
@@ -368,6 +407,17 @@ class Cache:
     tensor_addrs: tuple[int, ...] = ()
     cache_desc: CacheDesc = field(default_factory=CacheDesc)
 
+    def __init__(
+        self,
+        cache_id: SupportsIndex = -1,
+        tensor_addrs: _IntSeq = (),
+        cache_desc: CacheDesc = CacheDesc(),
+    ) -> None:
+        _set(self, "cache_id", cache_id)
+        _set(self, "tensor_addrs", tensor_addrs)
+        _set(self, "cache_desc", cache_desc)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         _set(self, "cache_id", check_int("Cache.cache_id", self.cache_id, INT64))
         _set(self, "tensor_addrs", check_int_seq("Cache.tensor_addrs", self.tensor_addrs, UINT64))
@@ -375,7 +425,7 @@ class Cache:
             raise TypeError(f"Cache.cache_desc must be CacheDesc, not {type(self.cache_desc).__name__}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CacheIndex:
     """``llm_datadist::CacheIndex``: a peer's cache: ``cluster_id`` (uint64, the peer's cluster id),
     ``cache_id`` (int64, the id the peer's RegisterKvCache returned), ``batch_index`` (uint32, the
@@ -384,6 +434,14 @@ class CacheIndex:
     cluster_id: int
     cache_id: int
     batch_index: int = 0
+
+    def __init__(
+        self, cluster_id: SupportsIndex, cache_id: SupportsIndex, batch_index: SupportsIndex = 0
+    ) -> None:
+        _set(self, "cluster_id", cluster_id)
+        _set(self, "cache_id", cache_id)
+        _set(self, "batch_index", batch_index)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _set(self, "cluster_id", check_int("CacheIndex.cluster_id", self.cluster_id, UINT64))
@@ -400,7 +458,7 @@ def _check_range(name: str, value: object) -> tuple[int, int]:
     return items[0], items[1]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KvCacheExtParam:
     """``llm_datadist::KvCacheExtParam``: layer ranges of a transfer (SEMANTICS.md §2.5).
 
@@ -413,6 +471,17 @@ class KvCacheExtParam:
     src_layer_range: tuple[int, int] = (-1, -1)
     dst_layer_range: tuple[int, int] = (-1, -1)
     tensor_num_per_layer: int = 2
+
+    def __init__(
+        self,
+        src_layer_range: _IntSeq = (-1, -1),
+        dst_layer_range: _IntSeq = (-1, -1),
+        tensor_num_per_layer: SupportsIndex = 2,
+    ) -> None:
+        _set(self, "src_layer_range", src_layer_range)
+        _set(self, "dst_layer_range", dst_layer_range)
+        _set(self, "tensor_num_per_layer", tensor_num_per_layer)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         _set(self, "src_layer_range", _check_range("KvCacheExtParam.src_layer_range", self.src_layer_range))
