@@ -53,7 +53,7 @@ class CacheEntry:
     """A registered cache on its owner (SEMANTICS.md §2.1)."""
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions",
-                 "owners", "_cond", "_inflight", "registered")
+                 "owners", "_lock", "_inflight", "_drained", "registered")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
                  addrs: Sequence[int], owners: tuple[object, ...]) -> None:
@@ -67,8 +67,9 @@ class CacheEntry:
         self.addrs = tuple(addrs)
         self.regions = [Region(a, T, owners) for a in self.addrs]
         self.owners = owners
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._inflight = 0
+        self._drained: threading.Event | None = None
         self.registered = True
 
     def remote_view(self) -> RemoteCache:
@@ -76,25 +77,31 @@ class CacheEntry:
 
     def acquire(self) -> bool:
         """Take a lease for a transfer; False once unregistered."""
-        with self._cond:
+        with self._lock:
             if not self.registered:
                 return False
             self._inflight += 1
             return True
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
             self._inflight -= 1
-            if self._inflight == 0:
-                self._cond.notify_all()
+            if self._inflight == 0 and self._drained is not None:
+                self._drained.set()
 
-    def retire(self) -> None:
-        """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5)."""
-        with self._cond:
+    def retire(self, timeout: float | None = None) -> bool:
+        """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5).
+
+        Returns False when ``timeout`` (seconds) passed with leases still held."""
+        with self._lock:
             self.registered = False
-            while self._inflight:
-                self._cond.wait()
+            drained = None
+            if self._inflight:
+                drained = self._drained = threading.Event()
+        if drained is not None and not drained.wait(timeout):
+            return False
         self.regions = []
+        return True
 
 
 @dataclass
