@@ -56,6 +56,8 @@ def check_int(name: str, value: object, width: tuple[int, int]) -> int:
     Raises ``TypeError`` for non-integers (``bool`` included) and ``ValueError`` when the value
     does not fit the C++ field.
     """
+    if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
+        return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not bool")
     try:
