@@ -239,19 +239,23 @@ class SimBackend:
                             json.loads(grc)
                         except ValueError:
                             raise OptionError(f"{OPTION_GLOBAL_RESOURCE_CONFIG} is not valid JSON") from None
-                sync_ms = parse_sync_wait_time(options)  # step 9
             except OptionError as exc:
                 return self._fail(exc.status, str(exc))
             self.transfer_backend = backend
             self.device_id = device_id
-            self.sync_wait_ms = sync_ms
             self.comm_res_text = options.get(OPTION_LOCAL_COMM_RES)
-            self.has_comm_res = self.comm_res_text is not None
-            if listen is not None:
+            if listen is not None:  # step 8: start listening (bind failure -> FAILED)
                 status = self._start_listening(*listen)
                 if status != S_OK:
                     return status  # step 10: stays uninitialized
-                self.listen_text = listen_text
+            try:
+                self.sync_wait_ms = parse_sync_wait_time(options)  # step 9
+            except OptionError as exc:
+                self._stop_listening()
+                return self._fail(exc.status, str(exc))
+            # a listen address lets upstream generate the local comm resource at Initialize
+            self.has_comm_res = self.comm_res_text is not None or listen is not None
+            self.listen_text = listen_text if listen is not None else None
             self.initialized = True
             return S_OK
 
@@ -343,9 +347,11 @@ class SimBackend:
     def _link_one(self, cluster: ClusterInfo, timeout_ms: int) -> tuple[int, str]:
         if len(cluster.remote_ip_infos) != 1:
             return PARAM_INVALID, "exactly one remote_ip_infos entry is required"
-        if self.transfer_backend == "comm" and not self.has_comm_res and self.listener is None \
-                and len(cluster.local_ip_infos) != 1:
-            return PARAM_INVALID, "without llm.LocalCommRes or a listen address, exactly one local_ip_infos entry is required"
+        if self.transfer_backend == "comm" and not self.has_comm_res and self.listener is None:
+            if len(cluster.local_ip_infos) != 1:
+                return PARAM_INVALID, ("without llm.LocalCommRes or a listen address, exactly one "
+                                       "local_ip_infos entry is required")
+            self.has_comm_res = True  # generated once from local_ip_infos[0]
         remote = cluster.remote_ip_infos[0]
         address = (remote.ip, remote.port)
         if self.transfer_backend == "hixl" and address in self.hixl_addrs:
