@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -16,8 +17,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from .backend import BACKEND_NAMES, backend_problem, looks_like_ascend_node, resolve_backend_name
 
     try:
-        from . import _build_config as cfg
-
+        cfg = importlib.import_module("kvdd._build_config")
         built = f"native built={cfg.NATIVE_BUILT} test_double={cfg.NATIVE_TEST_DOUBLE} " \
                 f"ascend_home={cfg.ASCEND_HOME or '-'} cxx11_abi={cfg.CXX11_ABI} ({cfg.NATIVE_REASON})"
     except ImportError:
