@@ -27,7 +27,7 @@ from ..options import (
 )
 from ..status import Status
 from ..types import Cache, CacheDesc, CacheIndex, CachePlacement, ClusterInfo, KvCacheExtParam, RegisterCfg
-from . import fabric
+from . import fabric, faults
 from .fabric import InProcessPeer, PeerHandle, RemoteCache
 from .memory import Region, is_accessible
 
@@ -356,6 +356,9 @@ class SimBackend:
         address = (remote.ip, remote.port)
         if self.transfer_backend == "hixl" and address in self.hixl_addrs:
             return Status.LLM_ALREADY_LINK, f"already connected to {remote.ip}:{remote.port}"
+        status = faults.on_link(self, cluster.remote_cluster_id, timeout_ms)  # in place of connecting
+        if status != S_OK:
+            return status, self.last_error_detail() or "injected fault"
         status, peer = fabric.connect(remote.ip, remote.port, timeout_ms)
         if status != S_OK:
             return status, f"cannot connect to {remote.ip}:{remote.port}"
@@ -427,10 +430,16 @@ class SimBackend:
 
     def _unlink_one(self, cluster: ClusterInfo, timeout_ms: int, force: bool) -> int:
         if self.transfer_backend == "hixl" or force:
+            status = faults.on_unlink(self, cluster.remote_cluster_id, timeout_ms, force=True)
+            if status != S_OK:
+                return status
             self._destroy_entity(cluster.remote_cluster_id)
             return S_OK
         if len(cluster.remote_ip_infos) != 1:
             return self._fail(PARAM_INVALID, "exactly one remote_ip_infos entry is required")
+        status = faults.on_unlink(self, cluster.remote_cluster_id, timeout_ms, force=False)
+        if status != S_OK:
+            return status
         remote = cluster.remote_ip_infos[0]
         status, peer = fabric.connect(remote.ip, remote.port, timeout_ms)
         if status != S_OK:
@@ -474,6 +483,9 @@ class SimBackend:
                 if not is_accessible(a, T):
                     return self._fail(FAILED, f"tensor {i} at 0x{a:x} ({T} bytes) is not readable and "
                                       "writable memory of this process"), -1
+            status = faults.on_register(self)  # in place of the transport registration
+            if status != S_OK:
+                return status, -1
             owners = tuple(getattr(addrs, "owners", ()))
             entry = CacheEntry(cache_id, len(addrs), T, shape[0] & 0xFFFFFFFF,
                                int(cache_desc.placement), addrs, owners)
@@ -623,6 +635,10 @@ class SimBackend:
                 return self._fail(PARAM_INVALID, f"remote batch_index {src_cache_index.batch_index} reads "
                                   f"past the remote tensor; {HARDWARE_UNCHECKED}")
             local_tensors: Sequence[int] = dst_list if dst_list is not None else range(local.n)
+            status = faults.on_transfer(self, "pull_kv_cache", src_cache_index.cluster_id, entity,
+                                        len(local_tensors) * nbytes)
+            if status != S_OK:
+                return status
             return self._run(entity, local, rc, True, local_tensors, remote_tensors,
                              np.array([batch_index * local.S], _I64), np.array([src_off], _I64),
                              np.array([nbytes], _I64))
@@ -684,6 +700,10 @@ class SimBackend:
             if np.any(src_off + length > rc.tensor_nbytes):  # kvdd rule 1
                 return self._fail(PARAM_INVALID, f"a block run reads past the remote tensor; {HARDWARE_UNCHECKED}")
             local_tensors: Sequence[int] = dst_list if dst_list is not None else range(local.n)
+            status = faults.on_transfer(self, "pull_kv_blocks", src_cache_index.cluster_id, entity,
+                                        len(local_tensors) * int(length.sum()))
+            if status != S_OK:
+                return status
             return self._run(entity, local, rc, True, local_tensors, remote_tensors,
                              dst_off, src_off, length)
 
@@ -770,6 +790,10 @@ class SimBackend:
                 if dst_off + local.S > rc.tensor_nbytes:  # kvdd rule 1
                     return self._fail(PARAM_INVALID, f"the {local.S}-byte row would be written past the remote "
                                       f"tensor; {HARDWARE_UNCHECKED}")
+                status = faults.on_transfer(self, "push_kv_cache", dst_cache_index.cluster_id, entity,
+                                            t * local.S, first=(ls, ld) == plan[0])
+                if status != S_OK:
+                    return status
                 status = self._run(entity, local, rc, False, range(ls * t, ls * t + t),
                                    range(ld * t, ld * t + t), np.array([src_batch_index * local.S], _I64),
                                    np.array([dst_off], _I64), np.array([local.S], _I64))
@@ -819,6 +843,10 @@ class SimBackend:
                 if np.any(dst_off + length > rc.tensor_nbytes):  # kvdd rule 1
                     return self._fail(PARAM_INVALID, f"a block run would be written past the remote tensor; "
                                       f"{HARDWARE_UNCHECKED}")
+                status = faults.on_transfer(self, "push_kv_blocks", dst_cache_index.cluster_id, entity,
+                                            t * int(length.sum()), first=(ls, ld) == plan[0])
+                if status != S_OK:
+                    return status
                 status = self._run(entity, local, rc, False, range(ls * t, ls * t + t),
                                    range(ld * t, ld * t + t), src_off, dst_off, length)
                 if status != S_OK:
