@@ -1,0 +1,335 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: embedsignature=True, embedsignature.format=python
+"""One-sided access to another process's memory on this host (Linux ``process_vm_readv`` /
+``process_vm_writev``), for the simulator's same-host cross-process data path.
+
+The peer's Python is not involved: the kernel copies between this process's pages and the peer's.
+The caller (``kvdd.sim.fabric``) holds a lease on the remote cache for the duration (SEMANTICS.md
+§10 rule 5) and passes the remote tensor addresses of the link's snapshot; the local side is
+given as :class:`kvdd._native._copy.Region` objects, so every local byte touched lies in memory
+the simulator validated.  Every run is checked against the local regions and the remote tensor
+size before anything moves.
+
+Both calls need ptrace access to the peer (``PTRACE_MODE_ATTACH_REALCREDS``): same user and, under
+Yama ``ptrace_scope >= 1``, an ancestor relationship or ``PR_SET_PTRACER``.  When that is refused the
+call raises ``PermissionError`` (EPERM) and the fabric falls back to TCP.
+"""
+
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
+from libc.errno cimport EFAULT, EINTR, errno
+from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
+from libc.string cimport strerror
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.types cimport pid_t
+
+from kvdd._native._copy import Region
+
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+    ssize_t process_vm_readv(pid_t pid, const iovec *local_iov, unsigned long liovcnt,
+                             const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
+    ssize_t process_vm_writev(pid_t pid, const iovec *local_iov, unsigned long liovcnt,
+                              const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
+
+#: iovec entries per system call (the kernel's UIO_MAXIOV).
+IOV_MAX = 1024
+#: Default bytes per system call: bounds how late a deadline is noticed.
+DEFAULT_CHUNK = 64 << 20
+
+cdef enum:
+    _IOV_MAX = 1024
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int _gather(object arr, int64_t *out, Py_ssize_t n, str what) except -1:
+    cdef const int64_t[:] v
+    try:
+        v = arr
+    except (TypeError, ValueError):
+        raise TypeError(f"pvm_copy: {what} must be a 1-D int64 array") from None
+    if v.shape[0] != n:
+        raise ValueError(f"pvm_copy: {what} has {v.shape[0]} entries, expected {n}")
+    cdef Py_ssize_t j
+    for j in range(n):
+        out[j] = v[j]
+    return 0
+
+
+cdef struct _Job:
+    pid_t pid
+    bint write
+    Py_ssize_t K
+    Py_ssize_t J
+    const uintptr_t *laddr
+    const uintptr_t *raddr
+    const int64_t *loff
+    const int64_t *roff
+    const int64_t *ln
+    uint64_t chunk
+    int64_t deadline      # CLOCK_MONOTONIC ns, or -1
+    uint64_t done         # bytes moved
+    int err               # errno of the failure, 0 on success
+    bint timed_out
+
+
+cdef void _run(_Job *job) noexcept nogil:
+    cdef iovec liov[_IOV_MAX]
+    cdef iovec riov[_IOV_MAX]
+    cdef Py_ssize_t k = 0, j = 0, n, i
+    cdef int64_t pos = 0, take, left
+    cdef uint64_t batch
+    cdef ssize_t r
+    while k < job.K:
+        # fill one batch: at most _IOV_MAX pairs and `chunk` bytes
+        n = 0
+        batch = 0
+        while k < job.K and n < _IOV_MAX and batch < job.chunk:
+            left = job.ln[j] - pos
+            if left <= 0:
+                pos = 0
+                j += 1
+                if j == job.J:
+                    j = 0
+                    k += 1
+                continue
+            take = left
+            if <uint64_t>take > job.chunk - batch:
+                take = <int64_t>(job.chunk - batch)
+            liov[n].iov_base = <void *>(job.laddr[k] + <uintptr_t>(job.loff[j] + pos))
+            liov[n].iov_len = <size_t>take
+            riov[n].iov_base = <void *>(job.raddr[k] + <uintptr_t>(job.roff[j] + pos))
+            riov[n].iov_len = <size_t>take
+            n += 1
+            batch += <uint64_t>take
+            pos += take
+        if n == 0:
+            break
+        # move the batch, resuming after partial transfers
+        i = 0
+        while i < n:
+            if job.write:
+                r = process_vm_writev(job.pid, &liov[i], <unsigned long>(n - i), &riov[i],
+                                      <unsigned long>(n - i), 0)
+            else:
+                r = process_vm_readv(job.pid, &liov[i], <unsigned long>(n - i), &riov[i],
+                                     <unsigned long>(n - i), 0)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                job.err = errno
+                return
+            if r == 0:
+                job.err = EFAULT  # no progress: the remote range is not mapped
+                return
+            job.done += <uint64_t>r
+            while r > 0 and i < n:
+                if <size_t>r >= liov[i].iov_len:
+                    r -= <ssize_t>liov[i].iov_len
+                    i += 1
+                else:
+                    liov[i].iov_base = <void *>(<uintptr_t>liov[i].iov_base + <uintptr_t>r)
+                    liov[i].iov_len -= <size_t>r
+                    riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>r)
+                    riov[i].iov_len -= <size_t>r
+                    r = 0
+        if job.deadline >= 0 and k < job.K and _now_ns() > job.deadline:
+            job.timed_out = True
+            return
+
+
+def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
+             write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK) -> int:
+    """Copy runs between this process's regions and another process's memory.
+
+    For ``k in range(len(local))``, for ``j in range(len(length))``::
+
+        read  (write=False): local[k] + local_off[j]  <-  remote[k] + remote_off[j], length[j] bytes
+        write (write=True):  local[k] + local_off[j]  ->  remote[k] + remote_off[j], length[j] bytes
+
+    Parameters
+    ----------
+    pid : int
+        The peer process.
+    local : Sequence[Region]
+        This process's side, one region per tensor.
+    remote : Sequence[int]
+        The peer's tensor addresses, one per local region.
+    remote_nbytes : int
+        Size in bytes of every remote tensor; each run must lie inside ``[0, remote_nbytes)``.
+    local_off, remote_off, length : numpy.ndarray
+        1-D int64 arrays of equal length (bytes).
+    write : bool
+        ``process_vm_writev`` when true, ``process_vm_readv`` otherwise.
+    timeout_ms : int, keyword-only
+        Give up (``TimeoutError``) when this many milliseconds have passed, checked between system
+        calls; negative: no limit.
+    chunk : int, keyword-only
+        Bytes per system call (>= 4096).
+
+    Returns
+    -------
+    int
+        Bytes moved (``len(local) * sum(length)``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Mismatched lengths, a run outside a local region or the remote tensor (nothing moved).
+    PermissionError
+        EPERM: the kernel refuses access to the peer (ptrace rules, e.g. Yama).
+    ProcessLookupError
+        ESRCH: the peer process does not exist.
+    OSError
+        EFAULT (a remote range is not mapped, or was unmapped), ENOMEM, ...: ``errno`` set.
+    TimeoutError
+        The deadline passed; the destination holds a prefix of the data.
+    """
+    cdef pid_t cpid = pid
+    if pid <= 0 or cpid != pid:
+        raise ValueError(f"pvm_copy: invalid pid {pid}")
+    cdef tuple loc = tuple(local)
+    cdef tuple rem = tuple(remote)
+    cdef Py_ssize_t K = len(loc), J = len(length), k, j
+    if len(rem) != K:
+        raise ValueError(f"pvm_copy: {K} local regions but {len(rem)} remote addresses")
+    cdef int64_t rn = remote_nbytes
+    if rn < 0:
+        raise ValueError("pvm_copy: remote_nbytes must be >= 0")
+    if chunk < 4096:
+        raise ValueError("pvm_copy: chunk must be >= 4096 bytes")
+    cdef _Job job
+    job.pid = cpid
+    job.write = bool(write)
+    job.K = K
+    job.J = J
+    job.chunk = <uint64_t>chunk
+    job.done = 0
+    job.err = 0
+    job.timed_out = False
+    job.deadline = -1 if timeout_ms < 0 else _now_ns() + <int64_t>timeout_ms * 1000000
+    cdef uintptr_t *addrs = <uintptr_t *>PyMem_RawMalloc(<size_t>(2 * K + 1) * sizeof(uintptr_t))
+    cdef int64_t *runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
+    cdef int64_t lmin = INT64_MAX, n, total = 0
+    cdef uintptr_t a
+    try:
+        if addrs == NULL or runs == NULL:
+            raise MemoryError()
+        for k in range(K):
+            reg = loc[k]
+            if type(reg) is not Region:
+                raise TypeError(f"pvm_copy: local[{k}] is {type(reg).__name__}, not Region")
+            addrs[k] = reg.addr
+            if reg.nbytes < lmin:
+                lmin = reg.nbytes
+            a = rem[k]
+            if a == 0 or a > UINTPTR_MAX - <uintptr_t>rn:
+                raise ValueError(f"pvm_copy: remote[{k}] = {a:#x} is not a valid address")
+            addrs[K + k] = a
+        _gather(local_off, runs, J, "local_off")
+        _gather(remote_off, runs + J, J, "remote_off")
+        _gather(length, runs + 2 * J, J, "length")
+        for j in range(J):
+            n = runs[2 * J + j]
+            if n < 0:
+                raise ValueError(f"pvm_copy: run {j} has negative length {n}")
+            if K and (runs[j] < 0 or n > lmin or runs[j] > lmin - n):
+                raise ValueError(f"pvm_copy: run {j} ({runs[j]}+{n}) is outside the local regions "
+                                 f"({lmin} bytes); nothing was copied")
+            if runs[J + j] < 0 or n > rn or runs[J + j] > rn - n:
+                raise ValueError(f"pvm_copy: run {j} ({runs[J + j]}+{n}) is outside the remote "
+                                 f"tensor ({rn} bytes); nothing was copied")
+            total += n
+        job.laddr = addrs
+        job.raddr = addrs + K
+        job.loff = runs
+        job.roff = runs + J
+        job.ln = runs + 2 * J
+        if total > 0:
+            with nogil:
+                _run(&job)
+    finally:
+        PyMem_RawFree(addrs)
+        PyMem_RawFree(runs)
+    if job.err:
+        raise OSError(job.err, f"{'process_vm_writev' if write else 'process_vm_readv'}(pid {pid}): "
+                      f"{strerror(job.err).decode(errors='replace')} after {job.done} bytes")
+    if job.timed_out:
+        raise TimeoutError(f"pvm_copy: {timeout_ms} ms passed after {job.done} bytes")
+    return job.done
+
+
+def pvm_read_bytes(pid: int, addr: int, nbytes: int) -> bytes:
+    """Read ``nbytes`` (<= 4096) at ``addr`` of process ``pid``: used to probe whether one-sided
+    access to a peer works (it must return the nonce the peer announced).
+
+    Raises OSError (PermissionError, ProcessLookupError, EFAULT) like :func:`pvm_copy`."""
+    if nbytes < 0 or nbytes > 4096:
+        raise ValueError("pvm_read_bytes: nbytes must lie in [0, 4096]")
+    cdef pid_t cpid = pid
+    if pid <= 0 or cpid != pid:
+        raise ValueError(f"pvm_read_bytes: invalid pid {pid}")
+    cdef uintptr_t a = addr
+    cdef char buf[4096]
+    cdef iovec l, r
+    l.iov_base = buf
+    l.iov_len = <size_t>nbytes
+    r.iov_base = <void *>a
+    r.iov_len = <size_t>nbytes
+    cdef ssize_t got
+    cdef int err = 0
+    if nbytes == 0:
+        return b""
+    with nogil:
+        got = process_vm_readv(cpid, &l, 1, &r, 1, 0)
+        if got < 0:
+            err = errno
+    if got < 0:
+        raise OSError(err, f"process_vm_readv(pid {pid}): {strerror(err).decode(errors='replace')}")
+    return buf[:got]
+
+
+def pvm_bench(pid: int, local not None, remote: int, nbytes: int, write: bool) -> int:
+    """One plain ``process_vm_readv`` / ``process_vm_writev`` loop of ``nbytes`` between a local
+    region and a remote address (single iovec each side, GIL released): the raw mechanism the
+    benchmarks compare the fabric against.  Returns the bytes moved; raises OSError on failure."""
+    if type(local) is not Region:
+        raise TypeError("pvm_bench: local must be a Region")
+    if nbytes < 0 or nbytes > local.nbytes:
+        raise ValueError("pvm_bench: nbytes must lie in [0, local.nbytes]")
+    cdef pid_t cpid = pid
+    cdef iovec l, r
+    cdef uintptr_t la = local.addr, ra = remote
+    cdef size_t left = <size_t>nbytes, done = 0
+    cdef ssize_t got = 0
+    cdef int err = 0
+    cdef bint w = bool(write)
+    with nogil:
+        while left > 0:
+            l.iov_base = <void *>(la + done)
+            l.iov_len = left
+            r.iov_base = <void *>(ra + done)
+            r.iov_len = left
+            if w:
+                got = process_vm_writev(cpid, &l, 1, &r, 1, 0)
+            else:
+                got = process_vm_readv(cpid, &l, 1, &r, 1, 0)
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                err = errno
+                break
+            if got == 0:
+                err = EFAULT
+                break
+            done += <size_t>got
+            left -= <size_t>got
+    if err:
+        raise OSError(err, f"pvm_bench(pid {pid}): {strerror(err).decode(errors='replace')}")
+    return done
