@@ -41,11 +41,27 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="which backends are built and usable here, and why not")
     doctor.set_defaults(func=_doctor)
+    from .demo import add_demo_arguments
+
+    demo = sub.add_parser(
+        "demo", help="prefill and decode move a real model's KV cache, verified byte for byte",
+        description="Run a prefill and a decode LLM-DataDist instance (two processes on loopback by "
+                    "default) that move a real model's KV cache with the transfers serving engines use "
+                    "(paged block pull, layer-by-layer pull, batch-row pull, prefix pull, push) and "
+                    "verify every byte. Exit status 0 when everything verified, 1 on any failure.")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_demo)
     return parser
 
 
