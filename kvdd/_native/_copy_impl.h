@@ -1,0 +1,79 @@
+/* Copy kernels of the kvdd simulator (C side of kvdd/_native/_copy.pyx).
+ *
+ * Everything here runs without the GIL and never touches Python objects. The Cython module validates
+ * every run against its regions and snapshots the run arrays before it calls kvdd_job_run(); the C code
+ * trusts a job completely.
+ */
+#ifndef KVDD_COPY_IMPL_H
+#define KVDD_COPY_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Vector implementations, best last. KVDD_ISA_MEMCPY = memcpy/memmove only (no streaming stores). */
+#define KVDD_ISA_MEMCPY 0
+#define KVDD_ISA_SSE2 1
+#define KVDD_ISA_AVX2 2
+#define KVDD_ISA_AVX512 3
+#define KVDD_ISA_COUNT 4
+
+/* Runs shorter than this are always copied with memmove, even in streaming mode. */
+#define KVDD_NT_MIN_RUN 512
+/* In streaming mode the source of the next run is prefetched when that run is at most this long. */
+#define KVDD_PF_MAX_RUN 32768
+
+typedef struct {
+    uintptr_t src;  /* base address of the source region of tensor k */
+    uintptr_t dst;  /* base address of the destination region of tensor k */
+} kvdd_pair;
+
+typedef struct {
+    const kvdd_pair *pairs; /* K pairs */
+    size_t K;
+    const int64_t *soff; /* J source offsets (validated: >= 0, soff + len <= every source region) */
+    const int64_t *doff; /* J destination offsets (validated likewise) */
+    const int64_t *len;  /* J lengths (>= 0) */
+    size_t J;
+    uint64_t per_k;      /* sum(len) */
+    int isa;             /* vector implementation to use (KVDD_ISA_MEMCPY: memmove for every run) */
+    int stream;          /* 1: non-temporal stores for long non-overlapping runs */
+    int threads;         /* 1 or 2 */
+    uint64_t chunk;      /* bytes per work item of the 2-thread path (0: automatic) */
+} kvdd_job;
+
+/* Bit i set: ISA i usable on this CPU (bit KVDD_ISA_MEMCPY always set). */
+unsigned kvdd_isa_mask(void);
+/* Best usable ISA. */
+int kvdd_isa_best(void);
+/* CPU features for diagnostics: the names and values of the flags checked at run time. */
+int kvdd_cpu_feature_count(void);
+const char *kvdd_cpu_feature_name(int i);
+int kvdd_cpu_feature_value(int i);
+
+/* 1 when no byte written by one (k, j) run is read or written by another run of the same job, so the
+ * runs can execute in any order (the condition for the 2-thread path); 0 when that cannot be shown
+ * cheaply (the job then runs in order on one thread). Never reads or writes the regions. */
+int kvdd_job_independent(const kvdd_job *job);
+
+/* Execute the job: for k, for j (in order unless job->threads == 2, which the caller only sets for
+ * independent jobs), memmove semantics per run. Returns the number of bytes copied. When the 2-thread
+ * path cannot start a thread it copies everything on the calling thread. */
+uint64_t kvdd_job_run(const kvdd_job *job);
+
+/* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these. */
+#define KVDD_CHUNK_MIN ((uint64_t)256 << 10)
+#define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
+/* After a 2-thread call stalled, automatic mode uses one thread for this long. */
+#define KVDD_BACKOFF_NS ((int64_t)2000000000)
+
+/* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
+ * stalls (calls after which automatic mode backed off to one thread). */
+void kvdd_thread_stats(uint64_t out[4]);
+/* 0 while automatic mode is backing off after a stall. */
+int kvdd_auto_threads_allowed(void);
+
+/* One contiguous copy with streaming stores of `isa` (memmove when they overlap or for KVDD_ISA_MEMCPY);
+ * sfence after. */
+void kvdd_copy_one(int isa, void *dst, const void *src, size_t n);
+
+#endif
