@@ -1,0 +1,1 @@
+"""Conformance suite: SEMANTICS.md on every available backend."""
