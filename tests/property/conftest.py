@@ -1,0 +1,47 @@
+"""Hypothesis profiles for kvdd's property and stress suites, and the ``slow`` policy.
+
+``KVDD_HYPOTHESIS_PROFILE`` selects the profile:
+
+* ``ci`` (default): few examples, finishes in well under a minute on 2 cores;
+* ``long``: thousands of examples and longer call sequences, for local runs
+  (``KVDD_HYPOTHESIS_PROFILE=long python -m pytest -m slow tests/property tests/stress``).
+
+Tests marked ``slow`` are skipped unless selected with ``-m`` (e.g. ``-m slow``) or the long profile
+is active, so a plain ``pytest`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)  # no "explain"
+settings.register_profile(
+    "ci", max_examples=40, stateful_step_count=30, deadline=None, phases=_PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+settings.register_profile(
+    "long", max_examples=3000, stateful_step_count=80, deadline=None, phases=_PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+PROFILE = os.environ.get("KVDD_HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in ("ci", "long"):
+    raise pytest.UsageError(f"KVDD_HYPOTHESIS_PROFILE={PROFILE!r}: use 'ci' or 'long'")
+settings.load_profile(PROFILE)
+
+
+def _slow_selected(config: pytest.Config) -> bool:
+    markexpr = str(config.getoption("markexpr", "") or "")
+    return "slow" in markexpr or PROFILE == "long"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _slow_selected(config):
+        return
+    here = os.path.dirname(__file__)
+    skip = pytest.mark.skip(reason="slow: run with -m slow or KVDD_HYPOTHESIS_PROFILE=long")
+    for item in items:
+        if "slow" in item.keywords and str(item.path).startswith(here):
+            item.add_marker(skip)
