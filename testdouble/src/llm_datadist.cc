@@ -1,0 +1,672 @@
+// kvdd CI test double: libllm_datadist.so.
+//
+// Written by the kvdd project (not derived from vendor code).  Every llm_datadist::LlmDataDist
+// method converts its C++ arguments back into kvdd value types (kvdd.types) and calls the method
+// of the same name (Backend protocol, API.md) on a kvdd.sim.engine.SimBackend created by the
+// constructor, then converts the result back into the C++ outputs the way upstream fills them:
+//   * the status is returned unchanged;
+//   * per-cluster statuses are APPENDED to the caller's `rets` (never cleared, SEMANTICS.md §7.17);
+//   * RegisterKvCache writes `cache_id` only on success; AllocateCache fills `cache` only on
+//     success.
+// So every field kvdd's binding marshals reaches the simulator, and a marshalling bug fails a
+// conformance test.
+//
+// The library runs inside a Python process (kvdd's extension module links it) and does not link
+// libpython: the Python C API symbols are resolved from the process at load time.  It uses only
+// the stable ABI (Py_LIMITED_API 3.10), so one build works with any CPython >= 3.10.
+//
+// Test-double-only hooks (never present in the real library):
+//   * extern "C" int kvdd_testdouble_listen_port(void *llm_datadist): the port the simulator
+//     actually bound (so `listen_port` can report it when port 0 was asked); -1 when not
+//     listening, -2 on error or unknown instance.
+//   * extern "C" int kvdd_testdouble_cxx11_abi(void): the _GLIBCXX_USE_CXX11_ABI it was built with.
+//   * Instances constructed with one of the kThrow* cluster ids below throw a C++ exception from
+//     every method except the constructor, the destructor and Finalize, so the binding's
+//     exception translation can be tested.
+//   * A Python exception raised by the simulator engine becomes std::runtime_error carrying the
+//     Python exception type and message (an engine bug therefore surfaces as a C++ exception,
+//     which the binding reports as LLMError(LLM_FAILED, message)).
+#define PY_SSIZE_T_CLEAN
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
+#include <Python.h>
+
+#include <cstdint>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "llm_datadist/llm_datadist.h"
+
+namespace llm_datadist {
+namespace {
+
+constexpr uint64_t kThrowRuntimeErrorClusterId = 0xFFFFFFFFFFFFFF00ULL;
+constexpr uint64_t kThrowBadAllocClusterId = 0xFFFFFFFFFFFFFF01ULL;
+constexpr uint64_t kThrowNonStdClusterId = 0xFFFFFFFFFFFFFF02ULL;
+
+// Holds the GIL for its lifetime.  Declare it before any Ref so that it is released last.
+class Gil {
+ public:
+  Gil() : state_(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state_); }
+  Gil(const Gil &) = delete;
+  Gil &operator=(const Gil &) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// An owned (strong) reference.
+class Ref {
+ public:
+  Ref() = default;
+  explicit Ref(PyObject *p) : p_(p) {}
+  ~Ref() { Py_XDECREF(p_); }
+  Ref(const Ref &) = delete;
+  Ref &operator=(const Ref &) = delete;
+  Ref(Ref &&other) noexcept : p_(other.p_) { other.p_ = nullptr; }
+  Ref &operator=(Ref &&other) noexcept {
+    if (this != &other) {
+      Py_XDECREF(p_);
+      p_ = other.p_;
+      other.p_ = nullptr;
+    }
+    return *this;
+  }
+  PyObject *get() const { return p_; }
+  PyObject *release() {
+    PyObject *p = p_;
+    p_ = nullptr;
+    return p;
+  }
+
+ private:
+  PyObject *p_ = nullptr;
+};
+
+std::string PyText(PyObject *obj) {
+  if (obj == nullptr) {
+    return "<null>";
+  }
+  Ref s(PyObject_Str(obj));
+  if (s.get() == nullptr) {
+    PyErr_Clear();
+    return "<unprintable>";
+  }
+  Py_ssize_t size = 0;
+  const char *utf8 = PyUnicode_AsUTF8AndSize(s.get(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    return "<unprintable>";
+  }
+  return std::string(utf8, static_cast<size_t>(size));
+}
+
+// Turns the pending Python exception into a C++ exception.  GIL held.
+[[noreturn]] void ThrowPythonError(const std::string &where) {
+  PyObject *type = nullptr;
+  PyObject *value = nullptr;
+  PyObject *traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  Ref type_ref(type);
+  Ref value_ref(value);
+  Ref tb_ref(traceback);
+  std::string type_name = "<unknown>";
+  if (type != nullptr) {
+    Ref name(PyObject_GetAttrString(type, "__qualname__"));
+    if (name.get() != nullptr) {
+      type_name = PyText(name.get());
+    } else {
+      PyErr_Clear();
+    }
+  }
+  throw std::runtime_error("kvdd test double: Python exception in " + where + ": " + type_name +
+                           ": " + PyText(value));
+}
+
+// Checks a new reference returned by the C API.
+PyObject *Check(PyObject *obj, const std::string &where) {
+  if (obj == nullptr) {
+    ThrowPythonError(where);
+  }
+  return obj;
+}
+
+Ref Int(int64_t v) { return Ref(Check(PyLong_FromLongLong(v), "int conversion")); }
+Ref UInt(uint64_t v) { return Ref(Check(PyLong_FromUnsignedLongLong(v), "int conversion")); }
+
+Ref Str(const AscendString &s) {
+  return Ref(Check(PyUnicode_DecodeUTF8(s.GetString(), static_cast<Py_ssize_t>(s.GetLength()),
+                                        "strict"),
+                   "option string decoding"));
+}
+
+void SetItem(PyObject *dict, const char *key, const Ref &value) {
+  if (PyDict_SetItemString(dict, key, value.get()) != 0) {
+    ThrowPythonError(std::string("building keyword ") + key);
+  }
+}
+
+// Calls `callable(**kwargs)` where kwargs is built by the caller.
+Ref CallKw(PyObject *callable, PyObject *kwargs, const std::string &where) {
+  Ref args(Check(PyTuple_New(0), where));
+  return Ref(Check(PyObject_Call(callable, args.get(), kwargs), where));
+}
+
+template <typename Seq, typename F>
+Ref Tuple(const Seq &seq, F &&convert) {
+  Ref tuple(Check(PyTuple_New(static_cast<Py_ssize_t>(seq.size())), "tuple"));
+  Py_ssize_t i = 0;
+  for (const auto &item : seq) {
+    Ref value = convert(item);
+    if (PyTuple_SetItem(tuple.get(), i++, value.release()) != 0) {  // steals
+      ThrowPythonError("tuple");
+    }
+  }
+  return tuple;
+}
+
+template <typename Seq, typename F>
+Ref List(const Seq &seq, F &&convert) {
+  Ref list(Check(PyList_New(0), "list"));
+  for (const auto &item : seq) {
+    Ref value = convert(item);
+    if (PyList_Append(list.get(), value.get()) != 0) {
+      ThrowPythonError("list");
+    }
+  }
+  return list;
+}
+
+uint64_t AsUInt64(PyObject *obj, const char *what) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    ThrowPythonError(what);
+  }
+  return static_cast<uint64_t>(v);
+}
+
+int64_t AsInt64(PyObject *obj, const char *what) {
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred() != nullptr) {
+    ThrowPythonError(what);
+  }
+  return static_cast<int64_t>(v);
+}
+
+Status AsStatus(PyObject *obj, const std::string &where) {
+  if (!PyLong_Check(obj)) {
+    throw std::runtime_error("kvdd test double: " + where + " returned a non-int status: " +
+                             PyText(obj));
+  }
+  uint64_t v = AsUInt64(obj, "status conversion");
+  if (v > 0xFFFFFFFFULL) {
+    throw std::runtime_error("kvdd test double: " + where + " returned a status wider than 32 bits");
+  }
+  return static_cast<Status>(v);
+}
+
+Ref GetAttr(PyObject *obj, const char *name) {
+  return Ref(Check(PyObject_GetAttrString(obj, name), std::string("reading attribute ") + name));
+}
+
+// Splits the `(status, output)` pair returned by several protocol methods.
+std::pair<Status, Ref> StatusAndOutput(Ref result, const std::string &where) {
+  if (!PyTuple_Check(result.get()) || PyTuple_Size(result.get()) != 2) {
+    throw std::runtime_error("kvdd test double: " + where +
+                             " did not return a (status, output) tuple: " + PyText(result.get()));
+  }
+  PyObject *status = PyTuple_GetItem(result.get(), 0);  // borrowed
+  PyObject *output = PyTuple_GetItem(result.get(), 1);  // borrowed
+  Py_INCREF(output);
+  return {AsStatus(status, where), Ref(output)};
+}
+
+void MaybeThrowInjected(uint64_t cluster_id, const char *method) {
+  switch (cluster_id) {
+    case kThrowRuntimeErrorClusterId:
+      throw std::runtime_error(std::string("kvdd test double: injected C++ exception in ") + method);
+    case kThrowBadAllocClusterId:
+      throw std::bad_alloc();
+    case kThrowNonStdClusterId:
+      throw 42;  // not derived from std::exception
+    default:
+      break;
+  }
+}
+
+// What kvdd_testdouble_listen_port needs from an instance (LlmDataDistImpl is a private nested
+// class of the vendor-shaped LlmDataDist, so the registry below refers to this interface).
+class ListenPortSource {
+ public:
+  virtual ~ListenPortSource() = default;
+  virtual int ListenPort() = 0;
+};
+
+}  // namespace
+
+class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
+ public:
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : cluster_id_(cluster_id) {
+    Gil gil;
+    Ref engine_module(Check(PyImport_ImportModule("kvdd.sim.engine"), "import kvdd.sim.engine"));
+    types_ = Ref(Check(PyImport_ImportModule("kvdd.types"), "import kvdd.types"));
+    Ref cls = GetAttr(engine_module.get(), "SimBackend");
+    Ref cid = UInt(cluster_id);
+    Ref r = Int(static_cast<int32_t>(role));
+    engine_ = Ref(Check(PyObject_CallFunctionObjArgs(cls.get(), cid.get(), r.get(), nullptr),
+                        "SimBackend(cluster_id, role)"));
+  }
+
+  ~LlmDataDistImpl() {
+    if (!Py_IsInitialized()) {
+      // The interpreter is gone: nothing can be released safely; leak the references.
+      (void)engine_.release();
+      (void)types_.release();
+      return;
+    }
+    Gil gil;
+    if (engine_.get() != nullptr) {
+      // Upstream's destructor tears a still-initialized instance down.
+      Ref r(PyObject_CallMethod(engine_.get(), "finalize", nullptr));
+      if (r.get() == nullptr) {
+        PyErr_Clear();
+      }
+    }
+    engine_ = Ref();
+    types_ = Ref();
+  }
+
+  uint64_t cluster_id() const { return cluster_id_; }
+
+  // ---- C++ -> kvdd.types -------------------------------------------------------------------
+
+  Ref Make(const char *type_name, PyObject *kwargs) {
+    Ref cls = GetAttr(types_.get(), type_name);
+    return CallKw(cls.get(), kwargs, std::string("kvdd.types.") + type_name + "(...)");
+  }
+
+  static Ref Options(const std::map<AscendString, AscendString> &options) {
+    Ref dict(Check(PyDict_New(), "dict"));
+    for (const auto &kv : options) {
+      Ref key = Str(kv.first);
+      Ref value = Str(kv.second);
+      if (PyDict_SetItem(dict.get(), key.get(), value.get()) != 0) {
+        ThrowPythonError("options dict");
+      }
+    }
+    return dict;
+  }
+
+  Ref ToPy(const IpInfo &info) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    SetItem(kw.get(), "ip", Str(info.ip));
+    SetItem(kw.get(), "port", UInt(info.port));
+    return Make("IpInfo", kw.get());
+  }
+
+  Ref ToPy(const ClusterInfo &cluster) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    SetItem(kw.get(), "remote_cluster_id", UInt(cluster.remote_cluster_id));
+    SetItem(kw.get(), "remote_role_type", Int(cluster.remote_role_type));
+    SetItem(kw.get(), "local_ip_infos",
+            Tuple(cluster.local_ip_infos, [this](const IpInfo &i) { return ToPy(i); }));
+    SetItem(kw.get(), "remote_ip_infos",
+            Tuple(cluster.remote_ip_infos, [this](const IpInfo &i) { return ToPy(i); }));
+    return Make("ClusterInfo", kw.get());
+  }
+
+  Ref ToPy(const CacheDesc &desc) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    SetItem(kw.get(), "num_tensors", UInt(desc.num_tensors));
+    // ge::DataType has no fixed underlying type; kvdd stores any int32 in it.
+    SetItem(kw.get(), "data_type", Int(static_cast<int32_t>(desc.data_type)));
+    SetItem(kw.get(), "shape", Tuple(desc.shape, [](int64_t d) { return Int(d); }));
+    SetItem(kw.get(), "placement", UInt(static_cast<uint32_t>(desc.placement)));
+    return Make("CacheDesc", kw.get());
+  }
+
+  Ref ToPy(const Cache &cache) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    SetItem(kw.get(), "cache_id", Int(cache.cache_id));
+    SetItem(kw.get(), "tensor_addrs",
+            Tuple(cache.tensor_addrs, [](uintptr_t a) { return UInt(static_cast<uint64_t>(a)); }));
+    SetItem(kw.get(), "cache_desc", ToPy(cache.cache_desc));
+    return Make("Cache", kw.get());
+  }
+
+  Ref ToPy(const CacheIndex &index) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    SetItem(kw.get(), "cluster_id", UInt(index.cluster_id));
+    SetItem(kw.get(), "cache_id", Int(index.cache_id));
+    SetItem(kw.get(), "batch_index", UInt(index.batch_index));
+    return Make("CacheIndex", kw.get());
+  }
+
+  Ref ToPy(const KvCacheExtParam &param) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    Ref src(Check(PyTuple_New(2), "tuple"));
+    Ref dst(Check(PyTuple_New(2), "tuple"));
+    PyTuple_SetItem(src.get(), 0, Int(param.src_layer_range.first).release());
+    PyTuple_SetItem(src.get(), 1, Int(param.src_layer_range.second).release());
+    PyTuple_SetItem(dst.get(), 0, Int(param.dst_layer_range.first).release());
+    PyTuple_SetItem(dst.get(), 1, Int(param.dst_layer_range.second).release());
+    SetItem(kw.get(), "src_layer_range", src);
+    SetItem(kw.get(), "dst_layer_range", dst);
+    SetItem(kw.get(), "tensor_num_per_layer", UInt(param.tensor_num_per_layer));
+    return Make("KvCacheExtParam", kw.get());
+  }
+
+  Ref ToPy(const RegisterCfg &) {
+    Ref kw(Check(PyDict_New(), "dict"));
+    return Make("RegisterCfg", kw.get());
+  }
+
+  static Ref Blocks(const std::vector<uint64_t> &blocks) {
+    return List(blocks, [](uint64_t b) { return UInt(b); });
+  }
+
+  // ---- calls ----------------------------------------------------------------------------------
+
+  // Calls engine.<method>(*args) and returns the result.  GIL held.
+  template <typename... Args>
+  Ref Call(const char *method, const Args &...args) {
+    Ref bound = GetAttr(engine_.get(), method);
+    Ref tuple(Check(PyTuple_Pack(sizeof...(Args), args.get()...),
+                    std::string("arguments of ") + method));
+    return Ref(Check(PyObject_Call(bound.get(), tuple.get(), nullptr),
+                     std::string("kvdd.sim.engine.SimBackend.") + method));
+  }
+
+  Status CallStatus(const char *method, Ref result) {
+    return AsStatus(result.get(), std::string("SimBackend.") + method);
+  }
+
+  Status CallWithRets(const char *method, Ref result, std::vector<Status> &rets) {
+    const std::string where = std::string("SimBackend.") + method;
+    auto out = StatusAndOutput(std::move(result), where);
+    Ref seq(Check(PySequence_List(out.second.get()), where + " per-cluster statuses"));
+    const Py_ssize_t n = PyList_Size(seq.get());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      rets.push_back(AsStatus(PyList_GetItem(seq.get(), i), where));  // appended, never cleared
+    }
+    return out.first;
+  }
+
+  void FillCache(PyObject *py_cache, Cache &cache) {
+    Ref cache_id = GetAttr(py_cache, "cache_id");
+    Ref addrs = GetAttr(py_cache, "tensor_addrs");
+    Ref desc = GetAttr(py_cache, "cache_desc");
+    Ref num_tensors = GetAttr(desc.get(), "num_tensors");
+    Ref data_type = GetAttr(desc.get(), "data_type");
+    Ref shape = GetAttr(desc.get(), "shape");
+    Ref placement = GetAttr(desc.get(), "placement");
+    Cache out;
+    out.cache_id = AsInt64(cache_id.get(), "Cache.cache_id");
+    Ref addr_list(Check(PySequence_List(addrs.get()), "Cache.tensor_addrs"));
+    for (Py_ssize_t i = 0; i < PyList_Size(addr_list.get()); ++i) {
+      out.tensor_addrs.push_back(
+          static_cast<uintptr_t>(AsUInt64(PyList_GetItem(addr_list.get(), i), "tensor address")));
+    }
+    out.cache_desc.num_tensors = static_cast<uint32_t>(AsUInt64(num_tensors.get(), "num_tensors"));
+    out.cache_desc.data_type = static_cast<DataType>(AsInt64(data_type.get(), "data_type"));
+    out.cache_desc.placement = static_cast<CachePlacement>(AsUInt64(placement.get(), "placement"));
+    Ref shape_list(Check(PySequence_List(shape.get()), "CacheDesc.shape"));
+    for (Py_ssize_t i = 0; i < PyList_Size(shape_list.get()); ++i) {
+      out.cache_desc.shape.push_back(AsInt64(PyList_GetItem(shape_list.get(), i), "shape"));
+    }
+    cache = std::move(out);
+  }
+
+  int ListenPort() override {
+    Gil gil;
+    Ref port(PyObject_GetAttrString(engine_.get(), "listen_port"));
+    if (port.get() == nullptr) {
+      PyErr_Clear();
+      return -2;
+    }
+    if (port.get() == Py_None) {
+      return -1;
+    }
+    long v = PyLong_AsLong(port.get());
+    if (v == -1 && PyErr_Occurred() != nullptr) {
+      PyErr_Clear();
+      return -2;
+    }
+    return static_cast<int>(v);
+  }
+
+  Ref &engine() { return engine_; }
+
+ private:
+  uint64_t cluster_id_;
+  Ref types_;
+  Ref engine_;
+};
+
+namespace {
+// Instances alive in this process, for kvdd_testdouble_listen_port (the class layout is the
+// vendor's, so the implementation pointer is private; this registry is the double's own).
+std::mutex g_registry_mutex;
+std::unordered_map<const void *, ListenPortSource *> *g_registry = nullptr;
+}  // namespace
+
+LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role)
+    : impl_(new LlmDataDistImpl(cluster_id, role)) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  if (g_registry == nullptr) {
+    g_registry = new std::unordered_map<const void *, ListenPortSource *>();
+  }
+  (*g_registry)[this] = impl_.get();
+}
+
+LlmDataDist::~LlmDataDist() {
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    if (g_registry != nullptr) {
+      g_registry->erase(this);
+    }
+  }
+  impl_.reset();
+}
+
+Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &options) {
+  MaybeThrowInjected(impl_->cluster_id(), "Initialize");
+  Gil gil;
+  Ref opts = LlmDataDistImpl::Options(options);
+  return impl_->CallStatus("initialize", impl_->Call("initialize", opts));
+}
+
+void LlmDataDist::Finalize() {
+  Gil gil;
+  Ref result = impl_->Call("finalize");
+  (void)result;
+}
+
+Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
+  MaybeThrowInjected(impl_->cluster_id(), "SetRole");
+  Gil gil;
+  Ref r = Int(static_cast<int32_t>(role));
+  Ref opts = LlmDataDistImpl::Options(options);
+  return impl_->CallStatus("set_role", impl_->Call("set_role", r, opts));
+}
+
+Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters,
+                                    std::vector<Status> &rets, int32_t timeout_in_millis) {
+  MaybeThrowInjected(impl_->cluster_id(), "LinkLlmClusters");
+  Gil gil;
+  Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return impl_->ToPy(c); });
+  Ref timeout = Int(timeout_in_millis);
+  return impl_->CallWithRets("link_llm_clusters",
+                             impl_->Call("link_llm_clusters", py_clusters, timeout), rets);
+}
+
+Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters,
+                                      std::vector<Status> &rets, int32_t timeout_in_millis,
+                                      bool force_flag) {
+  MaybeThrowInjected(impl_->cluster_id(), "UnlinkLlmClusters");
+  Gil gil;
+  Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return impl_->ToPy(c); });
+  Ref timeout = Int(timeout_in_millis);
+  Ref force(Check(PyBool_FromLong(force_flag ? 1 : 0), "bool"));
+  return impl_->CallWithRets("unlink_llm_clusters",
+                             impl_->Call("unlink_llm_clusters", py_clusters, timeout, force), rets);
+}
+
+Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
+  MaybeThrowInjected(impl_->cluster_id(), "AllocateCache");
+  Gil gil;
+  Ref desc = impl_->ToPy(cache_desc);
+  auto out = StatusAndOutput(impl_->Call("allocate_cache", desc), "SimBackend.allocate_cache");
+  if (out.first == LLM_SUCCESS && out.second.get() != Py_None) {
+    impl_->FillCache(out.second.get(), cache);
+  }
+  return out.first;
+}
+
+Status LlmDataDist::DeallocateCache(int64_t cache_id) {
+  MaybeThrowInjected(impl_->cluster_id(), "DeallocateCache");
+  Gil gil;
+  Ref id = Int(cache_id);
+  return impl_->CallStatus("deallocate_cache", impl_->Call("deallocate_cache", id));
+}
+
+Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                                uint32_t batch_index, int64_t size,
+                                const KvCacheExtParam &ext_param) {
+  MaybeThrowInjected(impl_->cluster_id(), "PullKvCache");
+  Gil gil;
+  Ref index = impl_->ToPy(src_cache_index);
+  Ref cache = impl_->ToPy(dst_cache);
+  Ref batch = UInt(batch_index);
+  Ref sz = Int(size);
+  Ref ext = impl_->ToPy(ext_param);
+  return impl_->CallStatus("pull_kv_cache",
+                           impl_->Call("pull_kv_cache", index, cache, batch, sz, ext));
+}
+
+Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks,
+                                 const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  MaybeThrowInjected(impl_->cluster_id(), "PullKvBlocks");
+  Gil gil;
+  Ref index = impl_->ToPy(src_cache_index);
+  Ref cache = impl_->ToPy(dst_cache);
+  Ref src = LlmDataDistImpl::Blocks(src_blocks);
+  Ref dst = LlmDataDistImpl::Blocks(dst_blocks);
+  Ref ext = impl_->ToPy(ext_param);
+  return impl_->CallStatus("pull_kv_blocks",
+                           impl_->Call("pull_kv_blocks", index, cache, src, dst, ext));
+}
+
+Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache,
+                                uint32_t src_batch_index, uint32_t dst_batch_index,
+                                uint64_t offset, int64_t size) {
+  MaybeThrowInjected(impl_->cluster_id(), "CopyKvCache");
+  Gil gil;
+  Ref src = impl_->ToPy(src_cache);
+  Ref dst = impl_->ToPy(dst_cache);
+  Ref src_batch = UInt(src_batch_index);
+  Ref dst_batch = UInt(dst_batch_index);
+  Ref off = UInt(offset);
+  Ref sz = Int(size);
+  return impl_->CallStatus(
+      "copy_kv_cache", impl_->Call("copy_kv_cache", src, dst, src_batch, dst_batch, off, sz));
+}
+
+Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks,
+                                 const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
+  MaybeThrowInjected(impl_->cluster_id(), "CopyKvBlocks");
+  Gil gil;
+  Ref src = impl_->ToPy(src_cache);
+  Ref dst = impl_->ToPy(dst_cache);
+  Ref src_b = LlmDataDistImpl::Blocks(src_blocks);
+  Ref dst_list = List(dst_blocks_list, [](const std::vector<uint64_t> &b) { return LlmDataDistImpl::Blocks(b); });
+  return impl_->CallStatus("copy_kv_blocks",
+                           impl_->Call("copy_kv_blocks", src, dst, src_b, dst_list));
+}
+
+Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                                uint32_t src_batch_index, int64_t size,
+                                const KvCacheExtParam &ext_param) {
+  MaybeThrowInjected(impl_->cluster_id(), "PushKvCache");
+  Gil gil;
+  Ref cache = impl_->ToPy(src_cache);
+  Ref index = impl_->ToPy(dst_cache_index);
+  Ref batch = UInt(src_batch_index);
+  Ref sz = Int(size);
+  Ref ext = impl_->ToPy(ext_param);
+  return impl_->CallStatus("push_kv_cache",
+                           impl_->Call("push_kv_cache", cache, index, batch, sz, ext));
+}
+
+Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                                 const std::vector<uint64_t> &src_blocks,
+                                 const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  MaybeThrowInjected(impl_->cluster_id(), "PushKvBlocks");
+  Gil gil;
+  Ref cache = impl_->ToPy(src_cache);
+  Ref index = impl_->ToPy(dst_cache_index);
+  Ref src = LlmDataDistImpl::Blocks(src_blocks);
+  Ref dst = LlmDataDistImpl::Blocks(dst_blocks);
+  Ref ext = impl_->ToPy(ext_param);
+  return impl_->CallStatus("push_kv_blocks",
+                           impl_->Call("push_kv_blocks", cache, index, src, dst, ext));
+}
+
+Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
+                                    const RegisterCfg &cfg, int64_t &cache_id) {
+  MaybeThrowInjected(impl_->cluster_id(), "RegisterKvCache");
+  Gil gil;
+  Ref desc = impl_->ToPy(cache_desc);
+  Ref py_addrs = LlmDataDistImpl::Blocks(addrs);
+  Ref py_cfg = impl_->ToPy(cfg);
+  auto out = StatusAndOutput(impl_->Call("register_kv_cache", desc, py_addrs, py_cfg),
+                             "SimBackend.register_kv_cache");
+  if (out.first == LLM_SUCCESS) {  // the output is written only on success
+    cache_id = AsInt64(out.second.get(), "cache id");
+  }
+  return out.first;
+}
+
+Status LlmDataDist::UnregisterKvCache(int64_t cache_id) {
+  MaybeThrowInjected(impl_->cluster_id(), "UnregisterKvCache");
+  Gil gil;
+  Ref id = Int(cache_id);
+  return impl_->CallStatus("unregister_kv_cache", impl_->Call("unregister_kv_cache", id));
+}
+
+}  // namespace llm_datadist
+
+extern "C" __attribute__((visibility("default"))) int kvdd_testdouble_listen_port(void *dd) {
+  llm_datadist::ListenPortSource *impl = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(llm_datadist::g_registry_mutex);
+    if (llm_datadist::g_registry == nullptr) {
+      return -2;
+    }
+    auto it = llm_datadist::g_registry->find(dd);
+    if (it == llm_datadist::g_registry->end()) {
+      return -2;
+    }
+    impl = it->second;
+  }
+  try {
+    return impl->ListenPort();
+  } catch (...) {
+    return -2;
+  }
+}
+
+extern "C" __attribute__((visibility("default"))) int kvdd_testdouble_cxx11_abi(void) {
+  return _GLIBCXX_USE_CXX11_ABI;
+}
