@@ -709,12 +709,14 @@ class CacheImage:
         view = self.words[i, u]
         exp_run = pattern.expected(start, cnt, self.word)
         got_run = view[off:off + cnt]
-        differing = int(np.count_nonzero(exp_run != got_run)) * self.word.itemsize
-        byte_in_unit = (off + k) * self.word.itemsize
+        differing = int(np.count_nonzero(exp_run.view(np.uint8) != got_run.view(np.uint8)))
+        w = self.word.itemsize
+        first = int(np.argmax(exp_run[k:k + 1].view(np.uint8) != got_run[k:k + 1].view(np.uint8)))
+        byte_in_unit = (off + k) * w + first  # the first differing byte
         token = byte_in_unit // self.token_bytes
         elem = (byte_in_unit % self.token_bytes) // self.geom.itemsize
-        exp_b = exp_run[k:k + 2].tobytes()
-        got_b = got_run[k:k + 2].tobytes()
+        exp_b = exp_run.view(np.uint8)[k * w + first:k * w + first + 8].tobytes()
+        got_b = got_run.view(np.uint8)[k * w + first:k * w + first + 8].tobytes()
         in_target = (self.name, i, u) in targets
         src = self.expect[i][u].source
         if in_target:
@@ -956,12 +958,13 @@ class ReadyInfo:
 
 
 def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None = None,
-                log: Progress | None = None) -> Json:
+                log: Progress | None = None, cancel: threading.Event | None = None) -> Json:
     """The prefill side: listen, register and fill, serve one decode side; return a summary.
 
     ``on_ready`` is called once the caches are registered and both the LLM-DataDist listener and the
-    control channel accept connections.  Raises :class:`DemoError` (or ``LLMError``) on failure,
-    after telling the decode side when it is connected.
+    control channel accept connections; setting ``cancel`` stops waiting for a decode side.  Raises
+    :class:`DemoError` (or ``LLMError``) on failure, after telling the decode side when it is
+    connected.
     """
     log = log or Progress(False, "prefill")
     geom = opts.geometry
@@ -1009,11 +1012,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                 f"{ready.to_json()['control']}; waiting for decode")
             if on_ready is not None:
                 on_ready(ready)
-            server.settimeout(opts.timeout)
-            try:
-                conn, peer_addr = server.accept()
-            except socket.timeout:
-                raise DemoError(f"no decode side connected within {opts.timeout:g} s") from None
+            conn, peer_addr = _accept(server, opts.timeout, cancel)
             server.close()
             server = None
             ctl = Control(conn, "decode", opts.timeout)
@@ -1071,6 +1070,22 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
             server.close()
         if ctl is not None:
             ctl.close()
+
+
+def _accept(server: socket.socket, timeout: float, cancel: threading.Event | None) -> tuple[socket.socket, Any]:
+    deadline = time.monotonic() + timeout
+    server.settimeout(0.2)
+    while True:
+        try:
+            conn, addr = server.accept()
+            conn.settimeout(None)
+            return conn, addr
+        except socket.timeout:
+            pass
+        if cancel is not None and cancel.is_set():
+            raise DemoError("the decode side gave up before connecting")
+        if time.monotonic() >= deadline:
+            raise DemoError(f"no decode side connected within {timeout:g} s")
 
 
 def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],
@@ -1462,6 +1477,8 @@ def _run_decode(opts: DemoOptions, prefill_host: str, locate: Callable[[], Ready
         report.error = exc
     except LLMError as exc:
         report.error = DemoError(f"{type(exc).__name__}: {exc}")
+    except MemoryError:
+        report.error = DemoError("out of memory for the caches; lower --requests or --tokens")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         report.error = DemoError(f"{type(exc).__name__}: {exc}")
     finally:
@@ -1518,9 +1535,11 @@ def _run_threads(opts: DemoOptions) -> DemoReport:
     ready_q: queue.Queue[ReadyInfo | BaseException] = queue.Queue()
     out: dict[str, Any] = {}
 
+    cancel = threading.Event()
+
     def prefill_main() -> None:
         try:
-            out["result"] = run_prefill(opts, ready_q.put, Progress(opts.progress, "prefill"))
+            out["result"] = run_prefill(opts, ready_q.put, Progress(opts.progress, "prefill"), cancel)
         except BaseException as exc:  # reported by the main thread
             out["error"] = exc
             ready_q.put(exc)
@@ -1539,6 +1558,8 @@ def _run_threads(opts: DemoOptions) -> DemoReport:
     thread.start()
     report = _run_decode(opts, _connectable(ReadyInfo(opts.listen, opts.listen)).listen[0], locate,
                          Progress(opts.progress, "decode"), "threads")
+    if report.error is not None:
+        cancel.set()  # the prefill may still wait for a decode that never connected
     thread.join(opts.timeout + 10)
     err = out.get("error")
     _merge_prefill(report, out.get("result"), None if err is None else _describe(err))
@@ -1600,12 +1621,18 @@ def _run_processes(opts: DemoOptions) -> DemoReport:
         prefill_result: Json | None = None
         prefill_error: str | None = None
         if proc.is_alive() or parent.poll(0):
-            kind, payload = recv(time.monotonic() + opts.timeout)
+            # After a decode failure the prefill may wait for a decode that never connected: give
+            # it a moment to report (it checks its source after a `done`), then stop it.
+            grace = opts.timeout if report.error is None else min(opts.timeout, 10.0)
+            kind, payload = recv(time.monotonic() + grace)
             if kind == "result":
                 prefill_result = payload
             elif report.error is None or "prefill" not in report.error.message:
                 prefill_error = str(payload)
-        proc.join(10)
+        proc.join(10 if report.error is None else 1)
+        if proc.is_alive():
+            proc.terminate()  # our child, stuck waiting for a decode side that is gone
+            proc.join(5)
         if proc.exitcode not in (0, None) and prefill_error is None and report.error is None:
             prefill_error = f"the prefill process exited with code {proc.exitcode}"
         _merge_prefill(report, prefill_result, prefill_error)
@@ -1613,8 +1640,6 @@ def _run_processes(opts: DemoOptions) -> DemoReport:
         report.wall_seconds = time.perf_counter() - t0
         return report
     finally:
-        if proc.is_alive():
-            proc.join(5)
         if proc.is_alive():
             proc.terminate()
             proc.join(5)
@@ -1740,8 +1765,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--transfer-backend", choices=("comm", "hixl"), default="comm",
                    help="llm.TransferBackend: comm (HCCL, default, bidirectional links) or hixl "
                         "(one-way links: for the push, decode listens and prefill links to it)")
-    r.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long one side waits for the other (default 60)")
+    r.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="how long one side waits for the other (default 60; 600 for --role prefill, "
+                        "which waits for a decode command to be started)")
     r.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON document (schema kvdd.demo/1)")
@@ -1766,7 +1792,8 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         raise ConfigError("--role decode needs --connect HOST:PORT (the prefill's LLM-DataDist address)")
     if args.in_process and args.role:
         raise ConfigError("--in-process runs both sides; it cannot be combined with --role")
-    if args.timeout <= 0:
+    timeout = args.timeout if args.timeout is not None else (600.0 if args.role == "prefill" else 60.0)
+    if timeout <= 0:
         raise ConfigError("--timeout must be positive")
     if args.control_port is not None and not 0 <= args.control_port <= 65535:
         raise ConfigError("--control-port must be in 0..65535")
@@ -1780,7 +1807,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         raise ConfigError("pass --control-port (the default, the listen port + 1, does not exist)")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
     return DemoOptions(geometry=geom, backend=args.backend, transfer_backend=args.transfer_backend,
-                       seed=args.seed, timeout=args.timeout, listen=listen, control_port=args.control_port,
+                       seed=args.seed, timeout=timeout, listen=listen, control_port=args.control_port,
                        connect=args.connect, decode_listen=decode_listen, progress=progress)
 
 
@@ -1885,10 +1912,14 @@ def _geometry_args(opts: DemoOptions) -> str:
             parts.append(f"--model {geom.model.name}")
     else:
         parts.append(f"--model-config {geom.model.source}")
-    if geom.requests != 4 or geom.tokens != 1024:
+    if (geom.requests, geom.tokens) == (1, 256):
+        parts.append("--quick")
+    elif geom.requests != 4 or geom.tokens != 1024:
         parts.append(f"--requests {geom.requests} --tokens {geom.tokens}")
     if geom.block_size != 128:
         parts.append(f"--block-size {geom.block_size}")
+    if geom.model.source != "built-in" or geom.model.dtype != MODELS.get(geom.model.name, geom.model).dtype:
+        parts.append(f"--dtype {geom.model.dtype}")
     if opts.seed:
         parts.append(f"--seed {opts.seed}")
     if opts.transfer_backend != "comm":
