@@ -81,6 +81,7 @@ from . import (
     CachePlacement,
     ClusterInfo,
     DataType,
+    BackendUnavailableError,
     IpInfo,
     KvCacheExtParam,
     LLMError,
@@ -1479,6 +1480,8 @@ def _run_decode(opts: DemoOptions, prefill_host: str, locate: Callable[[], Ready
         report.error = DemoError(f"{type(exc).__name__}: {exc}")
     except MemoryError:
         report.error = DemoError("out of memory for the caches; lower --requests or --tokens")
+    except BackendUnavailableError as exc:
+        report.error = DemoError(f"backend unavailable: {exc}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         report.error = DemoError(f"{type(exc).__name__}: {exc}")
     finally:
@@ -1754,7 +1757,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run one side only (two commands or two hosts); default: both, as two processes")
     r.add_argument("--listen", type=_address, metavar="HOST:PORT",
                    help="LLM-DataDist listen address: prefill's (default 127.0.0.1:0 = a free port); with "
-                        "--role decode and --transfer-backend hixl, decode's (default its control-socket IP:0)")
+                        "--role decode and --transfer-backend hixl, decode's (default: its IP on the route "
+                        "to the prefill, port 0)")
     r.add_argument("--connect", type=_address, metavar="HOST:PORT",
                    help="--role decode: the prefill's LLM-DataDist address")
     r.add_argument("--control-port", type=int, metavar="PORT",
@@ -1811,6 +1815,17 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
                        connect=args.connect, decode_listen=decode_listen, progress=progress)
 
 
+def _check_backend(backend: str | None) -> None:
+    from .backend import backend_problem, resolve_backend_name
+
+    try:
+        problem = backend_problem(resolve_backend_name(backend))
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from None
+    if problem is not None:
+        raise ConfigError(f"--backend {backend}: {problem}")
+
+
 def _check_memory(opts: DemoOptions, both: bool) -> None:
     geom = opts.geometry
     need = geom.side_bytes("prefill") + geom.side_bytes("decode") if both else geom.side_bytes(
@@ -1835,6 +1850,7 @@ def run_from_args(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     try:
         opts = options_from_args(args)
+        _check_backend(opts.backend_arg)
         _check_memory(opts, args.role is None)
     except ConfigError as exc:
         print(f"kvdd demo: error: {exc}", file=sys.stderr)
@@ -1887,7 +1903,7 @@ def _run_prefill_cli(opts: DemoOptions, as_json: bool, out: IO[str]) -> int:
     try:
         result = run_prefill(opts, ready, Progress(opts.progress, "prefill"))
         error: str | None = None
-    except (DemoError, LLMError, OSError) as exc:
+    except (DemoError, LLMError, OSError, BackendUnavailableError) as exc:
         result = {"role": "prefill"}
         error = exc.message if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
     if as_json:

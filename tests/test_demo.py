@@ -441,6 +441,13 @@ def test_cli_usage_errors(argv: list[str], match: str, capsys: pytest.CaptureFix
     assert match in capsys.readouterr().err
 
 
+def test_cli_unavailable_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    if "native" in kvdd.available_backends():
+        pytest.skip("the native backend is usable here")
+    assert cli_main(["demo", "--quick", "--in-process", "--backend", "native"]) == 2
+    assert "--backend native: the native backend" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli_main(["demo", "--tokens", "0"])
