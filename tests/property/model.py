@@ -360,7 +360,9 @@ class World:
         me.initialized = True
         me.backend = backend
         me.comm_res_text = options.get("llm.LocalCommRes")
-        me.has_comm_res = me.comm_res_text is not None
+        # §3.2 step 8: without llm.LocalCommRes, a listen IP makes Initialize generate the local
+        # comm resource (kept after SetRole stops listening; §3.5 b asks for one only when none)
+        me.has_comm_res = me.comm_res_text is not None or listen is not None
         me.listening = listen is not None
         me.listen_text = listen
         return SUCCESS

@@ -1,0 +1,52 @@
+"""Stress suite: watchdog, time budget, and the ``slow`` policy.
+
+* ``KVDD_STRESS_SECONDS`` — how long each concurrency stress runs (default 3 s; the ``slow``
+  variants use 60 s unless this is set);
+* ``KVDD_HYPOTHESIS_PROFILE=long`` or ``-m slow`` — run the ``slow`` variants (skipped otherwise).
+
+Every stress test runs under :func:`watchdog`: ``faulthandler.dump_traceback_later(..., exit=True)``
+is the hard limit (it prints every thread's stack and ends the process, so a deadlock can never
+hang CI), and the test itself joins its threads with a softer deadline and fails with all stacks
+when they do not finish.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+PROFILE = os.environ.get("KVDD_HYPOTHESIS_PROFILE", "ci")
+
+
+def stress_seconds(slow: bool = False) -> float:
+    raw = os.environ.get("KVDD_STRESS_SECONDS")
+    if raw:
+        return float(raw)
+    return 60.0 if slow else 3.0
+
+
+@pytest.fixture
+def watchdog(request: pytest.FixtureRequest) -> Iterator[float]:
+    """The hard limit in seconds (test budget x 4 + 60); the process dies past it."""
+    slow = request.node.get_closest_marker("slow") is not None
+    hard = stress_seconds(slow) * 4 + 60
+    faulthandler.dump_traceback_later(hard, exit=True, file=sys.stderr)
+    try:
+        yield hard
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    markexpr = str(config.getoption("markexpr", "") or "")
+    if "slow" in markexpr or PROFILE == "long":
+        return
+    here = os.path.dirname(__file__)
+    skip = pytest.mark.skip(reason="slow: run with -m slow or KVDD_HYPOTHESIS_PROFILE=long")
+    for item in items:
+        if "slow" in item.keywords and str(item.path).startswith(here):
+            item.add_marker(skip)
