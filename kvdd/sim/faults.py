@@ -78,6 +78,15 @@ initiator of a link).  Peers in other processes are reached through :data:`ENV_V
 processes inherit: set it before starting them (``faults.env_value()`` renders the active
 injections in that syntax).
 
+An injection made with ``serve=True`` (``serve=1`` in the variable) works on the other side
+instead: the process slows down what it *serves* to peers in other processes — ``delay_ms`` before
+it grants each remote transfer (either data path), ``bandwidth`` on the bytes it sends or receives
+over the TCP data path (the ``process_vm`` path moves bytes without the owner, so only the delay
+applies there).  Its ``peer`` names the serving instance; it cannot filter by ``instance``, fail a
+call or lose a peer, and it never applies to the calls the process performs itself, so the same
+variable in both processes does not slow a link twice.  Its ``count``, ``after`` and
+``probability`` count served transfers and govern the delay only.
+
 Environment variable
 --------------------
 ``KVDD_SIM_FAULTS`` holds injections separated by ``;``; each is a kind list (``,``-separated, or
@@ -86,11 +95,12 @@ Environment variable
     KVDD_SIM_FAULTS='push_kv_blocks:status=LLM_TIMEOUT:count=1;link:status=LLM_LINK_FAILED:probability=0.5:seed=3'
     KVDD_SIM_FAULTS='peer_loss:peer=1:instance=2:after=20'
     KVDD_SIM_FAULTS='transfer:delay_ms=5:bandwidth=100M'
+    KVDD_SIM_FAULTS='pull:bandwidth=1Gi:serve=1'      # in the server's environment
 
 Keys: ``status`` (a status name with or without ``LLM_``, or a number, e.g. ``0x5010B01A``),
 ``count``, ``after``, ``probability`` (or ``p``), ``seed``, ``instance``, ``peer``, ``delay_ms``,
 ``bandwidth`` (bytes/s; suffixes ``k M G`` = 10^3, 10^6, 10^9 and ``Ki Mi Gi`` = 2^10, 2^20,
-2^30).  The variable is read once, when this module is imported (the first time a simulator
+2^30), ``serve`` (``0``/``1``).  The variable is read once, when this module is imported (the first time a simulator
 instance is created); a malformed value raises ``ValueError`` naming the variable.
 """
 
@@ -230,8 +240,10 @@ class Injection:
 
     def __init__(self, kinds: frozenset[str], *, status: int | None, delay_ms: float,
                  bandwidth: float | None, peer_loss: bool, instance: int | None, peer: int | None,
-                 count: int | None, after: int, probability: float, seed: int) -> None:
+                 count: int | None, after: int, probability: float, seed: int,
+                 serve: bool = False) -> None:
         self.kinds = kinds
+        self.serve = serve
         self.status = status
         self.delay_ms = delay_ms
         self.bandwidth = bandwidth
@@ -312,6 +324,8 @@ class Injection:
             items.append(f"probability={self.probability!r}")
         if self.seed:
             items.append(f"seed={self.seed}")
+        if self.serve:
+            items.append("serve=1")
         if self.peer_loss and set(self.kinds) != set(_NETWORK_KINDS):
             items.append("kinds=" + "+".join(k for k in CALL_KINDS if k in self.kinds))
         return ":".join(items)
@@ -364,7 +378,7 @@ def _add(inj: Injection) -> Injection:
 def _make(kinds: str | Iterable[str], *, status: int | str | None = None, delay_ms: float = 0.0,
           bandwidth: float | None = None, peer_loss: bool = False, instance: object = None,
           peer: object = None, count: int | None = None, after: int = 0, probability: float = 1.0,
-          seed: int = 0) -> Injection:
+          seed: int = 0, serve: bool = False) -> Injection:
     ks = _kinds(kinds)
     st = None if status is None else _status(status)
     if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float)):
@@ -393,16 +407,28 @@ def _make(kinds: str | Iterable[str], *, status: int | str | None = None, delay_
         raise TypeError("seed must be an int")
     if st is None and not peer_loss and delay_ms == 0 and bandwidth is None:
         raise ValueError("an injection needs a status, a delay_ms, a bandwidth or peer loss")
+    if not isinstance(serve, bool):
+        raise TypeError("serve must be bool")
+    if serve:
+        if st is not None or peer_loss:
+            raise ValueError("serve=True injections slow down what this process serves; they take "
+                             "delay_ms and bandwidth only (a status is injected by the caller's side)")
+        if instance is not None:
+            raise ValueError("serve=True injections cannot filter by instance (the serving side "
+                             "does not know the caller); use peer= for the serving instance")
+        if not ks & frozenset(TRANSFER_KINDS):
+            raise ValueError("serve=True injections apply to transfer kinds only")
     return Injection(ks, status=st, delay_ms=float(delay_ms),
                      bandwidth=None if bandwidth is None else float(bandwidth), peer_loss=peer_loss,
                      instance=_cluster(instance, "instance"), peer=_cluster(peer, "peer"),
-                     count=count, after=after, probability=float(probability), seed=seed)
+                     count=count, after=after, probability=float(probability), seed=seed,
+                     serve=serve)
 
 
 def inject(kinds: str | Iterable[str], *, status: int | str | None = None, delay_ms: float = 0.0,
            bandwidth: float | None = None, instance: object = None, peer: object = None,
            count: int | None = None, after: int = 0, probability: float = 1.0,
-           seed: int = 0) -> Injection:
+           seed: int = 0, serve: bool = False) -> Injection:
     """Inject a failure, a delay or a bandwidth cap into calls of ``kinds``; active at once.
 
     Parameters
@@ -425,6 +451,10 @@ def inject(kinds: str | Iterable[str], *, status: int | str | None = None, delay
         Let this many matching calls through first.
     probability, seed : float, int
         Fire each eligible call with this probability, drawn from ``random.Random(seed)``.
+    serve : bool
+        Apply on the *serving* side instead: this process slows down what it serves to peers in
+        other processes (``delay_ms`` per transfer, ``bandwidth`` on the TCP data path); ``peer``
+        then names the serving instance (see "Processes" in the module docstring).
 
     Returns
     -------
@@ -438,7 +468,7 @@ def inject(kinds: str | Iterable[str], *, status: int | str | None = None, delay
     """
     return _add(_make(kinds, status=status, delay_ms=delay_ms, bandwidth=bandwidth,
                       instance=instance, peer=peer, count=count, after=after,
-                      probability=probability, seed=seed))
+                      probability=probability, seed=seed, serve=serve))
 
 
 def lose_peer(peer: object = None, *, instance: object = None, after: int = 0,
@@ -519,7 +549,7 @@ def _parse_one(text: str) -> Injection:
             raise ValueError(f"{key} given twice")
         kw[key] = value.strip()
     allowed = {"status", "count", "after", "probability", "seed", "instance", "peer", "delay_ms",
-               "bandwidth", "kinds"}
+               "bandwidth", "kinds", "serve"}
     unknown = set(kw) - allowed
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))}; use {', '.join(sorted(allowed))}")
@@ -532,6 +562,9 @@ def _parse_one(text: str) -> Injection:
         peer = int(kw["peer"], 0) if "peer" in kw else None
         delay_ms = float(kw.get("delay_ms", "0"))
         bandwidth = _number(kw["bandwidth"]) if "bandwidth" in kw else None
+        serve = {"1": True, "true": True, "0": False, "false": False}[kw.get("serve", "0").lower()]
+    except KeyError:
+        raise ValueError("serve must be 0 or 1") from None
     except ValueError as exc:
         raise ValueError(f"bad number: {exc}") from None
     if head == "peer_loss":
@@ -547,7 +580,7 @@ def _parse_one(text: str) -> Injection:
         raise ValueError("kinds= is only for peer_loss; list the kinds before the first ':'")
     return _make(head.split(","), status=kw.get("status"), delay_ms=delay_ms, bandwidth=bandwidth,
                  instance=instance, peer=peer, count=count, after=after, probability=probability,
-                 seed=seed)
+                 seed=seed, serve=serve)
 
 
 def parse(text: str) -> list[Injection]:
@@ -610,7 +643,7 @@ def _decide(kind: str, instance: int, peer: int | None, network: bool) -> _Decis
         return d
     with _lock:
         for inj in _injections:
-            if inj.peer_loss and not network:
+            if inj.serve or (inj.peer_loss and not network):
                 continue
             if not inj._matches(kind, instance, peer) or not inj._fire():
                 continue
@@ -699,3 +732,32 @@ def on_transfer(owner: _Instance, kind: str, peer: int, link: _Link, nbytes: int
 
 
 _load_env()
+
+
+def on_serve(owner: _Instance, what: Literal["lease", "read", "write"], nbytes: int = 0) -> None:
+    """Hook for the fabric's server side: slow down what ``owner`` serves to another process.
+
+    Only ``serve=True`` injections apply, matched by their ``peer`` (= the serving instance; None =
+    any).  ``"lease"`` (once per remote transfer, before anything is granted) pays ``delay_ms`` and
+    counts ``count`` / ``after`` / ``probability``; ``"read"`` / ``"write"`` (TCP data path, before
+    the bytes are gathered or received) pay ``nbytes / bandwidth`` for injections with a pull /
+    push kind.  Sleeping here delays the reply; a caller whose deadline passes gets LLM_TIMEOUT
+    and closes the connection, so nothing is written late."""
+    if not _any or getattr(_tls, "on", False):
+        return
+    me = owner.cluster_id
+    kinds = {"lease": TRANSFER_KINDS, "read": ("pull_kv_cache", "pull_kv_blocks"),
+             "write": ("push_kv_cache", "push_kv_blocks")}[what]
+    spent = 0.0
+    with _lock:
+        for inj in _injections:
+            if not inj.serve or (inj.peer is not None and inj.peer != me):
+                continue
+            if not inj.kinds & frozenset(kinds):
+                continue
+            if what == "lease":
+                if inj.delay_ms and inj._fire():
+                    spent += inj.delay_ms
+            elif inj.bandwidth is not None and nbytes > 0:
+                spent += nbytes / inj.bandwidth * 1000.0
+    _sleep_ms(spent)

@@ -584,3 +584,39 @@ def test_retry_loop_example(pair: Pair) -> None:
     with faults.inject("pull_kv_cache", status=Status.LLM_TIMEOUT):
         with pytest.raises(RuntimeError):
             pull_with_retry(pair.d.dd, cluster(pair.p), idx, dst)
+
+
+# ---- the serving side (cross-process fabric) --------------------------------------------------
+
+
+@dataclass
+class _FakeOwner:
+    cluster_id: int
+    sync_wait_ms: int = 1000
+
+    def _fail(self, status: int, detail: str) -> int:
+        return status
+
+
+def test_serve_injections_apply_only_on_the_serving_side(pair: Pair) -> None:
+    with faults.inject("pull", delay_ms=1, peer=1, serve=True, count=2) as inj:
+        pair.pull()  # the caller's side ignores serve injections
+        assert inj.seen == 0
+        faults.on_serve(_FakeOwner(7), "lease")  # another serving instance: not matched
+        assert inj.seen == 0
+        for _ in range(3):
+            faults.on_serve(_FakeOwner(1), "lease")
+        assert (inj.seen, inj.fired) == (3, 2)
+        faults.on_serve(_FakeOwner(1), "write", 1 << 20)  # a push: no pull kind, nothing to pay
+    assert faults.parse(inj.spec())[0].serve
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"status": "LLM_TIMEOUT"}, {"delay_ms": 1.0, "instance": 2}, {"delay_ms": 1.0, "kinds": "link"},
+])
+def test_serve_injections_take_delays_and_bandwidth_only(kwargs: dict[str, object]) -> None:
+    kinds = kwargs.pop("kinds", "pull")
+    with pytest.raises(ValueError):
+        faults.inject(kinds, serve=True, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="serve"):
+        faults.parse("pull:delay_ms=1:serve=yes")
