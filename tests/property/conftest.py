@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 _PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)  # no "explain"
 settings.register_profile(
-    "ci", max_examples=40, stateful_step_count=30, deadline=None, phases=_PHASES,
+    "ci", max_examples=100, stateful_step_count=40, deadline=None, phases=_PHASES,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 settings.register_profile(
