@@ -379,7 +379,7 @@ cdef class NativeBackend:
     cdef list _orphans       # owners of registrations whose entry may remain (see register)
     cdef bint _initialized
     cdef bint _hixl
-    cdef object _listen      # port parsed from llm.ListenIpInfo, None when not listening
+    cdef int _listen         # port parsed from llm.ListenIpInfo, -1 when not listening
 
     def __cinit__(self, *args, **kwargs):
         self._dd = NULL
@@ -388,7 +388,7 @@ cdef class NativeBackend:
         self._orphans = []
         self._initialized = False
         self._hixl = False
-        self._listen = None
+        self._listen = -1
 
     def __init__(self, cluster_id, role):
         cdef uint64_t cid = _u64(cluster_id, "cluster_id")
@@ -443,27 +443,35 @@ cdef class NativeBackend:
             backend = options.get(_c_text(OPTION_TRANSFER_BACKEND))
             self._hixl = backend == "hixl"
             listen = options.get(_c_text(OPTION_LISTEN_IP_INFO))
-            self._listen = None if listen is None else _listen_port_of(listen)
+            self._listen = -1 if listen is None else _listen_port_of(listen)
         return st
 
     def finalize(self):
-        """``Finalize()``: waits for calls in flight, then drops every kept owner."""
+        """``Finalize()``: waits for calls in flight, then drops the owners kept so far."""
         cdef LlmDataDist* dd = self._get()
+        # Swap the owner tables before the call: a registration that completes after Finalize
+        # (in another thread) lands in the new table and stays alive; one in flight during it is
+        # kept too (until the next unregister/finalize), which is safe.
+        owners, orphans = self._owners, self._orphans
+        self._owners, self._orphans = {}, []
         try:
             with nogil:
                 self._mutex.lock()
                 try:
                     dd.Finalize()
+                    # Still exclusive: no call can observe the old state after Finalize.
+                    self._initialized = False
+                    self._hixl = False
+                    self._listen = -1
                 finally:
                     self._mutex.unlock()
         except Exception as exc:
-            # State unknown: keep the owners (memory safety first).
+            # State unknown: keep every owner (memory safety first).
+            owners.update(self._owners)
+            orphans.extend(self._orphans)
+            self._owners, self._orphans = owners, orphans
             raise _cxx_error("Finalize", exc) from exc
-        self._initialized = False
-        self._hixl = False
-        self._listen = None
-        self._owners.clear()
-        del self._orphans[:]
+        del owners, orphans   # released here, after the library forgot the memory
 
     def set_role(self, role, options):
         """``SetRole(role, options)``: role any int32; options may be empty (SEMANTICS.md §3.4)."""
@@ -485,7 +493,7 @@ cdef class NativeBackend:
             # comm backend: listen info (re)starts listening, its absence stops it.  The HIXL
             # backend never changes its listener (SEMANTICS.md §3.4 step 5).
             listen = None if options is None else options.get(_c_text(OPTION_LISTEN_IP_INFO))
-            self._listen = None if listen is None else _listen_port_of(listen)
+            self._listen = -1 if listen is None else _listen_port_of(listen)
         return st
 
     @property
@@ -497,7 +505,7 @@ cdef class NativeBackend:
         double reports the port it bound; on a real CANN install the binding cannot learn it and
         reports 0 (choose a fixed port there).
         """
-        if self._listen is None:
+        if self._listen < 0:
             return None
         if self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double():
             port = kvdd_td_listen_port(<void*>self._dd)
