@@ -38,7 +38,7 @@ mkdir -p "$dest/include" "$dest/lib64"
 dest="$(cd "$dest" && pwd)"
 cp -R "$here/include/." "$dest/include/"
 
-cxxflags=(-std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror "-D_GLIBCXX_USE_CXX11_ABI=$abi"
+cxxflags=(-std=c++17 -O2 -g -fPIC -Wall -Wextra "-D_GLIBCXX_USE_CXX11_ABI=$abi"
           -I "$dest/include")
 
 "$cxx" "${cxxflags[@]}" -shared "$here/src/ascend_string.cc" \
