@@ -242,6 +242,41 @@ def test_s12_link_retry_count_bounds_accepted(world: World, value: str) -> None:
     _assert_initialized(d)
 
 
+def test_s14_auto_local_comm_res_unknown_device(world: World) -> None:
+    d = world.dut()
+    d.initialize_raw({OPTION_DEVICE_ID: "9", **LISTEN0})
+    assert d.listen_port
+    _assert_initialized(d)
+
+
+@pytest.mark.parametrize("key", ["llm.MemPoolConfig", "llm.HostMemPoolConfig"])
+@pytest.mark.parametrize("value", [
+    "not json", "{}", '{"memory_size": -1}',
+    '{"memory_size": 1048576, "page_shift": 9}', '{"memory_size": 1048576, "page_shift": 31}',
+    '{"memory_size": 4398046511104, "page_shift": 10}',  # (size >> 10) = 2**32 >= UINT32_MAX
+])
+def test_bad_mem_pool_config(world: World, key: str, value: str) -> None:
+    # §3.2 step 9: parsed if present; malformed -> PARAM_INVALID.
+    d = world.dut()
+    with raises(PARAM_INVALID):
+        d.initialize_raw({**DEV, key: value})
+    _assert_uninitialized(d)
+
+
+@pytest.mark.parametrize("value", ['{"memory_size": 1048576}',
+                                   '{"memory_size": 1048576, "page_shift": 10}',
+                                   '{"memory_size": 1048576, "page_shift": 30}'])
+def test_mem_pool_config_accepted(world: World, value: str) -> None:
+    d = world.dut()
+    d.initialize_raw({**DEV, "llm.MemPoolConfig": value})
+    _assert_initialized(d)
+
+
+def test_backend_name(world: World) -> None:
+    d = world.dut()
+    assert d.backend_name == world.backend
+
+
 def test_ignored_options_on_comm(world: World) -> None:
     # §3.2: EnableSwitchRole and BufPoolCfg ignored; GlobalResourceConfig ignored on comm.
     d = world.dut()

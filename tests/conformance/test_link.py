@@ -75,6 +75,13 @@ def test_s28_link_refused_is_link_failed_at_once(world: World, transfer: str) ->
     assert time.monotonic() - start < 30
 
 
+def test_link_to_port_0_is_link_failed(world: World, transfer: str) -> None:
+    d = world.dut()
+    d.initialize(transfer=transfer)
+    with raises(LINK_FAILED, rets=[LF]):
+        d.link(0, 1)
+
+
 def test_s29_link_twice_already_link(world: World, transfer: str) -> None:
     d, p = pair(world, transfer)
     ph, dh = p.register(), d.register()
@@ -364,3 +371,14 @@ def test_no_cluster_count_limit(world: World, transfer: str) -> None:
     rets = d.link_clusters([cluster(_port(q), q.cluster_id) for q in peers])
     assert rets == [S] * 17
     assert d.unlink_clusters([cluster(_port(q), q.cluster_id) for q in peers]) == [S] * 17
+
+
+def test_remote_role_type_ignored(world: World, transfer: str) -> None:
+    # §7.31: ClusterInfo.remote_role_type is ignored.
+    d, p = pair(world, transfer)
+    ph, dh = p.register(), d.register()
+    c = ClusterInfo(remote_cluster_id=1, remote_role_type=-7,
+                    remote_ip_infos=(IpInfo(LOCALHOST, _port(p)),),
+                    local_ip_infos=(IpInfo(LOCALHOST, 0),))
+    assert d.link_clusters([c]) == [S]
+    _linked(world, d, ph, dh)

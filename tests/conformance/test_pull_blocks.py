@@ -126,7 +126,8 @@ def test_quirk_block_size_is_local_stride(world: World, transfer: str) -> None:
     pull_blocks_checked(world, d, ph, dh, [4, 5, 6, 7], [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("src,dst", [([8], [0]), ([7, 8], [0, 1]), ([2**63], [0])])
+@pytest.mark.parametrize("src,dst", [([8], [0]), ([7, 8], [0, 1]), ([2**63], [0]),
+                                     ([2**64 - 1], [0]), ([0, 2**64 - 1], [0, 1])])
 def test_src_block_past_remote_tensor(world: World, src: list[int], dst: list[int]) -> None:
     # first src index >= ceil(R.T/L.S) = 8 (step 11); a run that starts in range but ends past R.T
     # (accepted upstream, kvdd rule 1).

@@ -89,7 +89,7 @@ def test_s49_not_linked(world: World, transfer: str) -> None:
         d.pull_kv_cache(ph.index(cluster_id=77), dh.cache())
 
 
-@pytest.mark.parametrize("remote_id", [99, 2, 0, -1, -(2**63)])
+@pytest.mark.parametrize("remote_id", [99, 2, 0, -1, -(2**63), 2**63 - 1])
 def test_s50_unknown_remote_cache(world: World, transfer: str, remote_id: int) -> None:
     d, p, dh, ph = linked(world, transfer)
     with world.rejects(KV_CACHE_NOT_EXIST):

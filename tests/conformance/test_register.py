@@ -128,6 +128,13 @@ def test_s24_same_addresses_twice(world: World) -> None:
     assert (h1.cache_id, h2.cache_id) == (1, 2)
 
 
+def test_no_address_count_limit(world: World) -> None:
+    # §3.7 / §7.25: the docs' "<= 240 addresses" is not enforced.
+    d = world.dut()
+    d.initialize()
+    assert d.register(num_tensors=241, shape=(2, 2)).cache_id == 1
+
+
 @pytest.mark.parametrize("cache_id", [0, -1, 99, 2**63 - 1])
 def test_s25_unregister_unknown_succeeds(world: World, cache_id: int) -> None:
     d = world.dut()
@@ -210,7 +217,7 @@ def test_register_order_addr_checks_before_id(world: World) -> None:
 # -- kvdd rule 4: memory that is not readable and writable (§10.4) ---------------------------------
 
 
-@pytest.mark.parametrize("bad", [8, 0x10, 4096])
+@pytest.mark.parametrize("bad", [8, 0x10, 4096, 2**63, 2**64 - 64, 2**64 - 1])
 def test_rule4_unmapped_address_is_llm_failed_and_consumes_an_id(world: World, bad: int) -> None:
     d = world.dut()
     d.initialize()
