@@ -8,10 +8,11 @@ the Regions' bounds, so no byte outside a registered tensor is touched (SEMANTIC
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 from .._native._copy import Region, copy_runs
 
-__all__ = ["Region", "copy_runs", "is_accessible"]
+__all__ = ["Region", "copy_runs", "is_accessible", "first_inaccessible"]
 
 def _read_rw_spans() -> tuple[list[int], list[int]]:
     # /proc/self/maps as sorted, merged [start, end) spans of readable+writable memory.
@@ -32,18 +33,33 @@ def _read_rw_spans() -> tuple[list[int], list[int]]:
     return starts, ends
 
 
-def is_accessible(addr: int, nbytes: int) -> bool:
-    """True when ``[addr, addr + nbytes)`` is readable and writable memory of this process.
+def first_inaccessible(addrs: Sequence[int], nbytes: int) -> int:
+    """Index of the first ``[addr, addr + nbytes)`` in ``addrs`` that is not readable and writable
+    memory of this process, or -1 when all are.
 
-    Used at registration (SEMANTICS.md §10 rule 4): reads ``/proc/self/maps`` afresh each time
-    (about a hundred microseconds), so memory unmapped since an earlier check is never accepted.
-    On systems without ``/proc`` every non-null range is accepted.
+    Used at registration (SEMANTICS.md §10 rule 4): ``/proc/self/maps`` is read afresh once per
+    call (about a hundred microseconds), so memory unmapped since an earlier check is never
+    accepted; each distinct address is checked once.  On systems without ``/proc`` every non-null
+    range is accepted.
     """
-    if nbytes <= 0 or addr <= 0 or addr + nbytes > 2**64:
-        return False
     try:
         starts, ends = _read_rw_spans()
     except OSError:
-        return True
-    i = bisect.bisect_right(starts, addr) - 1
-    return i >= 0 and ends[i] >= addr + nbytes
+        starts = ends = None
+    seen: set[int] = set()
+    for i, addr in enumerate(addrs):
+        if addr in seen:
+            continue
+        if nbytes <= 0 or addr <= 0 or addr + nbytes > 2**64:
+            return i
+        if starts is not None and ends is not None:
+            j = bisect.bisect_right(starts, addr) - 1
+            if j < 0 or ends[j] < addr + nbytes:
+                return i
+        seen.add(addr)
+    return -1
+
+
+def is_accessible(addr: int, nbytes: int) -> bool:
+    """True when ``[addr, addr + nbytes)`` is readable and writable memory of this process."""
+    return first_inaccessible((addr,), nbytes) == -1
