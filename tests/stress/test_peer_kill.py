@@ -81,9 +81,13 @@ class Child:
                 self.kill()
 
 
-def spawn(cid: int, seed: int) -> Child:
+def spawn(cid: int, seed: int, faults_env: str | None = None) -> Child:
+    env = dict(os.environ)
+    env.pop("KVDD_SIM_FAULTS", None)
+    if faults_env is not None:
+        env["KVDD_SIM_FAULTS"] = faults_env
     proc = subprocess.Popen([sys.executable, CHILD, str(cid), str(N), str(ROWS), str(ROW), str(seed)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
     reader.start()
@@ -264,3 +268,34 @@ def test_peer_killed_mid_transfer(xproc: None, watchdog: float, monkeypatch: pyt
 @pytest.mark.slow
 def test_peer_killed_mid_transfer_long(xproc: None, watchdog: float, monkeypatch: pytest.MonkeyPatch) -> None:
     print(kill_rounds(40 if PROFILE == "long" else 20, 2, monkeypatch))
+
+
+def test_serving_side_faults_reach_other_processes(xproc: None, watchdog: float) -> None:
+    """A peer process started with ``KVDD_SIM_FAULTS='...:serve=1'`` serves slowly: a caller whose
+    llm.SyncKvCacheWaitTime is shorter than the injected delay times out (and its link is broken,
+    §10 rule 8); a patient caller gets exact bytes.  Nothing is injected into the caller."""
+    child = spawn(60, 60, "transfer:delay_ms=400:serve=1")
+    callers = []
+    try:
+        for cid, wait in ((61, "100"), (62, "10000")):
+            dd = kvdd.LlmDataDist(cid, kvdd.LlmRole.DECODER, backend="sim")
+            callers.append(dd)
+            dd.initialize({kvdd.OPTION_DEVICE_ID: "0", kvdd.OPTION_SYNC_CACHE_WAIT_TIME: wait})
+        mems = [[np.zeros(T, np.uint8) for _ in range(N)] for _ in callers]
+        ids = [dd.register_kv_cache(DESC, kvdd.tensor_addrs(m)) for dd, m in zip(callers, mems)]
+        for dd in callers:
+            dd.link_llm_clusters([child.cluster()])
+        hasty, patient = callers
+        idx = CacheIndex(60, child.src_id, 2)
+        assert status_of(lambda: hasty.pull_kv_cache(idx, Cache(cache_id=ids[0]), 2)) == Status.LLM_TIMEOUT
+        assert all(not m.any() for m in mems[0])
+        assert status_of(lambda: hasty.pull_kv_cache(idx, Cache(cache_id=ids[0]), 2)) == Status.LLM_TIMEOUT
+        patient.pull_kv_cache(idx, Cache(cache_id=ids[1]), 2)
+        want = pattern(60)
+        for got, w in zip(mems[1], want):
+            assert np.array_equal(got[2 * ROW:3 * ROW], w[2 * ROW:3 * ROW])
+            assert not got[:2 * ROW].any() and not got[3 * ROW:].any()
+    finally:
+        for dd in callers:
+            dd.finalize()
+        child.close()
