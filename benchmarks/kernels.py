@@ -12,8 +12,10 @@ buffers, measured interleaved in the same run. Also reports the per-call overhea
 
 Columns: ``ratio`` = memcpy time / copy_runs time (min over repeats; >1 is faster than memcpy),
 ``ratio_median`` the same from medians, ``ratio_stream`` against one contiguous streaming copy
-(``stream_bench``), ``path`` = what copy_runs actually did (``S`` streaming / ``R`` regular stores,
-then the thread count).
+(``stream_bench``), ``path`` = what copy_runs planned (``S`` streaming / ``R`` regular stores, then
+the thread count; with threads=0 the plan is taken once, automatic mode may change it per call).
+The header line reports how busy the machine was with other work while measuring: on a shared
+2-core machine only runs with ~0% other load are comparable.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--totals", help="total sizes in MiB, comma separated (default 1,4,16,64,256)")
     ap.add_argument("--runs", help="run sizes in KiB, comma separated (default 16,64,128,256)")
-    ap.add_argument("--threads", default="1,2", help="thread counts to measure (default 1,2)")
+    ap.add_argument("--threads", default="1,2",
+                    help="threads= values to measure: 1, 2, and 0 = automatic (default 1,2)")
     ap.add_argument("--modes", default="auto", help=f"streaming modes among {','.join(MODES)} (default auto)")
     ap.add_argument("--repeats", type=int, help="repeats per measurement (default: by size)")
     ap.add_argument("--isa", help=f"streaming implementation (default best of {_copy.available_isas()})")

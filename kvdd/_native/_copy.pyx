@@ -22,33 +22,44 @@ How a call is executed
   independent (no run writes bytes another run reads or writes: checked in O(K log K + J)); otherwise
   runs execute in order on the calling thread. The helper is a detached pthread created per call and
   pinned away from the caller's CPU; both threads claim work items from a shared counter, so a helper
-  that starts late only does less. If the helper stalls the call (descheduled mid-item: waited > 1 ms
-  and > 1/4 of the caller's own work) automatic mode stays on one thread for 2 s.
+  that starts late only does less. What made 2-thread copies stall on this shared 2-CPU machine is a
+  helper descheduled in the middle of an item (the caller must wait for it: its writes cannot be
+  abandoned). So automatic mode also requires a free CPU right now (runnable tasks in /proc/loadavg)
+  and, after a stall (waited > 1 ms and > 1/4 of the caller's own work), stays on one thread for 2 s.
 
-Measurements (``python -m benchmarks.kernels``; 2-core AMD EPYC Zen 4 KVM guest, L2 2 MiB per core,
-L3 32 MiB, AVX-512; random distinct block offsets, one tensor; ratio = best plain memcpy time of the
-same bytes / copy_runs time, both min over interleaved repeats in the same run; >1 = faster than memcpy;
-glibc memcpy itself reaches ~28 GB/s in cache, ~21-25 GB/s at 16 MiB, 12-14 GB/s at 64-256 MiB where
-its regular stores read every destination line first; one contiguous streaming copy reaches ~21 GB/s):
+Measurements (``python -m benchmarks.kernels --threads 1,2,0``; 2-core AMD EPYC Zen 4 KVM guest, L2
+2 MiB per core, L3 32 MiB, AVX-512; other load while measuring 2%; one tensor, runs at random distinct
+block offsets; ratio = time of the best plain memcpy of the same bytes, contiguous, between the same
+buffers / copy_runs time, min over interleaved repeats in the same run; >1 = faster than memcpy):
 
-=========  ==============================  ==============================  ==========================
-total      path (auto, 1 thread)           1 thread: 16 / 64 / 256 KiB runs  2 threads: 16 / 64 / 256 KiB
-=========  ==============================  ==============================  ==========================
-256 KiB    regular                         0.90 / 0.94 / 0.96              (not used: 0.6-0.8)
-1 MiB      regular                         0.70 / 0.91 / 0.90              (not used: 0.87-1.0)
-4 MiB      streaming                       1.07 / 1.03 / 1.02              (not used: 0.92-0.97)
-16 MiB     streaming                       1.06 / 1.16 / 1.21              1.18 / 1.22 / 1.23
-64 MiB     streaming (+2 threads auto)     1.15 / 1.19 / 1.37              1.5-2.1 / 1.7-1.9 / 1.6-2.4
-=========  ==============================  ==============================  ==========================
+=======  ====================  ===========================  ===========================
+total    automatic path        1 thread: runs of 16 / 64 /  2 threads (threads=2):
+                               128 / 256 KiB                16 / 64 / 128 / 256 KiB
+=======  ====================  ===========================  ===========================
+1 MiB    regular, 1 thread     0.69 / 0.86 / 1.20 / 1.19    0.64 / 0.66 / 0.80 / 0.77
+4 MiB    streaming, 1 thread   1.07 / 1.09 / 1.08 / 1.08    0.94 / 0.96 / 0.94 / 0.94
+16 MiB   streaming, 1 thread   0.97 / 1.04 / 1.06 / 1.08    1.52 / 1.41 / 1.02 / 1.04
+64 MiB   streaming, 2 threads  0.87 / 1.13 / 1.42 / 1.33    1.41 / 1.55 / 2.38 / 1.81
+256 MiB  streaming, 2 threads  0.99 / 1.20 / 1.31 / 1.38    1.83 / 2.14 / 1.74 / 1.76
+=======  ====================  ===========================  ===========================
 
-(preliminary, from quiet periods of a shared machine; see benchmarks/kernels.py for the full table.)
-Streaming vs regular stores crossed over between 1 and 4 MiB (regular 0.80-0.91 at 4 MiB, streaming
-1.02-1.07), hence 2 MiB. Two threads gain only at DRAM scale (>= 16-32 MiB), and on this shared
-machine the 2-thread medians were often no better than one thread (the helper descheduled), hence
-32 MiB and the back-off.
+The limit (glibc memcpy) ran at 32-38 GB/s at 1 MiB, 26 GB/s at 4-16 MiB, 13.5-17 GB/s at 64-256 MiB
+(regular stores read every destination line first); one contiguous streaming copy (``stream_bench``)
+reached 22 GB/s at 256 MiB, so one thread of random 16 KiB runs reaches 0.64 of that, 256 KiB runs
+0.91, and two threads 1.15-1.40 (25-31 GB/s).
 
-Per-call overhead of a 64-byte copy (one tensor, one run): 0.25-0.35 us median (an empty call into
-the extension: 0.11 us).
+Thresholds: streaming from 2 MiB because regular stores lost from 4 MiB on (regular 0.74-0.91 at
+4 MiB in an earlier sweep, streaming 1.02-1.09) while at 1 MiB regular stores keep the destination in
+cache for its reader and are as fast or faster for runs >= 128 KiB (streaming: 0.84-0.93 at 1 MiB).
+Two threads from 32 MiB because below it they lose (thread start ~15-20 us, in-cache data crossing
+cores) or gain only in the best repeats: at 16 MiB the 2-thread medians were 1.06-1.13, within the
+1-thread spread, and on this shared machine they stalled whenever the other CPU was busy.
+The regular-store vector loop with next-run prefetch took random 16 KiB runs from 0.51 to 0.70x at
+1 MiB and 0.53 to 0.79x at 4 MiB; the source prefetch of the streaming loop took them from 11.2 to
+14 GB/s at 256 MiB. Prefetching runs longer than 32 KiB, or into L1, measured slower.
+
+Per-call overhead of a 64-byte copy (one tensor, one run): 0.245 us median (0.24 us min; an empty
+call into the extension costs 0.08 us).
 """
 
 cimport cython
@@ -380,9 +391,10 @@ def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
         1-D int64 or uint64 arrays of equal length: byte offsets into each source / destination
         region and run lengths in bytes. Zero-length runs copy nothing.
     threads : int, keyword-only
-        0: automatic (two threads only from ``get_threads_threshold()`` bytes); 1: the calling thread
-        only; 2: two threads when the runs are independent (no run writes bytes another run reads or
-        writes); otherwise, and whenever a second thread cannot start, the calling thread only.
+        0: automatic (two threads from ``get_threads_threshold()`` bytes, when a CPU is free and no
+        recent 2-thread call stalled); 1: the calling thread only; 2: two threads. Two threads only
+        run independent runs (no run writes bytes another run reads or writes); otherwise, and
+        whenever a second thread cannot start, everything runs in order on the calling thread.
 
     Returns
     -------

@@ -7,13 +7,14 @@
 #define _GNU_SOURCE
 #include "_copy_impl.h"
 
-#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* KVDD_NO_SIMD: build the portable path only (memcpy/memmove), e.g. to test it on x86-64. */
 #if (defined(__x86_64__) || defined(__amd64__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVDD_NO_SIMD)
@@ -32,6 +33,7 @@ static const char *const feature_names[] = {"x86_64", "sse2", "avx2", "avx512f",
 static int features[N_FEATURES];
 static unsigned isa_mask;
 static int isa_best;
+static long online_cpus; /* read once: sysconf reads a file in glibc */
 static pthread_once_t features_once = PTHREAD_ONCE_INIT;
 
 #if KVDD_X86
@@ -46,6 +48,7 @@ static int cpuid_leaf7_bit(int reg, int bit) {
 #endif
 
 static void detect_features(void) {
+    online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
 #if KVDD_X86
     __builtin_cpu_init();
     features[0] = 1;
@@ -418,8 +421,39 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* Runnable tasks on the machine other than the caller, from /proc/loadavg ("0.5 0.4 0.3 R/T pid");
+ * -1 when unknown. About 10 us; read only for jobs of tens of MiB. */
+static int other_runnable(void) {
+#if defined(__linux__)
+    char buf[128];
+    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    const char *p = buf;
+    for (int field = 0; field < 3; field++) { /* skip the three load averages */
+        while (*p && *p != ' ') p++;
+        while (*p == ' ') p++;
+    }
+    char *end;
+    long running = strtol(p, &end, 10);
+    if (end == p || *end != '/') return -1;
+    return running > 0 ? (int)(running - 1) : 0;
+#else
+    return -1;
+#endif
+}
+
 int kvdd_auto_threads_allowed(void) {
-    return now_ns() >= atomic_load_explicit(&backoff_until_ns, memory_order_relaxed);
+    if (now_ns() < atomic_load_explicit(&backoff_until_ns, memory_order_relaxed)) return 0;
+    /* A helper only helps if a CPU is free right now: on a busy machine it would be queued or
+     * descheduled mid-item, and the caller would wait for it. */
+    pthread_once(&features_once, detect_features);
+    long cpus = online_cpus;
+    int others = other_runnable();
+    return cpus < 2 || others < 0 || others < cpus - 1;
 }
 
 static void *helper_main(void *arg) {

@@ -69,7 +69,8 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 /* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
  * stalls (calls after which automatic mode backed off to one thread). */
 void kvdd_thread_stats(uint64_t out[4]);
-/* 0 while automatic mode is backing off after a stall. */
+/* 0 while automatic mode is backing off after a stall, or when no CPU is free for a helper right now
+ * (runnable tasks other than the caller >= CPUs - 1, from /proc/loadavg on Linux). */
 int kvdd_auto_threads_allowed(void);
 
 /* One contiguous copy with streaming stores of `isa` (memmove when they overlap or for KVDD_ISA_MEMCPY);
