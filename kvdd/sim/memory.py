@@ -42,19 +42,20 @@ def first_inaccessible(addrs: Sequence[int], nbytes: int) -> int:
     accepted; each distinct address is checked once.  On systems without ``/proc`` every non-null
     range is accepted.
     """
+    spans: tuple[list[int], list[int]] | None
     try:
-        starts, ends = _read_rw_spans()
+        spans = _read_rw_spans()
     except OSError:
-        starts = ends = None
+        spans = None
     seen: set[int] = set()
     for i, addr in enumerate(addrs):
         if addr in seen:
             continue
         if nbytes <= 0 or addr <= 0 or addr + nbytes > 2**64:
             return i
-        if starts is not None and ends is not None:
-            j = bisect.bisect_right(starts, addr) - 1
-            if j < 0 or ends[j] < addr + nbytes:
+        if spans is not None:
+            j = bisect.bisect_right(spans[0], addr) - 1
+            if j < 0 or spans[1][j] < addr + nbytes:
                 return i
         seen.add(addr)
     return -1
