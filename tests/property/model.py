@@ -16,7 +16,7 @@ commented (``ORDER:``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -723,8 +723,9 @@ class World:
         return SUCCESS
 
     # -- §3.12 / §3.13 -------------------------------------------------------------------------
-    def _push_plan(self, src_cache: CacheLike, ext: ExtLike) -> int | list[tuple[int, int]]:
-        """Steps 4-6 of §3.12 (7 of §3.13): PARAM_INVALID or the layer plan."""
+    def _push_plan(self, src_cache: CacheLike, ext: ExtLike) -> int | Iterator[tuple[int, int]]:
+        """Steps 4-6 of §3.12 (7 of §3.13): PARAM_INVALID or the layer plan (lazy: a plan may
+        name 2**32 layers, and the loop stops at the first layer that fails)."""
         if not self._ext_ok(ext, True):
             return PARAM_INVALID
         t = ext.tensor_num_per_layer
@@ -733,11 +734,11 @@ class World:
         if s0 < 0 and not (s0 == -1 and u > 0):
             return PARAM_INVALID
         if s0 >= 0 and s0 == s1:
-            return [(s0, d0)]
+            return iter([(s0, d0)])
         if s0 == -1:
             m = 0 if u < t else (u // t - 1 if u % t == 0 else u // t)
-            return [(layer, layer) for layer in range(m + 1)]
-        return [(layer, d0 + (layer - s0)) for layer in range(s0, s1 + 1)]
+            return ((layer, layer) for layer in range(m + 1))
+        return ((layer, d0 + (layer - s0)) for layer in range(s0, s1 + 1))
 
     def _push_layer(self, me: Instance, src_cache: CacheLike, idx: IndexLike, t: int, ld: int
                     ) -> tuple[int, Registration | None, Entity | None, Registration | None]:
