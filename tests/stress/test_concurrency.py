@@ -37,6 +37,7 @@ import pytest
 
 import kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LLMError, Status
+from kvdd.sim import faults
 
 from .conftest import stress_seconds
 
@@ -87,9 +88,13 @@ class Inst:
 
 
 class Stress:
-    def __init__(self, workers: int, seconds: float, seed: int) -> None:
+    def __init__(self, workers: int, seconds: float, seed: int, faulty: bool = False) -> None:
         self.seconds = seconds
         self.seed = seed
+        # with faults: injected transfer timeouts (the link then stays broken until the worker
+        # relinks it), failed links and unlinks, all seeded; they move no bytes
+        self.faulty = faulty
+        self.extra: tuple[int, ...] = (TIMEOUT,) if faulty else ()
         self.errors: list[str] = []
         self.counts: Counter[str] = Counter()
         self.counts_lock = threading.Lock()
@@ -181,8 +186,10 @@ class Stress:
         what = f"pull{'_blocks' if blocks else ''}({me.cid}<-{peer_id})"
         # the phoenix may be gone (stale entity: its caches are not found) or not linked yet
         allowed = (OK, NOT_YET_LINK) if peer_id != PHOENIX else (OK, NOT_YET_LINK, NOT_EXIST)
-        if not self.allow(what, st, allowed):
+        if not self.allow(what, st, allowed + self.extra):
             return
+        if st == TIMEOUT:
+            self.relink(me.cid, peer_id)
         expect = [b.copy() for b in before]
         if st == OK:
             for e, s in zip(expect, src.mem):
@@ -217,8 +224,10 @@ class Stress:
             bs, bd = pairs[0]
             st = status_of(lambda: me.dd.push_kv_cache(c, CacheIndex(peer_id, dst.cache_id, bd), bs))
         what = f"push{'_blocks' if blocks else ''}({me.cid}->{peer_id})"
-        if not self.allow(what, st, (OK, NOT_YET_LINK)):
+        if not self.allow(what, st, (OK, NOT_YET_LINK) + self.extra):
             return
+        if st == TIMEOUT:
+            self.relink(me.cid, peer_id)
         for k, (got, b, s) in enumerate(zip(dst.mem, before, src.mem)):
             want = b.copy()
             if st == OK:
@@ -240,7 +249,9 @@ class Stress:
         st = status_of(lambda: me.dd.push_kv_blocks(Cache(cache_id=src.cache_id, cache_desc=DESC),
                                                     CacheIndex(peer.cid, cache_id), [B - 1], [rng.randrange(B)]))
         # pushed from our row B-1, which holds the pattern (set at start): see run()
-        self.allow(f"push_churn({me.cid}->{peer.cid})", st, (OK, NOT_YET_LINK, NOT_EXIST))
+        self.allow(f"push_churn({me.cid}->{peer.cid})", st, (OK, NOT_YET_LINK, NOT_EXIST) + self.extra)
+        if st == TIMEOUT:
+            self.relink(me.cid, peer.cid)
 
     def op_churn(self, rng: random.Random, w: int) -> None:
         """Register a cache, let others push into it a while, unregister, check rule 5."""
@@ -273,10 +284,11 @@ class Stress:
             a, b = rng.sample(STABLE, 2)
             force = rng.random() < 0.3
             st = status_of(lambda: self.insts[a].dd.unlink_llm_clusters([self.cluster(b)], force=force))
-            self.allow(f"unlink({a}-{b}{' force' if force else ''})", st, (OK,))
+            self.allow(f"unlink({a}-{b}{' force' if force else ''})", st,
+                       (OK, UNLINK_FAILED) if self.faulty else (OK,))
             time.sleep(rng.random() * 0.002)
             st = status_of(lambda: self.insts[a].dd.link_llm_clusters([self.cluster(b)]))
-            self.allow(f"link({a}-{b})", st, (OK, ALREADY))
+            self.allow(f"link({a}-{b})", st, (OK, ALREADY, LINK_FAILED) if self.faulty else (OK, ALREADY))
             if st == ALREADY:  # b kept a (force-unlinked) entity for a and a has one again: fine
                 pass
             time.sleep(rng.random() * 0.004)
@@ -291,8 +303,17 @@ class Stress:
             time.sleep(rng.random() * 0.005)
             self.up(PHOENIX)
             st = status_of(lambda: p.dd.link_llm_clusters([self.cluster(rng.choice(STABLE))]))
-            self.allow("phoenix link", st, (OK,))
+            self.allow("phoenix link", st, (OK, LINK_FAILED) if self.faulty else (OK,))
             self.count("phoenix", OK)
+
+    def relink(self, a: int, b: int) -> None:
+        """After a timeout the link a->b is broken (§10 rule 8): drop it locally and link again."""
+        if b == PHOENIX:
+            return  # the phoenix relinks itself when it comes back
+        st = status_of(lambda: self.insts[a].dd.unlink_llm_clusters([self.cluster(b)], force=True))
+        self.allow(f"relink-unlink({a}-{b})", st, (OK, UNLINK_FAILED))
+        st = status_of(lambda: self.insts[a].dd.link_llm_clusters([self.cluster(b)]))
+        self.allow(f"relink({a}-{b})", st, (OK, ALREADY, LINK_FAILED))
 
     def worker(self, w: int) -> None:
         rng = random.Random(self.seed * 1000 + w)
@@ -311,6 +332,21 @@ class Stress:
         return run
 
     def run(self) -> None:
+        injections = []
+        if self.faulty:
+            injections = [
+                faults.inject("transfer", status=Status.LLM_TIMEOUT, probability=0.03, seed=self.seed),
+                faults.inject("link", status=Status.LLM_LINK_FAILED, probability=0.1, seed=self.seed + 1),
+                faults.inject("unlink", status=Status.LLM_UNLINK_FAILED, probability=0.1, seed=self.seed + 2),
+                faults.inject("pull", delay_ms=0.2, probability=0.05, seed=self.seed + 3),
+            ]
+        try:
+            self._run()
+        finally:
+            for inj in injections:
+                inj.remove()
+
+    def _run(self) -> None:
         for w in range(self.workers):  # row B-1 of every push source holds the churn pattern
             for m in self.push_src[w].mem:
                 m[(B - 1) * S:] = self.pattern
@@ -337,8 +373,8 @@ class Stress:
             inst.dd.finalize()
 
 
-def run_stress(seconds: float, workers: int, seed: int) -> Counter[str]:
-    s = Stress(workers, seconds, seed)
+def run_stress(seconds: float, workers: int, seed: int, faulty: bool = False) -> Counter[str]:
+    s = Stress(workers, seconds, seed, faulty)
     try:
         s.run()
     finally:
@@ -355,8 +391,14 @@ def test_concurrency_stress(watchdog: float) -> None:
     print(dict(sorted(counts.items())))
 
 
+def test_concurrency_stress_with_faults(watchdog: float) -> None:
+    counts = run_stress(stress_seconds(), workers=6, seed=4, faulty=True)
+    print(dict(sorted(counts.items())))
+    assert any(k.endswith("LLM_TIMEOUT") for k in counts), "no injected timeout happened"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [2, 3])
-def test_concurrency_stress_long(watchdog: float, seed: int) -> None:
-    counts = run_stress(stress_seconds(slow=True), workers=8, seed=seed)
+@pytest.mark.parametrize("seed, faulty", [(2, False), (3, True)])
+def test_concurrency_stress_long(watchdog: float, seed: int, faulty: bool) -> None:
+    counts = run_stress(stress_seconds(slow=True), workers=8, seed=seed, faulty=faulty)
     print(dict(sorted(counts.items())))
