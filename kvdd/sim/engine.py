@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +28,7 @@ from ..options import (
 from ..status import Status
 from ..types import Cache, CacheDesc, CacheIndex, CachePlacement, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults
-from .fabric import InProcessPeer, PeerHandle, RemoteCache
+from .fabric import LinkOffer, PeerHandle, RemoteCache
 from .memory import Region, is_accessible
 
 __all__ = ["SimBackend", "CacheEntry"]
@@ -268,12 +268,17 @@ class SimBackend:
             self._stop_listening()
             entities = list(self.entities.values())
             caches = list(self.caches.values())
+            channels = fabric.take_endpoint(self)  # connections to peers in other processes
             self._reset()
         for entity in entities:
             with entity.lock:  # wait for an in-flight transfer over this link
                 entity.peer.close()
         for entry in caches:
+            # waits for local and remote leases; a remote lease ends when its reader releases it,
+            # when the reader's connection closes, or at the latest when it expires
             entry.retire()
+        # the peers keep stale entities (§3.3); over them our caches are now not found (GOODBYE)
+        fabric.close_channels(channels)
 
     # -- §3.4 SetRole -------------------------------------------------------------------------
     def set_role(self, role: int, options: Mapping[str, str]) -> int:
@@ -359,58 +364,99 @@ class SimBackend:
         status = faults.on_link(self, cluster.remote_cluster_id, timeout_ms)  # in place of connecting
         if status != S_OK:
             return status, self.last_error_detail() or "injected fault"
-        status, peer = fabric.connect(remote.ip, remote.port, timeout_ms)
-        if status != S_OK:
+        # the same connection object whether the peer lives in this process or elsewhere
+        status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
+        if status != S_OK or conn is None:
             return status, f"cannot connect to {remote.ip}:{remote.port}"
-        if peer.transfer_backend != self.transfer_backend or not peer.initialized:
-            return Status.LLM_LINK_FAILED, "the peer uses another transfer backend"
-        if self.transfer_backend == "hixl":
-            with self._lock:
-                old = self.entities.get(cluster.remote_cluster_id)
+        try:
+            force_link = cluster.remote_cluster_id not in self.entities  # comm: §3.5 d
+            # the peer's side first: backend/initialized check, on comm its acceptance (§3.5 e)
+            res = conn.link(self, force_link)
+            if res.status != S_OK or res.offer is None or res.handle is None:
+                return res.status, res.detail or "the peer refused the link"
+            handle = res.handle
+            if self.transfer_backend == "hixl":
+                with self._lock:  # one-way: keyed by the user-supplied id, overwriting (§2.3)
+                    old = self.entities.get(cluster.remote_cluster_id)
+                    if old is not None:
+                        self.hixl_addrs.pop(old.address, None)
+                    self.entities[cluster.remote_cluster_id] = Entity(handle, address)
+                    self.hixl_addrs[address] = cluster.remote_cluster_id
                 if old is not None:
-                    self.hixl_addrs.pop(old.address, None)
-                self.entities[cluster.remote_cluster_id] = Entity(_in_process_peer(peer), address)
-                self.hixl_addrs[address] = cluster.remote_cluster_id
+                    self._close_entity(old)
+                return S_OK, ""
+            # comm backend: both sides accept (peer first), each keyed by the other's real id
+            st, old = self._accept_link(res.offer, force_link, lambda: handle, address)
+            if old is not None:
+                self._close_entity(old)
+            if st != S_OK:
+                handle.close()
+                return st, self.last_error_detail() or "link rejected locally"
             return S_OK, ""
-        # comm backend: both sides accept (peer first), each keyed by the other's real id
-        force_link = cluster.remote_cluster_id not in self.entities
-        st = peer._accept_link(self, force_link)
-        if st != S_OK:
-            return st, "the peer refused the link"
-        st = self._accept_link(peer, force_link, address)
-        if st != S_OK:
-            return st, "link rejected locally"
-        return S_OK, ""
+        finally:
+            conn.close()
 
-    def _accept_link(self, peer: SimBackend, force_link: bool,
-                     address: tuple[str, int] | None = None) -> int:
-        """Comm-backend acceptance logic run by both sides (§3.5 e)."""
+    def _serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
+                    ) -> tuple[int, str, tuple[dict[int, RemoteCache], dict[int, CacheEntry]] | None]:
+        """The acceptor's side of a link (called by the fabric, for initiators in this process
+        and elsewhere): the initiator must be initialized on the same transfer backend; on comm the
+        acceptance logic (§3.5 e) makes our entity for the initiator's real id with
+        ``make_handle()``; hixl keeps none (§2.3).  Returns the status, why it failed, and on
+        success our caches the initiator may use over this link (its snapshot, §10 rule 3)."""
+        old: Entity | None = None
+        try:
+            with self._lock:
+                if not self.initialized or peer.transfer_backend != self.transfer_backend:
+                    return (Status.LLM_LINK_FAILED, "the peer is not initialized or uses another "
+                            "transfer backend", None)
+                if self.transfer_backend == "comm":
+                    st, old = self._accept_link(peer, force_link, make_handle)
+                    if st != S_OK:
+                        return st, self.last_error_detail() or "the peer refused the link", None
+                return S_OK, "", self.snapshot_for_link()
+        finally:
+            if old is not None:  # closed after our lock is released (may wait for a transfer)
+                self._close_entity(old)
+
+    def _accept_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle],
+                     address: tuple[str, int] = ("", 0)) -> tuple[int, Entity | None]:
+        """Comm-backend acceptance logic run by both sides (§3.5 e).
+
+        Returns the status and the entity a force link replaced; the caller closes that one after
+        releasing our lock (closing waits for its in-flight transfer, §10 rule 5)."""
+        old: Entity | None = None
         with self._lock:
             if not self.initialized:
-                return Status.LLM_LINK_FAILED
+                return Status.LLM_LINK_FAILED, None
             if self.comm_res_text is not None and not _valid_comm_res(self.comm_res_text):
-                return self._fail(PARAM_INVALID, "llm.LocalCommRes is not valid JSON with version 1.0 or 1.2")
+                return self._fail(PARAM_INVALID, "llm.LocalCommRes is not valid JSON with version 1.0 or 1.2"), None
             if peer.comm_res_text is not None and not _valid_comm_res(peer.comm_res_text):
-                return self._fail(PARAM_INVALID, "the peer's llm.LocalCommRes is invalid")
+                return self._fail(PARAM_INVALID, "the peer's llm.LocalCommRes is invalid"), None
             key = peer.cluster_id
             if force_link and key in self.entities:
-                self._destroy_entity(key)
+                old = self._pop_entity(key)
             if key in self.entities:
-                return self._fail(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}")
-            if address is None:
-                address = ("", 0)
-            self.entities[key] = Entity(_in_process_peer(peer), address)
-            return S_OK
+                return self._fail(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}"), old
+            self.entities[key] = Entity(make_handle(), address)
+            return S_OK, old
 
-    def _destroy_entity(self, key: int) -> bool:
+    def _pop_entity(self, key: int) -> Entity | None:
         with self._lock:
             entity = self.entities.pop(key, None)
-            if entity is None:
-                return False
-            if self.transfer_backend == "hixl":
+            if entity is not None and self.transfer_backend == "hixl":
                 self.hixl_addrs.pop(entity.address, None)
+            return entity
+
+    @staticmethod
+    def _close_entity(entity: Entity) -> None:
         with entity.lock:  # wait for an in-flight transfer (§10 rule 5)
             entity.peer.close()
+
+    def _destroy_entity(self, key: int) -> bool:
+        entity = self._pop_entity(key)
+        if entity is None:
+            return False
+        self._close_entity(entity)
         return True
 
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int,
@@ -441,13 +487,18 @@ class SimBackend:
         if status != S_OK:
             return status
         remote = cluster.remote_ip_infos[0]
-        status, peer = fabric.connect(remote.ip, remote.port, timeout_ms)
-        if status != S_OK:
+        status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
+        if status != S_OK or conn is None:
             if status == Status.LLM_LINK_FAILED:
                 status = Status.LLM_UNLINK_FAILED
             return self._fail(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
-        peer_status = peer._peer_unlinked(self.cluster_id) if peer is not self else S_OK
+        try:
+            peer_status = conn.notify_unlink(self)  # "disconnect(my cluster id)"
+        finally:
+            conn.close()
         self._destroy_entity(cluster.remote_cluster_id)
+        if peer_status != S_OK:
+            return self._fail(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
         return peer_status
 
     def _peer_unlinked(self, peer_cluster_id: int) -> int:
@@ -859,11 +910,6 @@ class SimBackend:
         with self._lock:
             entries = dict(self.caches)
         return {cid: e.remote_view() for cid, e in entries.items()}, entries
-
-
-def _in_process_peer(peer: SimBackend) -> InProcessPeer:
-    snap, entries = peer.snapshot_for_link()
-    return InProcessPeer(peer, snap, entries)
 
 
 def _port_text(listen_text: str) -> str:
