@@ -4,8 +4,10 @@
   that is set (CI's native run sets ``KVDD_BACKEND=native`` and runs only native; an unavailable
   backend named there is an error, never a silent skip).
 * ``sim_only(reason)`` marker: skipped, with the reason, unless the backend under test is ``sim``.
-* ``peer_factory``: makes simulator peers (``Node``); ``KVDD_PEER`` selects how (``inproc``, the
-  default, in this process; other modes plug in here).
+* ``peer_factory``: makes simulator peers (``Node``); ``KVDD_PEER`` selects how: ``inproc`` (the
+  default) in this process, ``process`` in a separate Python process shared by the tests of a
+  module (``tests/sim/peer_proc.py``: the peers' methods become RPCs, links and transfers cross
+  processes through the simulator's fabric).
 * ``world``: the nodes of one test (``world.dut()`` = the node under test, ``world.peer()`` = sim).
 * ``transfer``: ``"comm"`` (default transfer backend) or ``"hixl"`` (``llm.TransferBackend``).
 """
@@ -13,7 +15,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -59,11 +63,32 @@ def transfer(request: pytest.FixtureRequest) -> str:
     return name
 
 
+@pytest.fixture(scope="module")
+def _peer_process() -> Iterator[object]:
+    """KVDD_PEER=process: one peer process per test module (stopped, or killed, at the end)."""
+    sim_dir = str(Path(__file__).resolve().parent.parent / "sim")
+    if sim_dir not in sys.path:
+        sys.path.append(sim_dir)
+    import peer_proc
+
+    with peer_proc.PeerProcess() as proc:
+        yield proc
+
+
 @pytest.fixture
-def peer_factory() -> Iterator[PeerFactory]:
+def peer_factory(request: pytest.FixtureRequest) -> Iterator[PeerFactory]:
     mode = os.environ.get("KVDD_PEER", "inproc")
+    if mode == "process":
+        proc = request.getfixturevalue("_peer_process")  # puts tests/sim on sys.path
+        import peer_proc
+
+        assert isinstance(proc, peer_proc.PeerProcess) and proc.alive, "the peer process died"
+        make_remote, cleanup = peer_proc.process_peer_factory(proc)
+        yield make_remote
+        cleanup()
+        return
     if mode != "inproc":
-        pytest.skip(f"KVDD_PEER={mode!r} is not implemented by this harness yet")
+        pytest.skip(f"KVDD_PEER={mode!r}: unknown mode (inproc or process)")
     made: list[Node] = []
 
     def make(cluster_id: int, role: int) -> Node:
