@@ -47,6 +47,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run_from_args as run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvdd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "verify every byte. Exit status 0 when everything verified, 1 on any failure.")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
+    from .bench import add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="simulator transfer speed on real model geometries vs. memcpy, per-call overhead",
+        description="Move real models' KV caches between two in-process simulator instances with each "
+                    "transfer kind (PullKvCache row / size / layer range, PullKvBlocks, PushKvBlocks) and "
+                    "report time, GB/s and the ratio to the best plain memcpy of the same bytes measured "
+                    "in the same run, plus the per-call overhead of a 64-byte pull. A benchmark: it "
+                    "reports, it does not judge (exit status 0; 2 for unusable options).")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

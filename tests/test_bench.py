@@ -1,0 +1,114 @@
+"""``kvdd bench``: the command runs end to end through the public API and prints the documented JSON.
+
+Benchmarks are not tests (DESIGN.md): nothing here looks at how fast anything was, only that every
+number is there and makes sense (positive, finite), that every transfer was verified against the
+source bytes, and that the byte counts are those of the model geometries in MODELS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvdd.cli import main as cli_main
+
+KiB = 1024
+
+# A tiny run: one 128-token block per request, 8 synthetic blocks, 2 repeats, 100 calls per loop.
+TINY = ["--geometries", "qwen2.5-7b,synthetic-4096x16k", "--tokens", "128", "--blocks", "8",
+        "--repeats", "2", "--overhead-calls", "100"]
+
+# From MODELS.md: Qwen2.5-7B has 28 layers x (K, V) = 56 tensors of 1 KiB per token (4 KV heads x
+# head_dim 128, bf16), so a 128-token block or row is 128 KiB per tensor.  The synthetic case is one
+# tensor of 16 KiB blocks.
+QWEN_ROW = 128 * KiB
+EXPECTED_BYTES = {
+    ("qwen2.5-7b", "pull_row"): 56 * QWEN_ROW,
+    ("qwen2.5-7b", "pull_size"): 56 * QWEN_ROW // 2,
+    ("qwen2.5-7b", "pull_layers"): 56 * QWEN_ROW,
+    ("qwen2.5-7b", "pull_blocks"): 56 * QWEN_ROW,
+    ("qwen2.5-7b", "push_blocks"): 56 * QWEN_ROW,
+    ("synthetic-4096x16k", "pull_row"): 8 * 16 * KiB,
+    ("synthetic-4096x16k", "pull_size"): 4 * 16 * KiB,
+    ("synthetic-4096x16k", "pull_blocks"): 8 * 16 * KiB,
+    ("synthetic-4096x16k", "push_blocks"): 8 * 16 * KiB,
+}
+EXPECTED_CALLS = {("qwen2.5-7b", "pull_layers"): 28}
+
+TRANSFER_KEYS = {"geometry", "kind", "tensors", "blocks", "run_bytes", "calls", "bytes", "min_ms", "median_ms",
+                 "gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "ratio", "ratio_median", "ratio_1t", "samples",
+                 "verified"}
+POSITIVE = ("min_ms", "median_ms", "gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "ratio", "ratio_median",
+            "ratio_1t")
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "kvdd", "bench", "--quick", "--json", *TINY],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    parsed: dict[str, Any] = json.loads(proc.stdout)
+    return parsed
+
+
+def test_document(doc: dict[str, Any]) -> None:
+    assert doc["schema"] == "kvdd.bench/1"
+    assert doc["quick"] is True
+    assert doc["command"].startswith("kvdd bench --quick --json")
+    assert doc["config"]["tokens"] == 128 and doc["config"]["block_tokens"] == 128
+    assert _positive(doc["elapsed_s"])
+    env = doc["environment"]
+    assert {"python", "machine", "cpus"} <= env.keys()
+    assert set(doc["two_thread_kernel_calls"]) >= {"calls", "chunks", "helper_chunks", "stalls"}
+
+
+def test_overhead_rows(doc: dict[str, Any]) -> None:
+    rows = doc["overhead"]
+    paths = [r["path"] for r in rows]
+    # the facade and the backend object are both reported
+    assert "LlmDataDist.pull_kv_cache(idx, cache)" in paths
+    assert "backend.pull_kv_cache(idx, cache, 0, -1, ext)" in paths
+    for r in rows:
+        assert r["bytes"] == 64
+        assert _positive(r["min_us"]) and _positive(r["median_us"]), r
+        assert r["min_us"] <= r["median_us"]
+        assert r["calls"] == 100 * 7
+
+
+def test_transfer_rows(doc: dict[str, Any]) -> None:
+    rows = doc["transfers"]
+    assert {(r["geometry"], r["kind"]) for r in rows} == set(EXPECTED_BYTES)
+    for r in rows:
+        key = (r["geometry"], r["kind"])
+        assert set(r) == TRANSFER_KEYS, key
+        assert r["bytes"] == EXPECTED_BYTES[key], key
+        assert r["calls"] == EXPECTED_CALLS.get(key, 1), key
+        assert r["samples"] == 2
+        assert r["verified"] is True, key
+        for k in POSITIVE:
+            assert _positive(r[k]), (key, k, r[k])
+        assert r["min_ms"] <= r["median_ms"]
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "--quick", "--geometries", "qwen2.5-7b", "--kinds", "pull_row", "--tokens", "128",
+                     "--repeats", "1", "--overhead-calls", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "memcpy_1t_gbps" in out and "ratio" in out and "median_us" in out
+    assert "qwen2.5-7b" in out and "pull_row" in out
+
+
+@pytest.mark.parametrize("bad", [["--geometries", "gpt-2"], ["--kinds", "copy"], ["--tokens", "64"],
+                                 ["--repeats", "0"]])
+def test_unusable_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "--json", *bad]) == 2
+    assert "kvdd bench:" in capsys.readouterr().err
