@@ -665,22 +665,40 @@ class _Cursor:
                 self.pos = 0
 
 
+def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """sendmsg (gather, zero-copy) until every buffer is sent."""
+    while bufs:
+        sent = sock.sendmsg(bufs)
+        while sent and bufs:
+            if sent >= len(bufs[0]):
+                sent -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][sent:]
+                sent = 0
+
+
 def _send_stream(sock: socket.socket, req: int, layout: _Layout) -> None:
-    """The layout's bytes as DATA frames of at most MAX_DATA bytes (zero-copy)."""
+    """The layout's bytes as DATA frames of at most MAX_DATA bytes, each sent by gathering
+    the header and up to 64 views per system call (zero-copy)."""
     left = layout.total
     views = iter(layout.views)
     cur: memoryview | None = None
     while left > 0:
         n = min(left, MAX_DATA)
-        sock.sendall(_HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, n))
+        batch = [memoryview(_HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, n))]
         left -= n
         while n > 0:
             if cur is None or len(cur) == 0:
                 cur = next(views)
             take = min(n, len(cur))
-            sock.sendall(cur[:take])
+            batch.append(cur[:take])
             cur = cur[take:]
             n -= take
+            if len(batch) == 64:
+                _sendmsg_all(sock, batch)
+                batch = []
+        _sendmsg_all(sock, batch)
 
 
 def _encode_request(lease: int, tensors: Sequence[int], off: np.ndarray,
