@@ -1453,10 +1453,8 @@ def _run_decode(opts: DemoOptions, prefill_host: str, locate: Callable[[], Ready
                 dd.link_llm_clusters([cluster], timeout_ms=LINK_TIMEOUT_MS)
             except LLMLinkFailedError as exc:
                 hint = ""
-                if mode in ("processes", "decode") and dd.backend_name == "sim":
-                    hint = (" (is the prefill side running there? If this build's simulator cannot link "
-                            "instances in different processes yet, run both sides in one process: "
-                            "kvdd demo --in-process)")
+                if mode == "decode":
+                    hint = " (is the prefill side still running, and is that port reachable from here?)"
                 raise DemoError(f"LinkLlmClusters to prefill at {prefill_ip}:{prefill[1]} failed: {exc}{hint}",
                                 transfer="link") from exc
             log(f"linked to prefill cluster {state.prefill_id} at {prefill_ip}:{prefill[1]}")
