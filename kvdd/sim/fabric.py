@@ -400,9 +400,18 @@ def _recv_into(sock: socket.socket, mv: memoryview) -> None:
 
 
 def _recv(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return buf
+    """Exactly ``n`` bytes; memory grows with the bytes that actually arrive (a peer announcing
+    a large frame and sending nothing costs at most 1 MiB)."""
+    if n <= 1 << 20:
+        buf = bytearray(n)
+        _recv_into(sock, memoryview(buf))
+        return buf
+    out = bytearray()
+    while len(out) < n:
+        chunk = bytearray(min(n - len(out), 1 << 20))
+        _recv_into(sock, memoryview(chunk))
+        out += chunk
+    return out
 
 
 def _discard(sock: socket.socket, n: int) -> None:
@@ -1500,14 +1509,34 @@ class Listener:
 
     def _handshake(self, conn: socket.socket) -> None:
         keep = False
+        # The whole first frame must arrive within HANDSHAKE_TIMEOUT_S (a peer dripping bytes
+        # cannot hold one of the MAX_HANDSHAKES slots longer).
+        gate = threading.Lock()
+        reading = [True]
+
+        def too_slow() -> None:
+            with gate:
+                if reading[0]:
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        timer = _watchdog.schedule(HANDSHAKE_TIMEOUT_S, too_slow)
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ftype, _req, length = _read_header(conn)
+            try:
+                ftype, _req, length = _read_header(conn)
+                payload = _recv(conn, length)
+            finally:
+                with gate:
+                    reading[0] = False
+                _watchdog.cancel(timer)
             if ftype == F_HELLO_LINK:
-                keep = self._serve_link(conn, _recv(conn, length))
+                keep = self._serve_link(conn, payload)
             elif ftype == F_HELLO_UNLINK:
-                self._serve_unlink(conn, _recv(conn, length))
+                self._serve_unlink(conn, payload)
         except Exception:  # malformed or truncated handshakes just close the connection
             pass
         finally:

@@ -770,6 +770,35 @@ def test_server_survives_fuzz(world: World, proc: PeerProcess) -> None:
     push_blocks_checked(world, p, ph, dh, [1], [2])
 
 
+@pytest.mark.parametrize("xproc", ["tcp"], indirect=True)
+def test_server_drops_slow_handshakes(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that send nothing, or drip a handshake byte by byte, are closed after the
+    handshake timeout; while they fill every handshake slot new connections are turned away,
+    afterwards a real peer links again."""
+    monkeypatch.setattr(fabric, "HANDSHAKE_TIMEOUT_S", 0.5)
+    d, p, dh, ph = _setup(world, d_listen=True)
+    port = d.listen_port
+    assert port
+    idle = [_connect(port) for _ in range(fabric.MAX_HANDSHAKES)]
+    drip = idle[0]
+    hello = _hdr(fabric.F_HELLO_LINK, len(_hello(500))) + _hello(500)
+    try:
+        for i in range(len(hello)):  # one byte every 50 ms: each recv is fast, the whole is not
+            drip.sendall(hello[i:i + 1])
+            time.sleep(0.05)
+    except OSError:
+        pass  # closed by the server: what we expect
+    for s in idle:
+        s.settimeout(5)
+        try:
+            assert s.recv(1) == b""  # closed by the server, no reply
+        except ConnectionResetError:
+            pass
+        s.close()
+    assert link(p, d) == [S]
+    pull_cache_checked(world, p, dh, ph)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("xproc", ["tcp"], indirect=True)
 def test_server_survives_long_fuzz(world: World, proc: PeerProcess,
