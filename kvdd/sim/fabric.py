@@ -1609,13 +1609,19 @@ class Listener:
         return True
 
 
-def _linger(conn: socket.socket) -> None:
-    """Close after the peer read our last frame (FIN, then wait briefly for its FIN)."""
+def _linger(conn: socket.socket, seconds: float = 1.0) -> None:
+    """Close after the peer read our last frame: FIN, then wait (at most ``seconds`` in all) for
+    its FIN, so that closing does not reset the connection under our reply."""
+    end = time.monotonic() + seconds
     try:
         conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(1.0)
-        while conn.recv(4096):
-            pass
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            conn.settimeout(left)
+            if not conn.recv(4096):
+                return
     except OSError:
         pass
 
