@@ -321,6 +321,8 @@ MAX_LEASE_MS = 600_000
 CLOSE_LINGER_S = 2.0
 STAGE_RUN_BYTES = 64 << 10  # runs shorter than this on average go through one staging copy
 PVM_CHUNK = 16 << 20
+_J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
+_J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
 
 _BACKENDS = ("comm", "hixl")
 _RC = struct.Struct("<QIQIQBB")  # cache_id, n, T, B, S, ragged, placement
@@ -837,6 +839,7 @@ class _Channel:
         self._jobs: deque[tuple[int, int, bytes | bytearray | int] | None] = deque()
         self._jobs_cv = threading.Condition(self._lock)
         self._closing = False
+        self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
         self.dead = threading.Event()
         self.peer_finalized = False
         self.local_user = False  # our PeerHandle on the peer uses this connection
@@ -871,18 +874,12 @@ class _Channel:
         if not self._started:
             self._on_dead()
             return
-        if self.send_lock.acquire(timeout=CLOSE_LINGER_S):
-            try:
-                if goodbye:
-                    self.sock.sendall(_frame(F_GOODBYE, 0))
-                self.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                self.kill()
-            finally:
-                self.send_lock.release()
-        else:
-            self.kill()
+        with self._lock:  # after the frames already queued (CLOSE_HANDLE, RELEASE)
+            self._jobs.append((_J_CLOSE, int(goodbye), b""))
+            self._jobs_cv.notify()
         _watchdog.schedule(CLOSE_LINGER_S, self.kill)
+        if goodbye:  # finalize returns once the peers have been told (or the link is dead)
+            self._closed_wr.wait(CLOSE_LINGER_S)
 
     def release_local_user(self) -> None:
         """Our handle is closed: tell the peer; close when neither side uses the connection."""
@@ -923,6 +920,7 @@ class _Channel:
         for p in pending:
             p.failed = True
             p.event.set()
+        self._closed_wr.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
         except OSError:
@@ -964,8 +962,11 @@ class _Channel:
                 elif ftype == F_CLOSE_HANDLE:
                     self._peer_released()
                 elif ftype == F_GOODBYE:
+                    # The peer finalized: it serves nothing more.  Our handle on it (a stale
+                    # entity) now finds no cache (§10 rule 2); requests in flight end now.
                     self.peer_finalized = True
                     self._peer_released()
+                    return
                 else:
                     raise ProtocolError(f"unexpected frame type {ftype} on a link")
         except Exception:  # malformed input, a dead socket, anything: this connection ends
@@ -974,8 +975,9 @@ class _Channel:
             self._on_dead()
 
     def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
+        """Queue a request of the peer for the worker (at most MAX_JOBS of the peer's waiting)."""
         with self._lock:
-            if len(self._jobs) >= MAX_JOBS:
+            if sum(1 for job in self._jobs if job is not None and job[0] > 0) >= MAX_JOBS:
                 raise ProtocolError("too many queued requests")
             self._jobs.append((ftype, req, payload))
             self._jobs_cv.notify()
@@ -1057,6 +1059,19 @@ class _Channel:
                     self._send(F_DONE, req, struct.pack("<I", payload))
                 elif ftype == F_PING:
                     self._send(F_PONG, req, b"")
+                elif ftype == _J_SEND:
+                    assert not isinstance(payload, int)
+                    with self.send_lock:
+                        self.sock.sendall(payload)
+                elif ftype == _J_CLOSE:
+                    try:
+                        with self.send_lock:
+                            if req:
+                                self.sock.sendall(_frame(F_GOODBYE, 0))
+                            self.sock.shutdown(socket.SHUT_WR)
+                    finally:
+                        self._closed_wr.set()
+                    return  # the reader drains until the peer closes too
         except Exception:  # the connection ends; the owner's leases are dropped by the reader
             self.kill()
 
@@ -1106,18 +1121,15 @@ class _Channel:
 
     # -- requests of this end -----------------------------------------------------------------------
     def send_oneway(self, ftype: int, payload: bytes) -> None:
-        """A frame with no reply (RELEASE, CLOSE_HANDLE); best effort."""
+        """A frame with no reply (RELEASE, CLOSE_HANDLE), sent by the worker thread: the caller
+        never waits behind a long transfer the worker is sending in the other direction (a
+        RELEASE that comes late only keeps a lease until it arrives or expires)."""
         if self.dead.is_set():
             return
-        if not self.send_lock.acquire(timeout=CLOSE_LINGER_S):
-            self.kill()
-            return
-        try:
-            self.sock.sendall(_frame(ftype, 0, payload))
-        except OSError:
-            self.kill()
-        finally:
-            self.send_lock.release()
+        with self._lock:
+            if not self._closing:
+                self._jobs.append((_J_SEND, 0, _frame(ftype, 0, payload)))
+                self._jobs_cv.notify()
 
     def request(self, ftype: int, payload: bytes, deadline: float,
                 cursor: _Cursor | None = None, data: _Layout | None = None) -> bytes | None:
