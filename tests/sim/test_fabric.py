@@ -143,6 +143,78 @@ def _expected_paths(xproc: str, p: PeerProcess) -> tuple[str, str]:
     return d_to_p, p_to_d
 
 
+# ---- the process_vm kernel (kvdd._native._xproc) ------------------------------------------------
+
+
+def _arena(n: int, seed: int) -> tuple[np.ndarray, Any]:
+    from kvdd._native._copy import Region
+    a = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return a, Region(int(a.ctypes.data), n, a)
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_pvm_copy_runs_exact(write: bool) -> None:
+    """pvm_copy on this very process: runs k outer, j inner, bytes outside untouched."""
+    from kvdd._native._copy import Region
+    local, _ = _arena(4 * 1024, 1)
+    remote, _ = _arena(4 * 1024, 2)
+    loc = [Region(int(local.ctypes.data) + k * 1024, 1024, local) for k in range(4)]
+    rem = [int(remote.ctypes.data) + k * 1024 for k in (3, 1, 2, 0)]
+    lo, ro, ln = (np.array(v, np.int64) for v in ([0, 100, 1000], [512, 0, 1020], [100, 300, 4]))
+    exp_local, exp_remote = local.copy(), remote.copy()
+    for k, rk in enumerate((3, 1, 2, 0)):
+        for j in range(3):
+            a, b = k * 1024 + int(lo[j]), rk * 1024 + int(ro[j])
+            if write:
+                exp_remote[b:b + ln[j]] = exp_local[a:a + ln[j]]
+            else:
+                exp_local[a:a + ln[j]] = exp_remote[b:b + ln[j]]
+    n = _xproc.pvm_copy(os.getpid(), loc, rem, 1024, lo, ro, ln, write, chunk=4096)
+    assert n == 4 * 404
+    assert np.array_equal(local, exp_local) and np.array_equal(remote, exp_remote)
+
+
+def test_pvm_copy_errors() -> None:
+    import mmap
+    local, reg = _arena(8192, 3)
+    before = local.copy()
+    one = np.array([0], np.int64)
+    with pytest.raises(ValueError):  # remote run past the remote tensor: nothing moves
+        _xproc.pvm_copy(os.getpid(), [reg], [int(local.ctypes.data)], 100, one, one,
+                        np.array([101], np.int64), False)
+    with pytest.raises(ValueError):  # local run past the local region
+        _xproc.pvm_copy(os.getpid(), [reg], [int(local.ctypes.data)], 1 << 20,
+                        np.array([8000], np.int64), one, np.array([300], np.int64), False)
+    assert np.array_equal(local, before)
+    # EFAULT after a partial transfer: the second run's remote page is not mapped
+    m = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    buf = np.frombuffer(m, dtype=np.uint8)
+    base = int(buf.ctypes.data)
+    gap = mmap.mmap(-1, mmap.PAGESIZE)
+    addr_gap = int(np.frombuffer(gap, dtype=np.uint8).ctypes.data)
+    del buf
+    gap.close()  # unmapped now
+    with pytest.raises(OSError) as info:
+        _xproc.pvm_copy(os.getpid(), [reg, reg], [base, addr_gap], 4096, one, one,
+                        np.array([64], np.int64), False)
+    assert info.value.errno == 14 and "after 64 bytes" in str(info.value)  # EFAULT
+    assert not local[:64].any() and np.array_equal(local[64:], before[64:])  # the partial part
+    before = local.copy()
+    m.close()
+    # ESRCH: a process that no longer exists
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    with pytest.raises(ProcessLookupError):
+        _xproc.pvm_copy(child.pid, [reg], [base], 64, one, one, np.array([8], np.int64), False)
+    # a deadline checked between system calls
+    _big, breg = _arena(1 << 22, 4)
+    with pytest.raises(TimeoutError):
+        _xproc.pvm_copy(os.getpid(), [breg], [int(local.ctypes.data)], 8192, np.array(
+            [0] * 512, np.int64), np.array([0] * 512, np.int64), np.array([8192] * 512, np.int64),
+            False, timeout_ms=0, chunk=4096)
+    assert np.array_equal(local, before)
+
+
 # ---- link, data path, every transfer kind in both directions -----------------------------------
 
 
