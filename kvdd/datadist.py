@@ -40,9 +40,12 @@ def _check_clusters(clusters: object) -> tuple[ClusterInfo, ...]:
     return tuple(clusters)
 
 
+_DEFAULT_EXT = KvCacheExtParam()  # immutable, so one instance serves every call
+
+
 def _ext(ext_param: KvCacheExtParam | None) -> KvCacheExtParam:
     if ext_param is None:
-        return KvCacheExtParam()
+        return _DEFAULT_EXT
     _check_type("ext_param", ext_param, KvCacheExtParam)
     return ext_param
 

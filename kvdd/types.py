@@ -75,6 +75,13 @@ def check_int(name: str, value: object, width: tuple[int, int]) -> int:
 
 def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int, ...]:
     """Return a sequence of integers (list, tuple, 1-D integer numpy array) as a tuple of ints."""
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        # fast path: plain ints within the width (e.g. thousands of block ids)
+        items_: list[int] | tuple[int, ...] = value
+        if all(type(v) is int for v in items_) and (
+            not items_ or (width[0] <= min(items_) and max(items_) <= width[1])
+        ):
+            return tuple(items_)
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got an array of shape {value.shape}")
@@ -452,6 +459,10 @@ class CacheIndex:
 
 
 def _check_range(name: str, value: object) -> tuple[int, int]:
+    if type(value) is tuple and len(value) == 2:  # fast path: a pair of in-range ints
+        a, b = value
+        if type(a) is int and type(b) is int and INT32[0] <= a <= INT32[1] and INT32[0] <= b <= INT32[1]:
+            return a, b
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
         raise TypeError(f"{name} must be a pair of integers, not {type(value).__name__}")
     items = check_int_seq(name, value, INT32)
