@@ -29,7 +29,7 @@ from ..status import Status
 from ..types import Cache, CacheDesc, CacheIndex, CachePlacement, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults
 from .fabric import LinkOffer, PeerHandle, RemoteCache
-from .memory import Region, is_accessible
+from .memory import Region, first_inaccessible
 
 __all__ = ["SimBackend", "CacheEntry"]
 
@@ -250,6 +250,9 @@ class SimBackend:
                     return status  # step 10: stays uninitialized
             try:
                 self.sync_wait_ms = parse_sync_wait_time(options)  # step 9
+                for key in ("llm.MemPoolConfig", "llm.HostMemPoolConfig"):
+                    if key in options:
+                        _check_mem_pool_config(key, options[key])
             except OptionError as exc:
                 self._stop_listening()
                 return self._fail(exc.status, str(exc))
@@ -530,10 +533,10 @@ class SimBackend:
                 T = cache_desc.tensor_nbytes
             except ValueError as exc:
                 return self._fail(PARAM_INVALID, f"cannot size the tensors: {exc}"), -1
-            for i, a in enumerate(addrs):  # 9 (kvdd rule 4)
-                if not is_accessible(a, T):
-                    return self._fail(FAILED, f"tensor {i} at 0x{a:x} ({T} bytes) is not readable and "
-                                      "writable memory of this process"), -1
+            bad = first_inaccessible(addrs, T)  # 9 (kvdd rule 4)
+            if bad >= 0:
+                return self._fail(FAILED, f"tensor {bad} at 0x{addrs[bad]:x} ({T} bytes) is not readable "
+                                  "and writable memory of this process"), -1
             status = faults.on_register(self)  # in place of the transport registration
             if status != S_OK:
                 return status, -1
@@ -870,7 +873,7 @@ class SimBackend:
         t = ext_param.tensor_num_per_layer
         groups = _groups(src_blocks, dst_blocks)
         max_dst = max(dst_blocks)
-        g = np.array(groups, _I64).reshape(-1, 3)
+        g: np.ndarray | None = None  # built once the indices are known to be < 2**32
         for ls, ld in plan:  # 8
             status, local, entity, rc = self._push_layer_lookup(src_cache, dst_cache_index, t, ld, ls)
             if status != S_OK:
@@ -888,6 +891,8 @@ class SimBackend:
                 if local.ragged or rc.ragged:  # kvdd rule 10
                     return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
                 S = local.S
+                if g is None:
+                    g = np.array(groups, _I64).reshape(-1, 3)
                 src_off = g[:, 0] * S
                 dst_off = g[:, 1] * S
                 length = g[:, 2] * S
@@ -919,6 +924,25 @@ def _port_text(listen_text: str) -> str:
         return listen_text[colon + 1:]
     parts = [p for p in listen_text.split(":") if p]
     return parts[-1] if parts else ""
+
+
+def _check_mem_pool_config(key: str, text: str) -> None:
+    """§3.2 step 9: ``{"memory_size": unsigned, "page_shift": [10, 31)}`` with
+    ``memory_size >> page_shift < UINT32_MAX``; anything else is PARAM_INVALID."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise OptionError(f"option {key} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise OptionError(f"option {key} must be a JSON object")
+    size = doc.get("memory_size")
+    if type(size) is not int or not 0 <= size < 2**64:
+        raise OptionError(f"option {key}: memory_size must be an unsigned integer")
+    shift = doc.get("page_shift", 16)
+    if type(shift) is not int or not 10 <= shift < 31:
+        raise OptionError(f"option {key}: page_shift must be in [10, 31)")
+    if (size >> shift) >= 2**32 - 1:
+        raise OptionError(f"option {key}: memory_size >> page_shift must be < UINT32_MAX")
 
 
 def _check_comm_options(options: Mapping[str, str]) -> None:
