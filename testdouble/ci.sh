@@ -9,7 +9,7 @@
 #      WORKDIR/native-venv (made with $PYTHON, default python3);
 #   3. checks that the install is a native build against the test double;
 #   4. runs tests/conformance and tests/native with KVDD_BACKEND=native;
-#   5. runs mypy.stubtest on kvdd._native._datadist and kvdd._native._copy (installed stubs).
+#   5. runs mypy.stubtest on the compiled modules (installed stubs).
 #
 # WORKDIR defaults to a new temporary directory (removed at exit).  Any failing step fails the
 # script; pytest's "no tests collected" (exit 5) is a failure too.  Environment: PYTHON,
@@ -88,7 +88,7 @@ elif [[ $rc -ne 0 ]]; then
   exit "$rc"
 fi
 
-step "mypy.stubtest kvdd._native._datadist kvdd._native._copy"
-"$PY" -m mypy.stubtest kvdd._native._datadist kvdd._native._copy
+step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc"
+"$PY" -m mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc
 
 echo "native: all steps passed"
