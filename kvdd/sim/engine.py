@@ -114,20 +114,39 @@ class Entity:
     broken: bool = False  # §10 rule 8: a transfer timed out
 
 
-def _groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """§3.11 step 7: maximal runs (src0, dst0, len) where both indices step by +1, in list order."""
-    out: list[tuple[int, int, int]] = []
-    it = zip(src, dst)
-    s0, d0 = next(it)
-    ln = 1
-    for s, d in it:
-        if s == s0 + ln and d == d0 + ln:
-            ln += 1
-        else:
-            out.append((s0, d0, ln))
-            s0, d0, ln = s, d, 1
-    out.append((s0, d0, ln))
-    return out
+class _Runs:
+    """§3.11 step 7: pairs grouped into maximal runs where both indices step by +1, in list order.
+
+    Arrays, one entry per run: first/last src and dst block (uint64) and run length (int64).
+    """
+
+    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max")
+
+    def __init__(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        s = np.asarray(src, dtype=np.uint64)
+        d = np.asarray(dst, dtype=np.uint64)
+        # uint64 arithmetic as in C: the index after 2**64-1 wraps to 0 (and fails a bound later)
+        with np.errstate(over="ignore"):
+            cont = (s[1:] == s[:-1] + np.uint64(1)) & (d[1:] == d[:-1] + np.uint64(1))
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        ends = np.append(starts[1:], len(s))
+        self.s0 = s[starts]
+        self.d0 = d[starts]
+        self.ln = (ends - starts).astype(_I64)
+        self.s_last = s[ends - 1]
+        self.d_last = d[ends - 1]
+        self.d_max = int(d.max())
+
+    def __len__(self) -> int:
+        return len(self.ln)
+
+    def first_at_or_above(self, first: np.ndarray, last: np.ndarray, bound: int) -> int | None:
+        """The first run whose first or last index is >= bound (its offending index), or None."""
+        bad = (first >= np.uint64(bound)) | (last >= np.uint64(bound))
+        if not bad.any():
+            return None
+        i = int(np.argmax(bad))
+        return int(first[i]) if first[i] >= bound else int(last[i])
 
 
 def _check_ext(ext: KvCacheExtParam, equal_len: bool) -> bool:
@@ -715,13 +734,13 @@ class SimBackend:
         if status != S_OK:
             return status
         assert local is not None and entity is not None
-        groups = _groups(src_blocks, dst_blocks)  # 7
+        runs = _Runs(src_blocks, dst_blocks)  # 7
         K = len(dst_list) if dst_list is not None else local.n
-        if 120 + 16 * (K + 2 * len(groups)) > REQUEST_LIMIT:  # 8
-            return self._fail(PARAM_INVALID, f"transfer request with {len(groups)} block runs exceeds 2 MiB")
-        for s0, d0, ln in groups:  # 9
-            if d0 >= local.B or d0 + ln - 1 >= local.B:
-                return self._fail(PARAM_INVALID, f"dst block {d0 + ln - 1} >= local block count {local.B}")
+        if 120 + 16 * (K + 2 * len(runs)) > REQUEST_LIMIT:  # 8
+            return self._fail(PARAM_INVALID, f"transfer request with {len(runs)} block runs exceeds 2 MiB")
+        bad = runs.first_at_or_above(runs.d0, runs.d_last, local.B)  # 9
+        if bad is not None:
+            return self._fail(PARAM_INVALID, f"dst block {bad} >= local block count {local.B}")
         with entity.lock:
             status, rc = self._lookup_remote(entity, src_cache_index.cache_id)  # 10
             if status != S_OK:
@@ -733,21 +752,22 @@ class SimBackend:
             if S == 0:
                 return self._fail(PARAM_INVALID, "local stride is 0 (ragged sub-byte cache, kvdd rule 10)")
             remote_blocks = -(-rc.tensor_nbytes // S)
-            for s0, d0, ln in groups:  # 11
-                if s0 >= remote_blocks:
-                    return self._fail(PARAM_INVALID, f"src block {s0} >= remote block count {remote_blocks}")
-                if ln * S > rc.tensor_nbytes:
-                    return self._fail(PARAM_INVALID, f"a run of {ln} blocks exceeds the remote tensor")
+            bad = runs.first_at_or_above(runs.s0, runs.s0, remote_blocks)  # 11
+            if bad is not None:
+                return self._fail(PARAM_INVALID, f"src block {bad} >= remote block count {remote_blocks}")
+            longest = int(runs.ln.max())
+            if longest * S > rc.tensor_nbytes:
+                return self._fail(PARAM_INVALID, f"a run of {longest} blocks exceeds the remote tensor")
             if local.ragged or rc.ragged:  # kvdd rule 10
                 return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
             remote_tensors: Sequence[int] = src_list if src_list is not None else range(local.n)
             if remote_tensors[-1] >= rc.num_tensors:  # kvdd rule 1
                 return self._fail(PARAM_INVALID, f"src layer range reaches tensor {remote_tensors[-1]} "
                                   f"of a {rc.num_tensors}-tensor remote cache; {HARDWARE_UNCHECKED}")
-            g = np.array(groups, _I64).reshape(-1, 3)
-            src_off = g[:, 0] * S
-            dst_off = g[:, 1] * S
-            length = g[:, 2] * S
+            # all indices are now < 2**32 (bounded by B or by the remote block count)
+            src_off = runs.s0.astype(_I64) * S
+            dst_off = runs.d0.astype(_I64) * S
+            length = runs.ln * S
             tail = rc.tensor_nbytes % S
             if tail:  # quirk §3.11: the last group copies only R.T % L.S bytes
                 length[-1] = tail
@@ -762,31 +782,32 @@ class SimBackend:
                              dst_off, src_off, length)
 
     # -- §3.12 / §3.13 push ------------------------------------------------------------------
-    def _push_plan(self, src_cache: Cache, ext: KvCacheExtParam) -> list[tuple[int, int]] | None:
+    def _push_plan(self, src_cache: Cache, ext: KvCacheExtParam) -> tuple[range, int]:
+        """§3.12 step 6: the source layers in order and the destination of the first one (the
+        others follow consecutively).  Lazy: a plan of 2**31 layers costs nothing until a layer
+        fails its checks."""
         t = ext.tensor_num_per_layer
         (s0, s1), (d0, _d1) = ext.src_layer_range, ext.dst_layer_range
-        if s0 >= 0 and s0 == s1:
-            return [(s0, d0)]
-        if s0 == -1:
+        if s0 >= 0 and s0 == s1:  # single layer
+            return range(s0, s0 + 1), d0
+        if s0 == -1:  # all layers l -> l (dst range ignored)
             u = src_cache.cache_desc.num_tensors
             if u < t:
                 m = 0
             elif u % t == 0:
                 m = u // t - 1
             else:
-                m = u // t
-            return [(layer, layer) for layer in range(m + 1)]
-        return [(layer, d0 + (layer - s0)) for layer in range(s0, s1 + 1)]
+                m = u // t  # the partial last layer is planned and fails check g
+            return range(0, m + 1), 0
+        return range(s0, s1 + 1), d0  # range: l -> d0 + (l - s0)
 
-    def _push_prologue(self, src_cache: Cache, ext: KvCacheExtParam) -> tuple[int, list[tuple[int, int]]]:
+    def _push_prologue(self, src_cache: Cache, ext: KvCacheExtParam) -> tuple[int, tuple[range, int]]:
         if not _check_ext(ext, equal_len=True):
-            return self._fail(PARAM_INVALID, f"invalid ext_param {ext}"), []
+            return self._fail(PARAM_INVALID, f"invalid ext_param {ext}"), (range(0), 0)
         s0 = ext.src_layer_range[0]
         if not s0 >= 0 and not (s0 == -1 and src_cache.cache_desc.num_tensors > 0):
-            return self._fail(PARAM_INVALID, "pushing all layers needs src_cache.cache_desc.num_tensors > 0"), []
-        plan = self._push_plan(src_cache, ext)
-        assert plan is not None
-        return S_OK, plan
+            return self._fail(PARAM_INVALID, "pushing all layers needs src_cache.cache_desc.num_tensors > 0"), (range(0), 0)
+        return S_OK, self._push_plan(src_cache, ext)
 
     def _push_layer_lookup(self, src_cache: Cache, idx: CacheIndex, t: int, ld: int, ls: int
                            ) -> tuple[int, CacheEntry | None, Entity | None, RemoteCache | None]:
@@ -812,6 +833,50 @@ class SimBackend:
             return self._fail(PARAM_INVALID, f"local tensor count {local.n} is not a multiple of {t}")
         return S_OK
 
+    def _push_layers(self, kind: str, src_cache: Cache, idx: CacheIndex, plan: tuple[range, int],
+                     t: int, check_layer: Callable[[CacheEntry, RemoteCache, int], int],
+                     offsets: Callable[[CacheEntry, RemoteCache], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                     ) -> int:
+        """§3.12 step 7 / §3.13 step 8: the per-layer loop.
+
+        Upstream checks and writes layer by layer, stopping at the first failing layer with the
+        earlier layers written.  The checks do not depend on the bytes moved, so every planned
+        layer is checked first, in the same order; the layers before the first failing one are
+        then written in one copy, and that layer's status is returned.
+        """
+        src_layers, ld0 = plan
+        status, local, entity, rc = self._push_layer_lookup(src_cache, idx, t, ld0, src_layers[0])  # a-d
+        if status != S_OK:
+            return status
+        assert local is not None and entity is not None and rc is not None
+        with entity.lock:
+            ok: list[tuple[int, int]] = []
+            failed: int = S_OK
+            remote_layers = rc.num_tensors // t
+            for i, ls in enumerate(src_layers):
+                ld = ld0 + i
+                if i and (ld < 0 or ld >= remote_layers):  # d (a-c do not depend on the layer)
+                    failed = self._fail(PARAM_INVALID, f"dst layer {ld} is not below the remote layer "
+                                        f"count {remote_layers}")
+                    break
+                failed = check_layer(local, rc, ls)  # e-h, kvdd rules 10 and 1
+                if failed != S_OK:
+                    break
+                ok.append((ls, ld))
+            if ok:
+                src_off, dst_off, length = offsets(local, rc)
+                status = faults.on_transfer(self, kind, idx.cluster_id, entity,
+                                            t * len(ok) * int(length.sum()))
+                if status != S_OK:
+                    return status
+                local_tensors = [ls * t + k for ls, _ in ok for k in range(t)]
+                remote_tensors = [ld * t + k for _, ld in ok for k in range(t)]
+                status = self._run(entity, local, rc, False, local_tensors, remote_tensors,
+                                   src_off, dst_off, length)
+                if status != S_OK:
+                    return status
+            return failed
+
     def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int,
                       size: int, ext_param: KvCacheExtParam) -> int:
         if not self.initialized:  # 1
@@ -825,35 +890,28 @@ class SimBackend:
             return status
         t = ext_param.tensor_num_per_layer
         bd = dst_cache_index.batch_index
-        for ls, ld in plan:  # 7
-            status, local, entity, rc = self._push_layer_lookup(src_cache, dst_cache_index, t, ld, ls)
+
+        def check_layer(local: CacheEntry, rc: RemoteCache, ls: int) -> int:
+            if bd >= rc.batch_size:  # e
+                return self._fail(PARAM_INVALID, f"dst batch_index {bd} >= remote batch size {rc.batch_size}")
+            status = self._push_local_checks(local, t, ls)  # f, g
             if status != S_OK:
                 return status
-            assert local is not None and entity is not None and rc is not None
-            with entity.lock:
-                if bd >= rc.batch_size:  # e
-                    return self._fail(PARAM_INVALID, f"dst batch_index {bd} >= remote batch size {rc.batch_size}")
-                status = self._push_local_checks(local, t, ls)  # f, g
-                if status != S_OK:
-                    return status
-                if src_batch_index >= local.B:  # h
-                    return self._fail(PARAM_INVALID, f"src_batch_index {src_batch_index} >= local batch size {local.B}")
-                if local.ragged or rc.ragged:  # kvdd rule 10
-                    return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
-                dst_off = bd * rc.stride_nbytes
-                if dst_off + local.S > rc.tensor_nbytes:  # kvdd rule 1
-                    return self._fail(PARAM_INVALID, f"the {local.S}-byte row would be written past the remote "
-                                      f"tensor; {HARDWARE_UNCHECKED}")
-                status = faults.on_transfer(self, "push_kv_cache", dst_cache_index.cluster_id, entity,
-                                            t * local.S, first=(ls, ld) == plan[0])
-                if status != S_OK:
-                    return status
-                status = self._run(entity, local, rc, False, range(ls * t, ls * t + t),
-                                   range(ld * t, ld * t + t), np.array([src_batch_index * local.S], _I64),
-                                   np.array([dst_off], _I64), np.array([local.S], _I64))
-                if status != S_OK:
-                    return status
-        return S_OK
+            if src_batch_index >= local.B:  # h
+                return self._fail(PARAM_INVALID, f"src_batch_index {src_batch_index} >= local batch size {local.B}")
+            if local.ragged or rc.ragged:  # kvdd rule 10
+                return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
+            if bd * rc.stride_nbytes + local.S > rc.tensor_nbytes:  # kvdd rule 1
+                return self._fail(PARAM_INVALID, f"the {local.S}-byte row would be written past the remote "
+                                  f"tensor; {HARDWARE_UNCHECKED}")
+            return S_OK
+
+        def offsets(local: CacheEntry, rc: RemoteCache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            # exactly L.S bytes of the source row land at the remote row's offset (§3.12, §7.5)
+            return (np.array([src_batch_index * local.S], _I64), np.array([bd * rc.stride_nbytes], _I64),
+                    np.array([local.S], _I64))
+
+        return self._push_layers("push_kv_cache", src_cache, dst_cache_index, plan, t, check_layer, offsets)  # 7
 
     def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
                        dst_blocks: Sequence[int], ext_param: KvCacheExtParam) -> int:
@@ -871,43 +929,30 @@ class SimBackend:
         if status != S_OK:
             return status
         t = ext_param.tensor_num_per_layer
-        groups = _groups(src_blocks, dst_blocks)
-        max_dst = max(dst_blocks)
-        g: np.ndarray | None = None  # built once the indices are known to be < 2**32
-        for ls, ld in plan:  # 8
-            status, local, entity, rc = self._push_layer_lookup(src_cache, dst_cache_index, t, ld, ls)
+        runs = _Runs(src_blocks, dst_blocks)
+
+        def check_layer(local: CacheEntry, rc: RemoteCache, ls: int) -> int:
+            if runs.d_max >= rc.batch_size:
+                return self._fail(PARAM_INVALID, f"dst block {runs.d_max} >= remote block count {rc.batch_size}")
+            status = self._push_local_checks(local, t, ls)
             if status != S_OK:
                 return status
-            assert local is not None and entity is not None and rc is not None
-            with entity.lock:
-                if max_dst >= rc.batch_size:
-                    return self._fail(PARAM_INVALID, f"dst block {max_dst} >= remote block count {rc.batch_size}")
-                status = self._push_local_checks(local, t, ls)
-                if status != S_OK:
-                    return status
-                for s0, _d0, ln in groups:
-                    if s0 >= local.B or s0 + ln - 1 >= local.B:
-                        return self._fail(PARAM_INVALID, f"src block {s0 + ln - 1} >= local block count {local.B}")
-                if local.ragged or rc.ragged:  # kvdd rule 10
-                    return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
-                S = local.S
-                if g is None:
-                    g = np.array(groups, _I64).reshape(-1, 3)
-                src_off = g[:, 0] * S
-                dst_off = g[:, 1] * S
-                length = g[:, 2] * S
-                if np.any(dst_off + length > rc.tensor_nbytes):  # kvdd rule 1
-                    return self._fail(PARAM_INVALID, f"a block run would be written past the remote tensor; "
-                                      f"{HARDWARE_UNCHECKED}")
-                status = faults.on_transfer(self, "push_kv_blocks", dst_cache_index.cluster_id, entity,
-                                            t * int(length.sum()), first=(ls, ld) == plan[0])
-                if status != S_OK:
-                    return status
-                status = self._run(entity, local, rc, False, range(ls * t, ls * t + t),
-                                   range(ld * t, ld * t + t), src_off, dst_off, length)
-                if status != S_OK:
-                    return status
-        return S_OK
+            bad = runs.first_at_or_above(runs.s0, runs.s_last, local.B)
+            if bad is not None:
+                return self._fail(PARAM_INVALID, f"src block {bad} >= local block count {local.B}")
+            if local.ragged or rc.ragged:  # kvdd rule 10
+                return self._fail(PARAM_INVALID, "a ragged sub-byte cache cannot be transferred (kvdd rule 10)")
+            # indices are now < 2**32; block size = local stride on both sides (§3.13, §7.4)
+            if np.any((runs.d0.astype(_I64) + runs.ln) * local.S > rc.tensor_nbytes):  # kvdd rule 1
+                return self._fail(PARAM_INVALID, f"a block run would be written past the remote tensor; "
+                                  f"{HARDWARE_UNCHECKED}")
+            return S_OK
+
+        def offsets(local: CacheEntry, rc: RemoteCache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            S = local.S
+            return runs.s0.astype(_I64) * S, runs.d0.astype(_I64) * S, runs.ln * S
+
+        return self._push_layers("push_kv_blocks", src_cache, dst_cache_index, plan, t, check_layer, offsets)  # 8
 
     # -- introspection for tests and the cross-process fabric -----------------------------
     def snapshot_for_link(self) -> tuple[dict[int, RemoteCache], dict[int, CacheEntry]]:
