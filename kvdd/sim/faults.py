@@ -67,8 +67,10 @@ makes on its own arguments and state comes first and still wins:
     after every validation step of SEMANTICS.md §3.10-§3.13 (including the remote cache lookup and
     kvdd's §10 bound checks), immediately before bytes would move, while the link is held.  A link
     that is already broken reports its own ``LLM_TIMEOUT`` first and consumes no injection.  A
-    multi-layer push is one call: the fault is decided at its first layer's transfer (so no layer is
-    written); its delay is paid once, its bandwidth cap applies to every layer's bytes.
+    multi-layer push is one call with one decision, made before any of its layers is written (an
+    injected failure writes no layer; a layer that fails its own checks still ends the call with
+    the earlier layers written, §3.12 step 7); its delay is paid once, its bandwidth cap applies to
+    every layer's bytes.
 
 Processes
 ---------

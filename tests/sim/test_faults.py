@@ -428,7 +428,7 @@ def test_non_timeout_transfer_fault_leaves_the_link_usable(pair: Pair) -> None:
 
 
 def test_multi_layer_push_fault_writes_no_layer(pair: Pair) -> None:
-    """A multi-layer push is one call: the fault is decided at its first layer (nothing written)."""
+    """A multi-layer push is one call with one decision, before any layer is written."""
     before = pair.p.snapshot()
     with faults.inject("push_kv_cache", status=Status.LLM_TIMEOUT, count=1):
         expect(Status.LLM_TIMEOUT, lambda: pair.push(0))  # default ext: all 2 layers
