@@ -1,0 +1,29 @@
+"""Session-wide test set-up: make sure the kvdd under test is an installed (compiled) one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Child Python processes started by the tests (peers, demo sides, programs run with an env var)
+# must import the installed kvdd, not the source tree that is the current directory when pytest runs
+# from a checkout: PYTHONSAFEPATH (Python >= 3.11) stops `python -c` / `python -m` from putting the
+# current directory first on sys.path.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import kvdd._native._copy  # noqa: F401
+    except ImportError as exc:
+        import kvdd
+
+        where = Path(kvdd.__file__).parent
+        raise pytest.UsageError(
+            f"kvdd is imported from {where} without its compiled modules ({exc}). Install it "
+            "(pip install '.[test]') and run the `pytest` command, not `python -m pytest`, which "
+            "puts the source tree first on sys.path; or use an editable install "
+            "(pip install --no-build-isolation -e '.[test]')."
+        ) from None
