@@ -41,7 +41,6 @@ from kvdd.sim import faults
 
 from . import model as M
 from .arena import GuardedArena
-from .known_bugs import KNOWN_ENGINE_BUGS
 
 ARENA = 32 << 10
 GUARD = 16 << 10  # larger than any tensor generated: a range off the arena end hits the guard
@@ -132,10 +131,7 @@ EXT = st.one_of(
 )
 SIZES = st.sampled_from([-1] * 8 + [0, -2, 1, 16, 32, 64, 65, 128, 512, 2**40])
 BATCH = st.one_of(st.integers(0, 1), st.integers(0, 1), st.integers(0, 8), st.just(2**32 - 1))
-# Engine bugs found by this suite and reported (known_bugs.py probes the engine under test for
-# each): while one is present the generator avoids its trigger; once fixed, it runs in full.
-HUGE_PLANS = "push_layer_plan_eager" not in KNOWN_ENGINE_BUGS
-HUGE_BLOCK = 2**63 - 1 if "push_kv_blocks_huge_block_index" in KNOWN_ENGINE_BUGS else 2**64 - 1
+HUGE_BLOCK = 2**64 - 1  # the largest uint64 block index (once an engine OverflowError)
 BLOCKS = st.one_of(
     st.lists(st.integers(0, 3), min_size=1, max_size=4),
     st.lists(st.one_of(st.integers(0, 9), st.just(HUGE_BLOCK)), min_size=0, max_size=6),
@@ -380,20 +376,11 @@ class SimVsModel(RuleBasedStateMachine):
         want = self.world.pull_kv_blocks(self.insts[i], idx, dst, src, dst_blocks, ext or KvCacheExtParam())
         self.check(f"pull_kv_blocks({idx}, {dst.cache_id}, {src}, {dst_blocks}, {ext})", got, want)
 
-    @staticmethod
-    def push_ext(ext: KvCacheExtParam | None) -> KvCacheExtParam | None:
-        """While the eager-plan engine bug is listed, keep push plans small (see KNOWN_ENGINE_BUGS)."""
-        if HUGE_PLANS or ext is None:
-            return ext
-        if max(*ext.src_layer_range, *ext.dst_layer_range) > 1000 and ext.src_layer_range[0] >= 0:
-            return None
-        return ext
-
     def src_cache(self, data: st.DataObject, i: int) -> Cache:
         cid = self.cache_id(data, i)
         reg = self.insts[i].caches.get(cid)
         n = reg.n if reg is not None else 4
-        huge = [2**32 - 1] if HUGE_PLANS else []
+        huge = [2**32 - 1]
         num = data.draw(st.sampled_from([n, n, n, 0, 1, 3, 12, *huge]), label="num_tensors")
         placement = data.draw(st.sampled_from([1, 1, 1, 1, 0, 7]), label="placement")
         return Cache(cache_id=cid, cache_desc=CacheDesc(num_tensors=num, placement=placement))
@@ -404,7 +391,6 @@ class SimVsModel(RuleBasedStateMachine):
         i = self.pick(data)
         src = self.src_cache(data, i)
         idx = self.index(data, i)
-        ext = self.push_ext(ext)
         got = outcome(lambda: self.dds[i].push_kv_cache(src, idx, src_batch, size, ext))
         want = self.world.push_kv_cache(self.insts[i], src, idx, src_batch, size, ext or KvCacheExtParam())
         self.check(f"push_kv_cache({src}, {idx}, {src_batch}, {size}, {ext})", got, want)
@@ -415,7 +401,6 @@ class SimVsModel(RuleBasedStateMachine):
         i = self.pick(data)
         src = self.src_cache(data, i)
         idx = self.index(data, i)
-        ext = self.push_ext(ext)
         if data.draw(st.integers(0, 3)):
             idx = CacheIndex(idx.cluster_id, idx.cache_id, 0)
         if data.draw(st.integers(0, 2)):

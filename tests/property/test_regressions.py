@@ -1,8 +1,6 @@
-"""Engine bugs found by the property suite: the behaviour SEMANTICS.md requires.
+"""Regression tests for engine bugs the property suite found: the behaviour SEMANTICS.md requires.
 
-Each test states the call, the expected outcome and the clause.  It is xfailed (with the reason in
-the summary) only while known_bugs.py's probe finds the bug in the engine under test, and runs as
-an ordinary test once the engine is fixed.
+Each test states the call, the expected outcome and the clause.
 """
 
 from __future__ import annotations
@@ -13,11 +11,7 @@ import pytest
 import kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, DataType, Status
 
-from .known_bugs import DESCRIPTIONS, KNOWN_ENGINE_BUGS
 
-
-@pytest.mark.xfail("push_kv_blocks_huge_block_index" in KNOWN_ENGINE_BUGS, strict=True,
-                   reason=DESCRIPTIONS["push_kv_blocks_huge_block_index"])
 def test_push_kv_blocks_with_a_huge_block_index_returns_a_status() -> None:
     """PushKvBlocks with a block index >= 2**63 (valid uint64): §3.13 step 8 — the local cache is
     not registered → LLM_KV_CACHE_NOT_EXIST (and with a registered cache and link, a dst block >=
@@ -36,8 +30,6 @@ def test_push_kv_blocks_with_a_huge_block_index_returns_a_status() -> None:
         assert info.value.status == Status.LLM_NOT_YET_LINK
 
 
-@pytest.mark.skipif("push_layer_plan_eager" in KNOWN_ENGINE_BUGS,
-                    reason=DESCRIPTIONS["push_layer_plan_eager"] + " (not run: it would exhaust memory)")
 def test_push_with_a_huge_layer_plan_stops_at_the_first_bad_layer() -> None:
     """PushKvCache with ext ((0, 2**31-1), (0, 2**31-1), 2) on 4-tensor caches (2 layers): §3.12
     step 7 runs the plan layer by layer; layers 0 and 1 are written, layer 2 fails check d
