@@ -1,5 +1,5 @@
 """Registers the fixtures of native_support.py for the native-binding tests."""
 
-from native_support import recorders
+from .native_support import recorders
 
 __all__ = ["recorders"]

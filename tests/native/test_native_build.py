@@ -8,7 +8,7 @@ import pytest
 
 import kvdd
 import kvdd.backend
-from native_support import NATIVE_TEST_DOUBLE, build_config, skip_unless_native
+from .native_support import NATIVE_TEST_DOUBLE, build_config, skip_unless_native
 
 skip_unless_native()
 

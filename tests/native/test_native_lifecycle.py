@@ -35,7 +35,7 @@ from kvdd import (
     Status,
     tensor_addrs,
 )
-from native_support import skip_unless_test_double
+from .native_support import skip_unless_test_double
 
 skip_unless_test_double()
 

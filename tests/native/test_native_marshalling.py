@@ -24,7 +24,7 @@ from kvdd import (
     RegisterCfg,
     Status,
 )
-from native_support import skip_unless_test_double
+from .native_support import skip_unless_test_double
 
 skip_unless_test_double()
 
