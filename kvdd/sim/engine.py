@@ -853,13 +853,18 @@ class SimBackend:
             ok: list[tuple[int, int]] = []
             failed: int = S_OK
             remote_layers = rc.num_tensors // t
+            local_layers = local.n // t
             for i, ls in enumerate(src_layers):
                 ld = ld0 + i
-                if i and (ld < 0 or ld >= remote_layers):  # d (a-c do not depend on the layer)
+                if i == 0:
+                    failed = check_layer(local, rc, ls)  # e-h, kvdd rules 10 and 1
+                # Later layers: only d and f depend on the layer; every other check passed above.
+                elif ld < 0 or ld >= remote_layers:  # d
                     failed = self._fail(PARAM_INVALID, f"dst layer {ld} is not below the remote layer "
                                         f"count {remote_layers}")
-                    break
-                failed = check_layer(local, rc, ls)  # e-h, kvdd rules 10 and 1
+                elif ls >= local_layers:  # f
+                    failed = self._fail(PARAM_INVALID, f"src layer {ls} is not below the local layer "
+                                        f"count {local_layers}")
                 if failed != S_OK:
                     break
                 ok.append((ls, ld))
