@@ -14,14 +14,20 @@ Typical use::
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import IO, Any
+# One implementation, inside the installed package (``kvdd bench`` cannot import this directory).
+from kvdd.bench import (
+    LoadMonitor,
+    Timing,
+    compare,
+    dump_json,
+    environment,
+    gbps,
+    interleaved,
+    per_call_overhead,
+    print_table,
+    repeats_for,
+    time_repeats,
+)
 
 __all__ = [
     "LoadMonitor",
@@ -36,209 +42,3 @@ __all__ = [
     "repeats_for",
     "time_repeats",
 ]
-
-#: min / median / all samples of one measured operation, in seconds.
-Timing = dict[str, Any]
-
-_MiB = 1 << 20
-
-
-def _timing(samples: Sequence[float]) -> Timing:
-    return {"min_s": min(samples), "median_s": statistics.median(samples), "samples": len(samples)}
-
-
-def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Timing:
-    """Time `repeats` calls of `fn` (after `warmup` untimed calls): ``{"min_s", "median_s", "samples"}``."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    clock = time.perf_counter
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    return _timing(samples)
-
-
-def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, Timing]:
-    """Time several operations in turn (a, b, c, a, b, c, ...) so that each sees the same machine
-    state (frequency, neighbours, cache); returns one :data:`Timing` per name."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    clock = time.perf_counter
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = clock()
-            fn()
-            samples[name].append(clock() - t0)
-    return {name: _timing(s) for name, s in samples.items()}
-
-
-def repeats_for(nbytes: int, budget_s: float = 0.25, bandwidth: float = 10e9, lo: int = 5, hi: int = 200) -> int:
-    """A repeat count that spends about `budget_s` per operation at `bandwidth` bytes/s."""
-    est = nbytes / bandwidth
-    return max(lo, min(hi, int(budget_s / max(est, 1e-9))))
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Decimal GB/s."""
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
-def compare(case: str, nbytes: int, candidate: Timing, limit: Timing, **extra: Any) -> dict[str, Any]:
-    """One result row: bytes, candidate and limit times (min and median), GB/s, and the ratio
-    candidate-bandwidth / limit-bandwidth (``ratio`` from min times, ``ratio_median`` from medians)."""
-    row: dict[str, Any] = {"case": case}
-    row.update(extra)
-    row.update({
-        "bytes": nbytes,
-        "min_ms": candidate["min_s"] * 1e3,
-        "median_ms": candidate["median_s"] * 1e3,
-        "gbps": gbps(nbytes, candidate["min_s"]),
-        "limit_gbps": gbps(nbytes, limit["min_s"]),
-        "ratio": limit["min_s"] / candidate["min_s"],
-        "ratio_median": limit["median_s"] / candidate["median_s"],
-        "samples": candidate["samples"],
-    })
-    return row
-
-
-def per_call_overhead(fn: Callable[[], object], calls: int = 20000, batches: int = 15) -> dict[str, Any]:
-    """Per-call time of a tiny operation: `batches` timed loops of `calls` calls each (an empty loop's
-    time subtracted); ``{"min_us", "median_us", "calls"}``."""
-    clock = time.perf_counter
-    rng = range(calls)
-    per: list[float] = []
-    for _ in range(batches):
-        t0 = clock()
-        for _ in rng:
-            pass
-        empty = clock() - t0
-        t0 = clock()
-        for _ in rng:
-            fn()
-        per.append((clock() - t0 - empty) / calls)
-    return {"min_us": min(per) * 1e6, "median_us": statistics.median(per) * 1e6, "calls": calls * batches}
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if v != v or v in (float("inf"), float("-inf")):
-            return str(v)
-        if abs(v) >= 100:
-            return f"{v:.0f}"
-        if abs(v) >= 10:
-            return f"{v:.1f}"
-        return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
-    if isinstance(v, int) and v >= _MiB and v % 1024 == 0:
-        return f"{v / _MiB:g}Mi" if v % (_MiB // 4) == 0 else f"{v // 1024}Ki"
-    if isinstance(v, int) and v >= 1024 and v % 1024 == 0:
-        return f"{v // 1024}Ki"
-    return str(v)
-
-
-def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None,
-                file: IO[str] | None = None, title: str | None = None) -> None:
-    """Print result rows as an aligned text table (columns: the given ones, or every key in order of
-    first appearance)."""
-    rows = list(rows)
-    out = file if file is not None else sys.stdout
-    if title:
-        print(title, file=out)
-    if not rows:
-        print("(no results)", file=out)
-        return
-    if columns is None:
-        seen: dict[str, None] = {}
-        for r in rows:
-            for k in r:
-                seen.setdefault(k, None)
-        columns = list(seen)
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=out)
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
-    out.flush()
-
-
-def _proc_stat_cpu() -> tuple[float, float] | None:
-    """(busy, total) CPU seconds of the whole machine from /proc/stat, or None off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    hz = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
-    return (total - idle) / hz, total / hz
-
-
-class LoadMonitor:
-    """How busy the machine was with *other* work while measuring (CPU time of other processes,
-    and steal time, as a fraction of all CPUs): benchmarks on a shared 2-core machine are only
-    comparable when this is near 0.
-
-    ``with LoadMonitor() as m: ...`` then ``m.result()``.
-    """
-
-    def __init__(self) -> None:
-        self._start: tuple[float, float] | None = None
-        self._own = 0.0
-        self._end: tuple[float, float] | None = None
-        self._own_end = 0.0
-
-    def __enter__(self) -> LoadMonitor:
-        self._start = _proc_stat_cpu()
-        t = os.times()
-        self._own = t.user + t.system
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._end = _proc_stat_cpu()
-        t = os.times()
-        self._own_end = t.user + t.system
-
-    def result(self) -> dict[str, Any]:
-        """``{"other_busy": fraction of all CPUs busy with other work, "wall_s": ...}`` (empty if
-        /proc/stat is unavailable)."""
-        if self._start is None or self._end is None:
-            return {}
-        busy = self._end[0] - self._start[0]
-        total = self._end[1] - self._start[1]
-        own = self._own_end - self._own
-        if total <= 0:
-            return {}
-        return {"other_busy": max(0.0, (busy - own) / total), "cpu_s": total}
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-    }
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return info
-
-
-def dump_json(payload: Any, file: IO[str] | None = None) -> None:
-    """Write `payload` as indented JSON (to stdout by default)."""
-    out = file if file is not None else sys.stdout
-    json.dump(payload, out, indent=2, sort_keys=False)
-    out.write("\n")
-    out.flush()

@@ -169,9 +169,10 @@ def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: i
     return {name: _timing(s) for name, s in samples.items()}
 
 
-def repeats_for(nbytes: int, budget_s: float, bandwidth: float = 10e9, lo: int = 5, hi: int = 200) -> int:
+def repeats_for(nbytes: int, budget_s: float = 0.25, bandwidth: float = 10e9, lo: int = 5, hi: int = 200) -> int:
     """A repeat count that spends about `budget_s` per operation at `bandwidth` bytes/s."""
-    return max(lo, min(hi, int(budget_s / max(nbytes / bandwidth, 1e-9))))
+    est = nbytes / bandwidth
+    return max(lo, min(hi, int(budget_s / max(est, 1e-9))))
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -179,8 +180,47 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def per_call_overhead(fn: Callable[[], object], calls: int, batches: int) -> dict[str, Any]:
-    """Per-call time of a tiny operation: `batches` timed loops of `calls` calls (an empty loop's
+def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Timing:
+    """Time `repeats` calls of `fn` (after `warmup` untimed calls): ``{"min_s", "median_s", "samples"}``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    clock = time.perf_counter
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return _timing(samples)
+
+
+def compare(case: str, nbytes: int, candidate: Timing, limit: Timing, **extra: Any) -> dict[str, Any]:
+    """One result row: bytes, candidate and limit times (min and median), GB/s, and the ratio
+    candidate-bandwidth / limit-bandwidth (``ratio`` from min times, ``ratio_median`` from medians)."""
+    row: dict[str, Any] = {"case": case}
+    row.update(extra)
+    row.update({
+        "bytes": nbytes,
+        "min_ms": candidate["min_s"] * 1e3,
+        "median_ms": candidate["median_s"] * 1e3,
+        "gbps": gbps(nbytes, candidate["min_s"]),
+        "limit_gbps": gbps(nbytes, limit["min_s"]),
+        "ratio": limit["min_s"] / candidate["min_s"],
+        "ratio_median": limit["median_s"] / candidate["median_s"],
+        "samples": candidate["samples"],
+    })
+    return row
+
+
+def dump_json(payload: Any, file: IO[str] | None = None) -> None:
+    """Write `payload` as indented JSON (to stdout by default)."""
+    out = file if file is not None else sys.stdout
+    json.dump(payload, out, indent=2, sort_keys=False)
+    out.write("\n")
+    out.flush()
+
+
+def per_call_overhead(fn: Callable[[], object], calls: int = 20000, batches: int = 15) -> dict[str, Any]:
+    """Per-call time of a tiny operation: `batches` timed loops of `calls` calls each (an empty loop's
     time subtracted); ``{"min_us", "median_us", "calls"}``."""
     clock = time.perf_counter
     rng = range(calls)
@@ -264,21 +304,36 @@ def _fmt(v: Any) -> str:
         if abs(v) >= 10:
             return f"{v:.1f}"
         return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
-    if isinstance(v, int) and v >= MiB and v % (MiB // 4) == 0:
-        return f"{v / MiB:g}Mi"
-    if isinstance(v, int) and v >= KiB and v % KiB == 0:
-        return f"{v // KiB}Ki"
+    if isinstance(v, int) and v >= MiB and v % 1024 == 0:
+        return f"{v / MiB:g}Mi" if v % (MiB // 4) == 0 else f"{v // 1024}Ki"
+    if isinstance(v, int) and v >= 1024 and v % 1024 == 0:
+        return f"{v // 1024}Ki"
     return str(v)
 
 
-def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], file: IO[str] | None = None) -> None:
-    """Print rows as an aligned text table (``Ki``/``Mi`` = KiB/MiB)."""
+def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None,
+                file: IO[str] | None = None, title: str | None = None) -> None:
+    """Print result rows as an aligned text table (columns: the given ones, or every key in order of
+    first appearance)."""
+    rows = list(rows)
     out = file if file is not None else sys.stdout
+    if title:
+        print(title, file=out)
+    if not rows:
+        print("(no results)", file=out)
+        return
+    if columns is None:
+        seen: dict[str, None] = {}
+        for r in rows:
+            for k in r:
+                seen.setdefault(k, None)
+        columns = list(seen)
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=out)
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
+    out.flush()
 
 
 # ---- memory and the limit --------------------------------------------------------------------------
