@@ -23,8 +23,10 @@ from kvdd.cli import main as cli_main
 KiB = 1024
 
 # A tiny run: one 128-token block per request, 8 synthetic blocks, 2 repeats, 100 calls per loop.
+# The cross-process section (included by default) shrunk to a 1 MiB row and 8 blocks of 64 KiB.
+XP_TINY = ["--cross-process-bytes", str(1024 * KiB), "--cross-process-blocks", "8"]
 TINY = ["--geometries", "qwen2.5-7b,synthetic-4096x16k", "--tokens", "128", "--blocks", "8",
-        "--repeats", "2", "--overhead-calls", "100"]
+        "--repeats", "2", "--overhead-calls", "100", *XP_TINY]
 
 # From MODELS.md: Qwen2.5-7B has 28 layers x (K, V) = 56 tensors of 1 KiB per token (4 KV heads x
 # head_dim 128, bf16), so a 128-token block or row is 128 KiB per tensor.  The synthetic case is one
@@ -111,14 +113,71 @@ def test_transfer_rows(doc: dict[str, Any]) -> None:
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--quick", "--geometries", "qwen2.5-7b", "--kinds", "pull_row", "--tokens", "128",
-                     "--repeats", "1", "--overhead-calls", "10"]) == 0
+                     "--repeats", "1", "--overhead-calls", "10", "--no-cross-process"]) == 0
     out = capsys.readouterr().out
     assert "memcpy_1t_gbps" in out and "ratio" in out and "median_us" in out
     assert "qwen2.5-7b" in out and "pull_row" in out
+    assert "Cross-process" not in out
+
+
+# ---- the cross-process section ------------------------------------------------------------------
+
+XP_KEYS = {"path", "data_path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps",
+           "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_memcpy", "vs_memcpy_2t", "vs_socket",
+           "limit", "ratio", "ratio_median", "samples", "verified"}
+XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks"): 8 * 64 * KiB,
+           ("process_vm", "push_blocks"): 8 * 64 * KiB, ("tcp", "pull_row"): 1024 * KiB,
+           ("tcp", "pull_blocks"): 8 * 64 * KiB}
+
+
+def test_cross_process_rows(doc: dict[str, Any]) -> None:
+    xp = doc["cross_process"]
+    assert xp is not None and not xp.get("error"), xp
+    assert xp["config"] == {"row_bytes": 1024 * KiB, "blocks": 8, "block_bytes": 64 * KiB,
+                            "sync_wait_ms": xp["config"]["sync_wait_ms"]}
+    # two peer processes, neither of them this one nor the bench's; the TCP link is really TCP
+    peers = {p["path"]: p for p in xp["peers"]}
+    assert set(peers) == {"process_vm", "tcp"}
+    assert peers["tcp"]["data_path"] == "tcp"
+    assert peers["process_vm"]["data_path"] in ("process_vm", "tcp")  # tcp: the kernel refused ptrace access
+    assert peers["process_vm"]["pid"] != peers["tcp"]["pid"] != os.getpid()
+    rows = xp["rows"]
+    assert {(r["path"], r["kind"]) for r in rows} == set(XP_ROWS)
+    for r in rows:
+        key = (r["path"], r["kind"])
+        assert set(r) == XP_KEYS, key
+        assert r["bytes"] == XP_ROWS[key], key
+        assert r["run_bytes"] == (1024 * KiB if r["kind"] == "pull_row" else 64 * KiB), key
+        assert r["samples"] == 2 and r["verified"] is True, key
+        assert r["limit"] == ("socket" if r["path"] == "tcp" else "pvm"), key
+        assert r["min_ms"] <= r["median_ms"]
+        measured = ["min_ms", "median_ms", "gbps", "pvm_gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "vs_pvm",
+                    "vs_memcpy", "vs_memcpy_2t", "ratio", "ratio_median"]
+        if r["path"] == "tcp":  # the raw socket limit is measured for TCP pulls only
+            measured += ["socket_gbps", "vs_socket"]
+        else:
+            assert r["socket_gbps"] is None and r["vs_socket"] is None, key
+        for k in measured:
+            assert _positive(r[k]), (key, k, r[k])
+        assert math.isclose(r["ratio"], r["vs_" + r["limit"]]), key
+    targets = xp["targets"]
+    assert len(targets) == 3
+    for t in targets:
+        assert _positive(t["ratio"]) and isinstance(t["met"], bool), t
+
+
+def test_cross_process_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # --cross-process alone: the peer processes spawned from here; no in-process tables
+    assert cli_main(["bench", "--cross-process", "--repeats", "1", *XP_TINY]) == 0
+    out = capsys.readouterr().out
+    assert "Cross-process" in out and "vs_pvm" in out and "vs_socket" in out and "# target:" in out
+    assert "Per-call overhead" not in out and "qwen2.5-7b" not in out
 
 
 @pytest.mark.parametrize("bad", [["--geometries", "gpt-2"], ["--kinds", "copy"], ["--tokens", "64"],
-                                 ["--repeats", "0"]])
+                                 ["--repeats", "0"], ["--cross-process-bytes", "1000"],
+                                 ["--cross-process-bytes", str(1024 * KiB), "--cross-process-blocks", "17"],
+                                 ["--cross-process-blocks", "0"]])
 def test_unusable_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--json", *bad]) == 2
     assert "kvdd bench:" in capsys.readouterr().err
