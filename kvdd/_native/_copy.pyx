@@ -343,8 +343,10 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     # overflow)
     for j in range(J):
         n = ln[j]
-        if n < 0:
-            raise ValueError(f"copy_runs: run {j} has negative length {n}; nothing was copied")
+        if n <= 0:
+            # every run the engine plans moves bytes (SEMANTICS.md rejects size 0 before any copy);
+            # a zero or negative length is a request the engine did not validate
+            raise ValueError(f"copy_runs: run {j} has length {n} (must be > 0); nothing was copied")
         if so[j] < 0 or n > smin or so[j] > smin - n:
             raise _bound_error("src", j, so[j], n, smin, sk)
         if do[j] < 0 or n > dmin or do[j] > dmin - n:
@@ -404,7 +406,7 @@ def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
     Raises
     ------
     ValueError
-        ``len(src) != len(dst)``, arrays of different lengths, a negative offset or length, a run
+        ``len(src) != len(dst)``, arrays of different lengths, a negative offset, a length <= 0, a run
         past the end of any region (either side), total overflow, or threads not in {0, 1, 2}.
     TypeError
         A region that is not a :class:`Region`, or an array that is not 1-D int64/uint64.

@@ -122,8 +122,8 @@ def test_many_random_runs_disjoint(path: tuple[str, bool], threads: int) -> None
     src = [(k * size + 1, size) for k in range(K)]                 # odd base addresses
     dst = [((K + k) * size + 7, size) for k in range(K)]
     so, do = blocks(rng, count, cap, bs), blocks(rng, count, cap, bs)
-    ln = rng.integers(0, bs + 1, count)
-    ln[:3] = [bs, 1, 0]
+    ln = rng.integers(1, bs + 1, count)
+    ln[:3] = [bs, 1, 2]
     p = plan_runs([arena.region(*s) for s in src], [arena.region(*d) for d in dst], so, do, arr(ln),
                   threads=threads)
     assert p.threads == threads and p.streaming == path[1]
@@ -135,7 +135,7 @@ def test_many_random_runs_overlapping_destinations(path: tuple[str, bool], threa
     rng = np.random.default_rng(3)
     J, size = 300, 20000
     arena = Arena(4 * size, seed=4)
-    ln = rng.integers(0, 1200, J)
+    ln = rng.integers(1, 1200, J)
     so = [int(rng.integers(0, size - n + 1)) for n in ln]
     do = [int(rng.integers(0, size - n + 1)) for n in ln]
     src, dst = [(3, size), (size + 5, size)], [(2 * size + 1, size), (3 * size, size)]
@@ -210,15 +210,16 @@ def test_unaligned_long_runs(path: tuple[str, bool], threads: int, n: int, soff:
     run(arena, [(soff, n + 64)], [(n + 128 + doff, n + 64)], [0, 1], [0, 50], [n, n - 50], threads)
 
 
-def test_zero_length_runs_copy_nothing(path: tuple[str, bool], threads: int) -> None:
+def test_zero_length_runs_are_refused(path: tuple[str, bool], threads: int) -> None:
+    """A zero-length run is a request the engine did not validate (it never plans one): refused,
+    nothing copied, even when the other runs are fine."""
     arena = Arena(4096, seed=9)
     before = arena.snapshot()
-    n = copy_runs([arena.region(0, 1000)], [arena.region(2000, 1000)], arr([0, 1000, 5]),
-                  arr([1000, 0, 7]), arr([0, 0, 0]), threads=threads)
-    assert n == 0
-    np.testing.assert_array_equal(arena.buf, before)
-    # zero-length runs mixed with others
-    run(arena, [(0, 1000)], [(2000, 1000)], [0, 10, 1000], [0, 20, 1000], [0, 700, 0], threads)
+    for lengths in ([0, 0, 0], [0, 700, 5], [700, 5, 0]):
+        with pytest.raises(ValueError, match="must be > 0"):
+            copy_runs([arena.region(0, 1000)], [arena.region(2000, 1000)], arr([0, 10, 20]),
+                      arr([0, 20, 40]), arr(lengths), threads=threads)
+        np.testing.assert_array_equal(arena.buf, before)
 
 
 def test_empty_requests(threads: int) -> None:
@@ -227,8 +228,9 @@ def test_empty_requests(threads: int) -> None:
     e = np.zeros(0, dtype=np.int64)
     assert copy_runs([arena.region(0, 10)], [arena.region(10, 10)], e, e, e, threads=threads) == 0
     assert copy_runs([], [], arr([0]), arr([0]), arr([5]), threads=threads) == 0
-    with pytest.raises(ValueError):  # still checked for sign without tensors
-        copy_runs([], [], arr([0]), arr([0]), arr([-5]), threads=threads)
+    for bad in (-5, 0):  # still checked without tensors
+        with pytest.raises(ValueError):
+            copy_runs([], [], arr([0]), arr([0]), arr([bad]), threads=threads)
     assert copy_runs((), (), e, e, e, threads=threads) == 0
     np.testing.assert_array_equal(arena.buf, before)
 
