@@ -272,6 +272,10 @@ class LoadMonitor:
         t = os.times()
         self._own += t.user + t.system
 
+    def add_own(self, cpu_s: float) -> None:
+        """Count `cpu_s` of CPU time of this run's own helper processes (peers) as not "other"."""
+        self._own += cpu_s
+
     def result(self) -> dict[str, float]:
         if self._start is None or self._end is None:
             return {}
@@ -727,6 +731,8 @@ def _xp_peer_main(conn: Any, row_bytes: int, cluster_id: int, tcp: bool) -> None
                 if os.getppid() != parent:  # the bench died: do not linger
                     return
             conn.recv()
+        t = os.times()
+        conn.send(("cpu", t.user + t.system))
     except BaseException as exc:  # reported to the bench
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -750,9 +756,9 @@ class _XPeer:
 
 
 @contextmanager
-def _xp_peer(path: str, row_bytes: int) -> Iterator[_XPeer]:
+def _xp_peer(path: str, row_bytes: int, cpu_out: list[float]) -> Iterator[_XPeer]:
     """A spawned peer process (with ``KVDD_SIM_XPROC=tcp`` on the TCP path); stopped, or killed,
-    on the way out, whatever happens."""
+    on the way out, whatever happens.  Its CPU time is appended to `cpu_out` when it stops."""
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     cluster_id = XP_PEER_IDS[path]
@@ -773,12 +779,17 @@ def _xp_peer(path: str, row_bytes: int) -> Iterator[_XPeer]:
             raise RuntimeError(f"the {path} peer process exited without a word") from None
         if kind != "ready":
             raise RuntimeError(f"the {path} peer process failed: {info}")
-        yield _XPeer(path, int(info["pid"]), cluster_id, int(info["port"]), int(info["raw_port"]),
-                     int(info["row_cache"]), int(info["paged_cache"]), int(info["addr"]))
+        peer = _XPeer(path, int(info["pid"]), cluster_id, int(info["port"]), int(info["raw_port"]),
+                      int(info["row_cache"]), int(info["paged_cache"]), int(info["addr"]))
+        yield peer
     finally:
         try:
             here.send("stop")
-        except OSError:
+            if here.poll(10):
+                kind, value = here.recv()
+                if kind == "cpu":
+                    cpu_out.append(float(value))
+        except (OSError, EOFError, ValueError, TypeError):
             pass
         proc.join(10)
         if proc.is_alive():
@@ -915,6 +926,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
 
     rows: list[Row] = []
     peers: list[dict[str, Any]] = []
+    peer_cpu: list[float] = []
     pair = _TwoThreadMemcpy()
     try:
         for path in paths:
@@ -922,7 +934,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                 progress(f"cross-process over {path}: {row_bytes // MiB if row_bytes >= MiB else row_bytes} "
                          f"{'MiB' if row_bytes >= MiB else 'B'} row, {blocks} x 64 KiB blocks (peer process)")
             with ExitStack() as stack:
-                peer = stack.enter_context(_xp_peer(path, row_bytes))
+                peer = stack.enter_context(_xp_peer(path, row_bytes, peer_cpu))
                 dd = stack.enter_context(LlmDataDist(XP_LOCAL_ID, LlmRole.DECODER, backend="sim"))
                 dd.initialize(_xp_options(1))
                 rows_cache = Cache(dd.register_kv_cache(row_desc, tensor_addrs([dst])), (dst.ctypes.data,), row_desc)
@@ -985,7 +997,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
         pair.close()
     return {"config": {"row_bytes": row_bytes, "blocks": blocks, "block_bytes": XP_BLOCK_BYTES,
                        "sync_wait_ms": XP_WAIT_MS},
-            "peers": peers, "rows": rows, "targets": _xp_targets(rows)}
+            "peers": peers, "peer_cpu_s": sum(peer_cpu), "rows": rows, "targets": _xp_targets(rows)}
 
 
 def _xp_targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
@@ -1107,7 +1119,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               progress=progress)
             except Exception as exc:  # reported in the document (and the exit status of --cross-process)
                 cross = {"config": {"row_bytes": xp_bytes, "blocks": xp_blocks, "block_bytes": XP_BLOCK_BYTES},
-                         "error": f"{type(exc).__name__}: {exc}", "peers": [], "rows": [], "targets": []}
+                         "error": f"{type(exc).__name__}: {exc}", "peers": [], "peer_cpu_s": 0.0, "rows": [],
+                         "targets": []}
+            load.add_own(float(cross["peer_cpu_s"]))  # the peers are this run, not other load
     stats1 = _copy.thread_stats()
     env = environment()
     env.update(load.result())
