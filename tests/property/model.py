@@ -711,15 +711,17 @@ class World:
         rtensors = src_list if src_list is not None else range(local.n)
         if rtensors[-1] >= remote.n:
             return PARAM_INVALID  # rule 1
-        if any((s0 + ln) * S > remote.T for s0, _d0, ln in groups):
+        lengths = [g[2] * S for g in groups]
+        if remote.T % S:  # §3.11 quirk: the last group copies only R.T % L.S bytes
+            lengths[-1] = remote.T % S
+        if any(g[0] * S + n > remote.T for g, n in zip(groups, lengths)):
             return PARAM_INVALID  # rule 1: a run that starts in range but ends past the tensor
         ltensors = dst_list if dst_list is not None else range(local.n)
         st = self._transfer_point(me, ent, "pull_kv_blocks", remote)
         if st != SUCCESS:
             return st
         self._copy([local.addrs[i] for i in ltensors], [g[1] * S for g in groups],
-                   [remote.addrs[i] for i in rtensors], [g[0] * S for g in groups],
-                   [g[2] * S for g in groups])
+                   [remote.addrs[i] for i in rtensors], [g[0] * S for g in groups], lengths)
         return SUCCESS
 
     # -- §3.12 / §3.13 -------------------------------------------------------------------------
