@@ -40,6 +40,23 @@ def _check_clusters(clusters: object) -> tuple[ClusterInfo, ...]:
     return tuple(clusters)
 
 
+def _check_tensor_sizes(cache_desc: CacheDesc, nbytes: Sequence[int]) -> None:
+    # The C++ API only sees addresses, so upstream cannot notice a tensor smaller than the
+    # descriptor says; TensorAddrs knows each owner's size, so kvdd refuses that classic bug here
+    # (identically on every backend) instead of letting transfers write past the tensor.
+    try:
+        need = cache_desc.tensor_nbytes
+    except ValueError:
+        return  # the backend reports the invalid shape/dtype with its LLM status
+    for i, have in enumerate(nbytes):
+        if have < need:
+            raise ValueError(
+                f"tensor {i} holds {have} bytes but cache_desc needs {need} bytes per tensor "
+                f"(shape {cache_desc.shape}, data_type {cache_desc.data_type!r}); transfers would "
+                "read and write past it. Register tensors of the described shape."
+            )
+
+
 _DEFAULT_EXT = KvCacheExtParam()  # immutable, so one instance serves every call
 
 
@@ -180,7 +197,9 @@ class LlmDataDist:
 
         ``addrs``: one address (uint64) per tensor, each the start of ``cache_desc.tensor_nbytes``
         bytes; a :class:`TensorAddrs` from :func:`kvdd.tensor_addrs` keeps its tensors alive while
-        registered.  Returns the cache id (1, 2, ... per instance).  Raises LLMParamInvalidError
+        registered; a ``TensorAddrs`` tensor smaller than ``cache_desc.tensor_nbytes`` is a
+        ``ValueError`` (upstream cannot see sizes and would let transfers overrun it).
+        Returns the cache id (1, 2, ... per instance).  Raises LLMParamInvalidError
         (empty/mismatched/zero addrs, bad shape or dtype), LLMError(LLM_FAILED) when not
         initialized or (simulator) the memory is not readable and writable.
         """
@@ -190,6 +209,8 @@ class LlmDataDist:
             cfg = RegisterCfg()
         _check_type("cfg", cfg, RegisterCfg)
         passed: Sequence[int] = addrs if isinstance(addrs, TensorAddrs) else checked
+        if isinstance(addrs, TensorAddrs) and len(addrs.nbytes) == len(checked):
+            _check_tensor_sizes(cache_desc, addrs.nbytes)
         status, cache_id = self._backend.register_kv_cache(cache_desc, passed, cfg)
         self._check(status, "RegisterKvCache")
         return cache_id

@@ -1506,7 +1506,9 @@ def _connect_control(address: Address, timeout: float) -> Control:
             last = exc
         if time.monotonic() >= deadline:
             raise DemoError(f"cannot reach the prefill's control channel at {address[0]}:{address[1]} within "
-                            f"{timeout:g} s ({last}); is `kvdd demo --role prefill` running there?")
+                            f"{timeout:g} s ({last}); is `kvdd demo --role prefill` running there? Use the decode "
+                            "command it prints: with --listen ...:0 its control port is not PORT+1, pass "
+                            "--control-port")
         time.sleep(0.1)
 
 

@@ -10,7 +10,18 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from .._native._copy import Region, copy_runs
+try:
+    from .._native._copy import Region, copy_runs
+except ImportError as _exc:  # pragma: no cover - depends on how kvdd was started
+    import os as _os
+
+    raise ImportError(
+        f"kvdd's compiled copy kernels are missing ({_exc}). kvdd is being imported from "
+        f"{_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))}: if that is a source "
+        "checkout, Python found it before the installed package (the current directory comes "
+        "first on sys.path for `python script.py` and `python -m`); run from another directory, "
+        "use the `kvdd` command, or install in editable mode (pip install --no-build-isolation -e .)."
+    ) from _exc
 
 __all__ = ["Region", "copy_runs", "is_accessible", "first_inaccessible"]
 
