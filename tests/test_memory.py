@@ -241,3 +241,20 @@ def test_tensor_addrs_is_a_tuple_of_ints() -> None:
     c = Cache(1, addrs)
     assert c.tensor_addrs == (_addr(a), _addr(b))
     assert kvdd.TensorAddrs is TensorAddrs and "tensor_addrs" in kvdd.__all__
+
+
+def test_register_refuses_a_tensor_smaller_than_the_descriptor() -> None:
+    """A 16 KiB view registered as a 256 KiB tensor would let transfers overrun it: ValueError from
+    the facade, and nothing is registered (the next registration still gets id 1)."""
+    import kvdd
+
+    with kvdd.LlmDataDist(1, kvdd.LlmRole.MIX, backend="sim") as dd:
+        dd.initialize({kvdd.OPTION_DEVICE_ID: "0"})
+        big = np.zeros((64, 1024), np.float32)
+        desc = kvdd.CacheDesc(num_tensors=2, data_type=kvdd.DataType.DT_FLOAT, shape=(64, 1024))
+        small = big[:4]  # 16 KiB of the 256 KiB the descriptor describes
+        with pytest.raises(ValueError, match="tensor 1 holds 16384 bytes but cache_desc needs 262144"):
+            dd.register_kv_cache(desc, kvdd.tensor_addrs([big, small]))
+        assert dd.register_kv_cache(desc, kvdd.tensor_addrs([big, np.zeros_like(big)])) == 1
+        # plain addresses carry no sizes: the caller's job, as on hardware
+        assert dd.register_kv_cache(desc, [small.ctypes.data, big.ctypes.data]) == 2
