@@ -10,6 +10,7 @@ public API, as a serving engine would:
 ``pull_size``    PullKvCache with ``size``: the first half of the row's tokens of every tensor;
 ``pull_layers``  PullKvCache of the row one layer at a time (``KvCacheExtParam`` layer ranges
                  ``(l, l)``, prebuilt), all layers: the bytes of ``pull_row`` in ``layers`` calls;
+``push_row``     PushKvCache of one full row of every tensor, prefill -> decode (all layers, one call);
 ``pull_blocks``  PullKvBlocks of the request's blocks from random, distinct, unordered block ids of a
                  paged cache twice as large, into random ids (so nearly every block is its own run);
 ``push_blocks``  PushKvBlocks of the same shape, prefill -> decode.
@@ -96,7 +97,7 @@ LOCALHOST = "127.0.0.1"
 PREFILL_ID, DECODE_ID = 1, 2
 
 #: Transfer kinds, in the order they are measured.
-KINDS = ("pull_row", "pull_size", "pull_layers", "pull_blocks", "push_blocks")
+KINDS = ("pull_row", "pull_size", "pull_layers", "push_row", "pull_blocks", "push_blocks")
 
 Row = dict[str, Any]
 Timing = dict[str, Any]
@@ -489,6 +490,7 @@ def _cases(geom: BenchGeometry, blocks: int, p: LlmDataDist, d: LlmDataDist, ps:
     row_idx = CacheIndex(PREFILL_ID, ps.rows.cache_id, 1)  # remote row 1 -> local row 0
     blk_idx = CacheIndex(PREFILL_ID, ps.paged.cache_id, 0)
     push_idx = CacheIndex(DECODE_ID, ds.paged.cache_id, 0)
+    push_row_idx = CacheIndex(DECODE_ID, ds.rows.cache_id, 0)  # local row 1 -> remote row 0
     ext_all = KvCacheExtParam(tensor_num_per_layer=t)
     src_ids = [int(x) for x in rng.permutation(2 * blocks)[:blocks]]
     dst_ids = [int(x) for x in rng.permutation(2 * blocks)[:blocks]]
@@ -524,6 +526,9 @@ def _cases(geom: BenchGeometry, blocks: int, p: LlmDataDist, d: LlmDataDist, ps:
         cases.append(_Case("pull_layers", n * S_row, geom.layers, S_row, pull_layers,
                            functools.partial(rows_equal, S_row)))
     cases += [
+        _Case("push_row", n * S_row, 1, S_row,
+              functools.partial(p.push_kv_cache, ps.rows, push_row_idx, 1, -1, ext_all),
+              functools.partial(rows_equal, S_row)),
         _Case("pull_blocks", n * blocks * S_blk, 1, S_blk,
               functools.partial(d.pull_kv_blocks, blk_idx, ds.paged, src_ids, dst_ids, ext_all),
               functools.partial(blocks_equal, ps, ds)),

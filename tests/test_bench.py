@@ -36,10 +36,12 @@ EXPECTED_BYTES = {
     ("qwen2.5-7b", "pull_row"): 56 * QWEN_ROW,
     ("qwen2.5-7b", "pull_size"): 56 * QWEN_ROW // 2,
     ("qwen2.5-7b", "pull_layers"): 56 * QWEN_ROW,
+    ("qwen2.5-7b", "push_row"): 56 * QWEN_ROW,
     ("qwen2.5-7b", "pull_blocks"): 56 * QWEN_ROW,
     ("qwen2.5-7b", "push_blocks"): 56 * QWEN_ROW,
     ("synthetic-4096x16k", "pull_row"): 8 * 16 * KiB,
     ("synthetic-4096x16k", "pull_size"): 4 * 16 * KiB,
+    ("synthetic-4096x16k", "push_row"): 8 * 16 * KiB,
     ("synthetic-4096x16k", "pull_blocks"): 8 * 16 * KiB,
     ("synthetic-4096x16k", "push_blocks"): 8 * 16 * KiB,
 }
