@@ -1,0 +1,16 @@
+# decode.py PORT CACHE_ID: links to prefill in the other process and pulls two blocks
+import sys, numpy as np, kvdd
+from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo
+
+port, remote_id = int(sys.argv[1]), int(sys.argv[2])
+with kvdd.LlmDataDist(cluster_id=2, role=kvdd.LlmRole.DECODER, backend="sim") as dd:
+    dd.initialize({kvdd.OPTION_DEVICE_ID: "1"})
+    kv = [np.zeros((8, 1024), dtype=np.uint8) for _ in range(4)]
+    local_id = dd.register_kv_cache(CacheDesc(4, DataType.DT_UINT8, (8, 1024)), kvdd.tensor_addrs(kv))
+    prefill = ClusterInfo(remote_cluster_id=1, local_ip_infos=[IpInfo("127.0.0.1")],
+                          remote_ip_infos=[IpInfo("127.0.0.1", port)])
+    dd.link_llm_clusters([prefill])
+    dd.pull_kv_blocks(CacheIndex(1, remote_id), Cache(local_id), src_blocks=[5, 2], dst_blocks=[0, 1])
+    assert all((kv[k][:2] == k).all() and (kv[k][2:] == 0).all() for k in range(4))
+    dd.unlink_llm_clusters([prefill])
+    print("pulled 2 blocks x 4 tensors from the prefill process, bytes verified")

@@ -1,0 +1,10 @@
+# prefill.py: listens, registers a cache, waits for decode to pull, then exits
+import sys, numpy as np, kvdd
+from kvdd import CacheDesc, DataType
+
+with kvdd.LlmDataDist(cluster_id=1, role=kvdd.LlmRole.PROMPT, backend="sim") as dd:
+    dd.initialize({kvdd.OPTION_DEVICE_ID: "0", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
+    kv = [np.full((8, 1024), k, dtype=np.uint8) for k in range(4)]       # 4 tensors, 8 blocks of 1 KiB
+    cache_id = dd.register_kv_cache(CacheDesc(4, DataType.DT_UINT8, (8, 1024)), kvdd.tensor_addrs(kv))
+    print(dd.listen_port, cache_id, flush=True)                          # tell decode where to look
+    sys.stdin.readline()                                                  # wait until decode is done
