@@ -19,7 +19,9 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         cfg = importlib.import_module("kvdd._build_config")
         built = f"native built={cfg.NATIVE_BUILT} test_double={cfg.NATIVE_TEST_DOUBLE} " \
-                f"ascend_home={cfg.ASCEND_HOME or '-'} cxx11_abi={cfg.CXX11_ABI} ({cfg.NATIVE_REASON})"
+                f"ascend_home={cfg.ASCEND_HOME or '-'} cxx11_abi={cfg.CXX11_ABI}"
+        if cfg.NATIVE_BUILT:  # otherwise the native backend line below gives the reason
+            built += f" ({cfg.NATIVE_REASON})"
     except ImportError:
         built = "no build configuration (kvdd is not installed through meson)"
     print(f"kvdd {__version__} on Python {platform.python_version()} ({platform.machine()})")
