@@ -809,7 +809,7 @@ class SimBackend:
             return self._fail(PARAM_INVALID, "pushing all layers needs src_cache.cache_desc.num_tensors > 0"), (range(0), 0)
         return S_OK, self._push_plan(src_cache, ext)
 
-    def _push_layer_lookup(self, src_cache: Cache, idx: CacheIndex, t: int, ld: int, ls: int
+    def _push_layer_lookup(self, src_cache: Cache, idx: CacheIndex, t: int, ld: int
                            ) -> tuple[int, CacheEntry | None, Entity | None, RemoteCache | None]:
         local = self.caches.get(src_cache.cache_id)  # a
         if local is None:
@@ -845,7 +845,7 @@ class SimBackend:
         then written in one copy, and that layer's status is returned.
         """
         src_layers, ld0 = plan
-        status, local, entity, rc = self._push_layer_lookup(src_cache, idx, t, ld0, src_layers[0])  # a-d
+        status, local, entity, rc = self._push_layer_lookup(src_cache, idx, t, ld0)  # a-d
         if status != S_OK:
             return status
         assert local is not None and entity is not None and rc is not None
@@ -853,7 +853,6 @@ class SimBackend:
             ok: list[tuple[int, int]] = []
             failed: int = S_OK
             remote_layers = rc.num_tensors // t
-            local_layers = local.n // t
             for i, ls in enumerate(src_layers):
                 ld = ld0 + i
                 if i == 0:
@@ -862,9 +861,8 @@ class SimBackend:
                 elif ld < 0 or ld >= remote_layers:  # d
                     failed = self._fail(PARAM_INVALID, f"dst layer {ld} is not below the remote layer "
                                         f"count {remote_layers}")
-                elif ls >= local_layers:  # f
-                    failed = self._fail(PARAM_INVALID, f"src layer {ls} is not below the local layer "
-                                        f"count {local_layers}")
+                else:
+                    failed = self._push_local_checks(local, t, ls)  # f (g passed at layer 0)
                 if failed != S_OK:
                     break
                 ok.append((ls, ld))

@@ -23,7 +23,7 @@ except ImportError as _exc:  # pragma: no cover - depends on how kvdd was starte
         "use the `kvdd` command, or install in editable mode (pip install --no-build-isolation -e .)."
     ) from _exc
 
-__all__ = ["Region", "copy_runs", "is_accessible", "first_inaccessible"]
+__all__ = ["Region", "copy_runs", "first_inaccessible"]
 
 def _read_rw_spans() -> tuple[list[int], list[int]]:
     # /proc/self/maps as sorted, merged [start, end) spans of readable+writable memory.
@@ -70,8 +70,3 @@ def first_inaccessible(addrs: Sequence[int], nbytes: int) -> int:
                 return i
         seen.add(addr)
     return -1
-
-
-def is_accessible(addr: int, nbytes: int) -> bool:
-    """True when ``[addr, addr + nbytes)`` is readable and writable memory of this process."""
-    return first_inaccessible((addr,), nbytes) == -1
