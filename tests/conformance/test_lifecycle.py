@@ -1,5 +1,5 @@
 """Initialize / Finalize / SetRole: SEMANTICS.md §3.2-§3.4, §6 scenarios 1-16 and 39-42, §7.12-15,
-§7.21, §10.6 (real listening), §10.14-15."""
+§7.21, §10.6 (real listening), §10.14."""
 
 from __future__ import annotations
 
@@ -464,7 +464,7 @@ def test_finalized_owner_cache_not_found(world: World) -> None:
         p.pull_kv_cache(dh.index(), ph.cache())
 
 
-# -- SetRole (§3.4, scenarios 39-42, §7.21, §10.15) ----------------------------------------------
+# -- SetRole (§3.4, scenarios 39-42, §7.21) -------------------------------------------------------
 
 
 def test_s39_set_role_sequence_without_links(world: World) -> None:
@@ -583,8 +583,8 @@ def test_s42_hixl_set_role_listen_change_not_enabled(world: World) -> None:
     d, p = pair(world, "hixl")
     port = d.listen_port
     assert port
-    # §10.15: compared as strings with the value given at Initialize ("127.0.0.1:0"), so even the
-    # real port spelled out is a change.
+    # §3.4 step 5: compared as the parsed ip:port of Initialize ("127.0.0.1:0"), so even the real
+    # port spelled out is a change.
     with raises(FEATURE_NOT_ENABLED):
         d.set_role(LlmRole.PROMPT, {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}"})
     with raises(FEATURE_NOT_ENABLED):
