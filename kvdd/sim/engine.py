@@ -215,6 +215,13 @@ class SimBackend:
         listener = self.listener
         return None if listener is None else listener.port
 
+    def link_data_path(self, remote_cluster_id: int) -> str | None:
+        """How this instance's link to `remote_cluster_id` moves bytes: ``"in_process"`` (a peer in
+        this process: the copy kernels), ``"process_vm"`` (same host: process_vm_readv/writev) or
+        ``"tcp"``; None when there is no such link.  Public introspection for benchmarks and tests."""
+        entity = self.entities.get(int(remote_cluster_id))
+        return None if entity is None else str(getattr(entity.peer, "data_path", "in_process"))
+
     def _start_listening(self, ip: str, port: int) -> int:
         try:
             self.listener = fabric.Listener(self, ip, port)
