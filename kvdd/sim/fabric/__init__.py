@@ -44,7 +44,7 @@ from . import wire
 from .channel import close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
-                   default_secret_path, generate_secret, load_secret)
+                   default_secret_path, describe_secret, generate_secret, load_secret)
 from .extensions import register_extension, unregister_extension
 from .listener import Listener
 from .peers import InProcessPeer, RemotePeer, in_process_peer
@@ -82,6 +82,7 @@ __all__ = [
     "SecretError",
     "load_secret",
     "generate_secret",
+    "describe_secret",
     "default_secret_path",
     "register_extension",
     "unregister_extension",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ENV_AUTH", "SecretError", "Secret", "Session",
-           "load_secret", "generate_secret", "default_secret_path", "mac", "session_key",
+           "load_secret", "generate_secret", "describe_secret", "default_secret_path", "mac", "session_key",
            "NONCE_BYTES", "MIN_SECRET_BYTES"]
 
 ENV_SECRET = "KVDD_FABRIC_SECRET"
@@ -176,8 +176,14 @@ def _user_file(path: Path) -> bytes:
     return _read_checked(path)
 
 
-def load_secret() -> Secret:
+def load_secret(create: bool = True) -> Secret:
     """The secret of this process, from the first source that is set (see the module docstring).
+
+    Parameters
+    ----------
+    create : bool
+        Create the per-user file when no other source is set and it does not exist yet (False:
+        raise :class:`SecretError` instead).
 
     Raises
     ------
@@ -200,11 +206,26 @@ def load_secret() -> Secret:
         return Secret(_file_key(data, f"secret file {path}"), f"file {path}")
     path = default_secret_path()
     try:
-        data = _user_file(path)
+        data = _user_file(path) if create else _read_checked(path)
+    except FileNotFoundError:
+        raise SecretError(f"no secret yet: {path} is created on the first link") from None
     except OSError as exc:
         raise SecretError(f"cannot create or read the per-user secret {path}: {exc.strerror}; "
                           f"set {ENV_SECRET} or {ENV_SECRET_FILE}") from None
     return Secret(_file_key(data, f"secret file {path}"), f"file {path} (per-user, automatic)")
+
+
+def describe_secret() -> str:
+    """One line for ``kvdd doctor``: where the secret comes from (never the secret itself) and
+    whether authentication is off; creates nothing."""
+    try:
+        secret = load_secret(create=False)
+    except SecretError as exc:
+        return f"not usable yet: {exc}"
+    if secret.auth_off:
+        return (f"authentication OFF ({ENV_AUTH}=off): any process that reaches a listen port "
+                "may link (trusted networks only); bounds still apply")
+    return f"{secret.source}, {len(secret.key)} bytes; peers must prove they hold the same secret"
 
 
 def generate_secret() -> str:
