@@ -182,3 +182,25 @@ def test_pvm_copy_pidfd_guard() -> None:
     finally:
         os.close(pfd)
     assert not b.any()
+
+
+def test_pvm_bench_runs_moves_exactly_the_runs() -> None:
+    """The benchmark's bare scattered process_vm_readv: the same bytes as the runs say."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    runs = 1500  # more than one batch of 1024 iovecs
+    lo = np.arange(runs, dtype=np.int64) * 40
+    ro = rng.permutation(runs).astype(np.int64) * 40
+    ln = np.full(runs, 40, np.int64)
+    n = _xproc.pvm_bench_runs(os.getpid(), Region(int(dst.ctypes.data), dst.nbytes, dst),
+                              int(src.ctypes.data), lo, ro, ln, False)
+    assert n == runs * 40
+    exp = np.zeros_like(dst)
+    for a, b in zip(lo.tolist(), ro.tolist()):
+        exp[a:a + 40] = src[b:b + 40]
+    assert np.array_equal(dst, exp)
+    with pytest.raises(ValueError):
+        _xproc.pvm_bench_runs(os.getpid(), Region(int(dst.ctypes.data), dst.nbytes, dst),
+                              int(src.ctypes.data), np.array([1 << 16], np.int64),
+                              np.array([0], np.int64), np.array([1], np.int64), False)
