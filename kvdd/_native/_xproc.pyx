@@ -747,10 +747,22 @@ cdef class LeaseTable:
 
     def compare_exchange(self, Py_ssize_t slot, int word, uint64_t expected,
                          uint64_t desired) -> bool:
-        """Atomic compare-and-swap of word ``word`` (0: in-flight, 1: state) of ``slot``."""
-        if word not in (0, 1):
-            raise ValueError("word must be 0 or 1")
+        """Atomic compare-and-swap of word ``word`` (0..7; 0: in-flight, 1: state) of ``slot``."""
+        if word < 0 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [0, 8)")
         return bool(kvdd_cas(&self._slot(slot)[word], expected, desired))
+
+    def load(self, Py_ssize_t slot, int word) -> int:
+        """Word ``word`` (0..7) of ``slot`` (2: the cache id the owner labelled it with)."""
+        if word < 0 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [0, 8)")
+        return kvdd_load(&self._slot(slot)[word])
+
+    def store(self, Py_ssize_t slot, int word, uint64_t value) -> None:
+        """Store ``value`` in word ``word`` (2..7: labels; 0 and 1 have their own methods)."""
+        if word < 2 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [2, 8)")
+        kvdd_store(&self._slot(slot)[word], value)
 
     def wait_idle(self, slot, int timeout_ms, int pidfd=-1) -> int:
         """Owner: wait (GIL released) until no transfer is in flight on ``slot`` (``None``: on
