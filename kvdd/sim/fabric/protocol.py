@@ -53,6 +53,14 @@ class ServedCache(Protocol):
 
     def release(self) -> None: ...
 
+    def add_drain(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on unregister after new leases are refused and before waiting for held
+        ones (the same-host one-sided path revokes and waits for its copies there); False (not
+        added) once unregistered."""
+        ...
+
+    def remove_drain(self, fn: Callable[[], None]) -> None: ...
+
 
 #: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.
 Snapshot = tuple[dict[int, RemoteCache], Mapping[int, ServedCache]]
