@@ -82,7 +82,7 @@ def test_cxx_exception_becomes_llm_failed(cluster_id: int, cxx_message: str, met
     nb = NativeBackend(cluster_id, 1)
     result = call(nb)
     status = result[0] if isinstance(result, tuple) else result
-    assert status == Status.LLM_FAILED and int(status) == 0xFFFFFFFF
+    assert status == 0xFFFFFFFF  # LLM_FAILED
     if isinstance(result, tuple):
         # outputs of a failed call: no per-cluster statuses, no cache id, no cache
         assert result[1] == {"LinkLlmClusters": [], "UnlinkLlmClusters": [],
