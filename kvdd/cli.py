@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         and their ``func`` explains the problem.
     """
     parser = argparse.ArgumentParser(prog="kvdd", description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log what kvdd does on stderr (-v: info, -vv: debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = sub.add_parser(
         "doctor", help="which backends are built and usable here, and why not",
@@ -252,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "any_arguments", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.verbose:  # the library configures no logging; the command line may
+            logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                                format="%(name)s: %(levelname)s: %(message)s")
         result: int = args.func(args)
         return result
     except KeyboardInterrupt:

@@ -136,9 +136,10 @@ def connect_control(address: Address, timeout: float, log: Progress | None = Non
             announced = True
             message = (f"the prefill's control channel at {where} refused the connection; retrying for "
                        f"{min(refused_retry, timeout):g} s")
-            _log.info(message)
             if log is not None:
-                log(message)
+                log(message)  # which also logs it
+            else:
+                _log.info(message)
         if time.monotonic() >= (refused_deadline if refused else deadline):
             waited = min(refused_retry, timeout) if refused else timeout
             raise DemoError(f"cannot reach the prefill's control channel at {where} within {waited:g} s "
