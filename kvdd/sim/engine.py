@@ -425,7 +425,7 @@ class SimBackend:
         finally:
             conn.close()
 
-    def _serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
+    def serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
                     ) -> tuple[int, str, tuple[dict[int, RemoteCache], dict[int, CacheEntry]] | None]:
         """The acceptor's side of a link (called by the fabric, for initiators in this process
         and elsewhere): the initiator must be initialized on the same transfer backend; on comm the
@@ -530,7 +530,7 @@ class SimBackend:
             return self._fail(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
         return peer_status
 
-    def _peer_unlinked(self, peer_cluster_id: int) -> int:
+    def peer_unlinked(self, peer_cluster_id: int) -> int:
         """A peer asked (non-force unlink) to drop our entity for it; absent is success."""
         if self.initialized:
             self._destroy_entity(peer_cluster_id)
