@@ -27,7 +27,9 @@
 #ifndef KVDD_PAGES
 #define KVDD_PAGES 4
 #endif
+#ifndef KVDD_PAGED_MIN
 #define KVDD_PAGED_MIN ((size_t)KVDD_PAGES * 4096u)
+#endif
 #ifndef KVDD_PF_AHEAD
 #define KVDD_PF_AHEAD 1
 #endif

@@ -24,17 +24,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from .._native import _copy
-from .harness import MiB, SelfTimed
+from .harness import MiB, Row, SelfTimed, Timing, gbps
 
 __all__ = ["LIMIT_NAMES", "STREAM_THRESHOLD", "Limits", "StreamingMemcpy", "TwoThreadMemcpy", "arena", "fill_pattern",
-           "memcpy_limits", "stream_child_main"]
+           "limit_columns", "memcpy_limits", "stream_child_main"]
 
 #: The limits of :class:`Limits`, in the order they are timed.
 LIMIT_NAMES = ("numpy_1t", "numpy_2t", "stream_1t", "stream_2t")
@@ -274,3 +274,17 @@ class Limits:
             out["stream_1t"] = self.stream.timer(nbytes, 1)
             out["stream_2t"] = self.stream.timer(nbytes, 2)
         return out
+
+
+def limit_columns(res: Mapping[str, Timing], nbytes: int, candidate: str = "transfer") -> Row:
+    """The limit columns of a result row: each limit's GB/s (None when not measured), ``limit`` (the
+    fastest, by min time), ``limit_gbps``, ``ratio`` = limit time / candidate time (min times;
+    ``ratio_median`` from medians: > 1 is faster than the limit)."""
+    cand = res[candidate]
+    out: Row = {f"{name}_gbps": (gbps(nbytes, res[name]["min_s"]) if name in res else None) for name in LIMIT_NAMES}
+    measured = [name for name in LIMIT_NAMES if name in res]
+    best = min(measured, key=lambda name: res[name]["min_s"])
+    best_median = min(res[name]["median_s"] for name in measured)
+    out.update({"limit": best, "limit_gbps": gbps(nbytes, res[best]["min_s"]),
+                "ratio": res[best]["min_s"] / cand["min_s"], "ratio_median": best_median / cand["median_s"]})
+    return out
