@@ -30,6 +30,10 @@ def _doctor(args: argparse.Namespace) -> int:
         problem = backend_problem(name)
         print(f"backend {name}: {'usable' if problem is None else 'unavailable: ' + problem}")
     print(f"looks like an Ascend node: {looks_like_ascend_node()}")
+    from .cann import simulated_root_status
+
+    for line in simulated_root_status():  # kvdd cann-root: ASCEND_HOME_PATH / the native build's root
+        print(line)
     try:
         print(f"backend=None selects: {resolve_backend_name(None)}")
     except (ImportError, ValueError) as exc:
@@ -53,6 +57,12 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import run_from_args as run_bench
 
     return run_bench(args)
+
+
+def _cann_root(args: argparse.Namespace) -> int:
+    from .cann.root import run_from_args as run_cann_root
+
+    return run_cann_root(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "reports, it does not judge (exit status 0; 2 for unusable options).")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
+    from .cann.root import add_cann_root_arguments
+
+    cann_root = sub.add_parser(
+        "cann-root", help="write a simulated CANN root: C++ LLM-DataDist programs on the simulator",
+        description="Write a directory with CANN's layout (include/, lib64/, set_env.sh, a CMake "
+                    "package) whose libllm_datadist.so and libascendcl.so are kvdd's simulator, so "
+                    "C++ programs written for LLM-DataDist build and run without an NPU. Compiles "
+                    "the libraries with the system C/C++ compiler.")
+    add_cann_root_arguments(cann_root)
+    cann_root.set_defaults(func=_cann_root)
     return parser
 
 
