@@ -27,6 +27,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <map>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -240,6 +241,9 @@ class SimEngine final : public Engine {
       // The interpreter is gone: nothing can be released safely; leak the references.
       (void)engine_.release();
       (void)types_.release();
+      for (auto &kv : memo_) {
+        (void)kv.second.release();
+      }
       return;
     }
     Gil gil;
@@ -250,6 +254,7 @@ class SimEngine final : public Engine {
         PyErr_Clear();
       }
     }
+    memo_.clear();
     engine_ = Ref();
     types_ = Ref();
   }
@@ -291,7 +296,62 @@ class SimEngine final : public Engine {
     return Make("ClusterInfo", kw.get());
   }
 
+  // kvdd.types values are immutable: a struct passed again with the same fields (the usual case:
+  // a serving loop reuses its CacheIndex, Cache and KvCacheExtParam) reuses the Python value built
+  // for it, which saves most of the per-call conversion.  Bounded; cleared when full.
+  template <typename F>
+  Ref Memoized(std::vector<int64_t> key, F &&make) {
+    auto it = memo_.find(key);
+    if (it != memo_.end()) {
+      Py_INCREF(it->second.get());
+      return Ref(it->second.get());
+    }
+    Ref value = make();
+    if (memo_.size() >= 64) {
+      memo_.clear();
+    }
+    Py_INCREF(value.get());
+    memo_.emplace(std::move(key), Ref(value.get()));
+    return value;
+  }
+
+  static void DescKey(std::vector<int64_t> &key, const CacheDesc &desc) {
+    key.push_back(static_cast<int64_t>(desc.placement));
+    key.push_back(static_cast<int64_t>(desc.num_tensors));
+    key.push_back(static_cast<int64_t>(desc.data_type));
+    key.push_back(static_cast<int64_t>(desc.shape.size()));
+    key.insert(key.end(), desc.shape.begin(), desc.shape.end());
+  }
+
   Ref ToPy(const CacheDesc &desc) {
+    std::vector<int64_t> key = {1};
+    DescKey(key, desc);
+    return Memoized(std::move(key), [&] { return Convert(desc); });
+  }
+
+  Ref ToPy(const Cache &cache) {
+    std::vector<int64_t> key = {2, cache.cache_id};
+    DescKey(key, cache.cache_desc);
+    for (uintptr_t a : cache.tensor_addrs) {
+      key.push_back(static_cast<int64_t>(a));
+    }
+    return Memoized(std::move(key), [&] { return Convert(cache); });
+  }
+
+  Ref ToPy(const CacheIndex &index) {
+    return Memoized({3, static_cast<int64_t>(index.cluster_id), index.cache_id,
+                     static_cast<int64_t>(index.batch_index)},
+                    [&] { return Convert(index); });
+  }
+
+  Ref ToPy(const KvCacheExtParam &param) {
+    return Memoized({4, param.src_layer_range.first, param.src_layer_range.second,
+                     param.dst_layer_range.first, param.dst_layer_range.second,
+                     static_cast<int64_t>(param.tensor_num_per_layer)},
+                    [&] { return Convert(param); });
+  }
+
+  Ref Convert(const CacheDesc &desc) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "num_tensors", UInt(desc.num_tensors));
     // ge::DataType has no fixed underlying type; kvdd stores any int32 in it.
@@ -301,16 +361,16 @@ class SimEngine final : public Engine {
     return Make("CacheDesc", kw.get());
   }
 
-  Ref ToPy(const Cache &cache) {
+  Ref Convert(const Cache &cache) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "cache_id", Int(cache.cache_id));
     SetItem(kw.get(), "tensor_addrs",
             Tuple(cache.tensor_addrs, [](uintptr_t a) { return UInt(static_cast<uint64_t>(a)); }));
-    SetItem(kw.get(), "cache_desc", ToPy(cache.cache_desc));
+    SetItem(kw.get(), "cache_desc", Convert(cache.cache_desc));
     return Make("Cache", kw.get());
   }
 
-  Ref ToPy(const CacheIndex &index) {
+  Ref Convert(const CacheIndex &index) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "cluster_id", UInt(index.cluster_id));
     SetItem(kw.get(), "cache_id", Int(index.cache_id));
@@ -318,7 +378,7 @@ class SimEngine final : public Engine {
     return Make("CacheIndex", kw.get());
   }
 
-  Ref ToPy(const KvCacheExtParam &param) {
+  Ref Convert(const KvCacheExtParam &param) {
     Ref kw(Check(PyDict_New(), "dict"));
     Ref src(Check(PyTuple_New(2), "tuple"));
     Ref dst(Check(PyTuple_New(2), "tuple"));
@@ -588,6 +648,7 @@ class SimEngine final : public Engine {
  private:
   Ref types_;
   Ref engine_;
+  std::map<std::vector<int64_t>, Ref> memo_;
 };
 
 }  // namespace
