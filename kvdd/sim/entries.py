@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .fabric import PeerHandle, RemoteCache
@@ -16,7 +16,7 @@ class CacheEntry:
     """A registered cache on its owner (SEMANTICS.md §2.1)."""
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions",
-                 "owners", "_lock", "_inflight", "_drained", "registered")
+                 "owners", "_lock", "_inflight", "_drained", "registered", "_drains")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
                  addrs: Sequence[int], owners: tuple[object, ...]) -> None:
@@ -34,6 +34,7 @@ class CacheEntry:
         self._inflight = 0
         self._drained: threading.Event | None = None
         self.registered = True
+        self._drains: list[Callable[[], None]] = []  # one-sided readers' lease tables (fabric)
 
     def remote_view(self) -> RemoteCache:
         return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, self)
@@ -52,6 +53,20 @@ class CacheEntry:
             if self._inflight == 0 and self._drained is not None:
                 self._drained.set()
 
+    def add_drain(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` when this cache is unregistered, after new leases are refused (one-sided
+        same-host readers: revoke and wait for their copies); False once unregistered."""
+        with self._lock:
+            if not self.registered:
+                return False
+            self._drains.append(fn)
+            return True
+
+    def remove_drain(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._drains:
+                self._drains.remove(fn)
+
     def retire(self, timeout: float | None = None) -> bool:
         """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5).
 
@@ -61,6 +76,9 @@ class CacheEntry:
             drained = None
             if self._inflight:
                 drained = self._drained = threading.Event()
+            drains, self._drains = self._drains, []
+        for fn in drains:  # one-sided copies: no new one starts, running ones end (bounded)
+            fn()
         if drained is not None and not drained.wait(timeout):
             return False
         self.regions = []
