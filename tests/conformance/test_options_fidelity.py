@@ -134,7 +134,7 @@ def test_comm_ignores_the_hixl_environment(world: World, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("grc,ok", [
-    ("", True), ("{}", True), ('{"unknown": [1, {}]}', True),
+    ("{}", True), ('{"unknown": [1, {}]}', True),
     ("[]", False), ("1", False), ('"x"', False), ("null", False), ("{", False),
     ('{"connect_pool.thread_num": 64}', True), ('{"connect_pool.thread_num": "8"}', True),
     ('{"connect_pool.thread_num": 0}', False), ('{"connect_pool.thread_num": 65}', False),
@@ -168,6 +168,42 @@ def test_hixl_global_resource_config(world: World, grc: str, ok: bool) -> None:
         _init_fails(d, opts)
 
 
+V13 = {OPTION_LOCAL_COMM_RES: '{"version": "1.3"}'}  # selects the HixlCS engine (engine_factory.cc)
+
+
+@pytest.mark.parametrize("grc,engine,ok", [
+    # HixlOptions skips an empty value, but the comm (adxl) engine parses it again and fails
+    ("", {}, False), ("", V13, True),
+    ('{"channel_pool.max_channel": 8, "channel_pool.high_waterline": 0.75, '
+     '"channel_pool.low_waterline": 0.25}', {}, True),
+    ('{"channel_pool.max_channel": 8}', {}, False),  # only together with both waterlines
+    ('{"channel_pool.max_channel": 8}', V13, True),  # the HixlCS engine does not read it
+    ('{"channel_pool.max_channel": 513, "channel_pool.high_waterline": 0.9, '
+     '"channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": 1.0, "channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": "0.5 ", "channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": 0.5, "channel_pool.low_waterline": 0.5}', {}, False),
+    ('{"channel_pool.high_waterline": 0.5}', {}, True),
+])
+def test_hixl_comm_engine_reads_the_config_again(world: World, grc: str, engine: dict[str, str],
+                                                 ok: bool) -> None:
+    # §3.2.1: on the comm engine (the default on A2/A3 without a version 1.3 LocalCommRes or a
+    # protocol_desc), adxl_inner_engine.cc LoadGlobalResourceConfig parses the value again.
+    d = world.dut()
+    opts = {**DEV, **LISTEN0, **HIXL, **engine, OPTION_GLOBAL_RESOURCE_CONFIG: grc}
+    if ok:
+        _init_ok(d, opts)
+    else:
+        _init_fails(d, opts)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:4294967295", "127.0.0.1:2147483648", "[::1]:0"])
+def test_hixl_engine_name_must_parse(world: World, listen: str) -> None:
+    # §3.2.1: the engine name ip:to_string(port) is re-parsed by hixl_utils.cc ParseListenInfo:
+    # a port above INT32_MAX, or an IPv6 address (no brackets in the name), is PARAM_INVALID.
+    _init_fails(world.dut(), {**DEV, **HIXL, OPTION_LISTEN_IP_INFO: listen})
+
+
 @pytest.mark.parametrize("content,ok", [('{"version": "1.3"}', True), ("not json", False), ("", False)])
 def test_hixl_local_comm_res_path(world: World, tmp_path: Path, content: str, ok: bool) -> None:
     # hixl_options.cc ResolveLocalCommResFromFile: a regular file of 1 B..1 MiB, then valid JSON.
@@ -189,7 +225,7 @@ def test_hixl_local_comm_res_path_is_ignored_when_local_comm_res_is_given(world:
 
 
 @pytest.mark.parametrize("value,ok", [("not json", False), ("[1, 2", False), ('{"version": "1.9"}', True),
-                                      ("[]", True), ("", True)])
+                                      ("[]", True), ("", True), ('{"version": "1.3"}', True)])
 def test_hixl_local_comm_res_must_be_json(world: World, value: str, ok: bool) -> None:
     d = world.dut()
     opts = {**DEV, **LISTEN0, **HIXL, OPTION_LOCAL_COMM_RES: value}
@@ -277,8 +313,9 @@ def test_hixl_internal_listen_keys_satisfy_the_mandatory_address(world: World) -
 
 @pytest.mark.parametrize("transfer_opts", [{}, HIXL])
 def test_listen_ip_must_be_a_literal(world: World, transfer_opts: dict[str, str]) -> None:
-    # kvdd addition (SEMANTICS.md §3.2.1 notes): a name is never resolved -> LLM_FAILED.
-    _init_fails(world.dut(), {**DEV, **transfer_opts, IP: "localhost", PORT: "0"}, FAILED)
+    # §3.2.1: a name is never resolved (comm: msg_handler_plugin.cc GetAiFamily; hixl:
+    # ParseListenInfo's CheckIp) -> PARAM_INVALID.
+    _init_fails(world.dut(), {**DEV, **transfer_opts, IP: "localhost", PORT: "0"})
 
 
 # -- §3.2 step 8 / §3.5 e: llm.LocalCommRes on comm -----------------------------------------------
