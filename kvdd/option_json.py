@@ -192,15 +192,13 @@ def _flat(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
-def adxl_engine_config(text: str | None) -> None:
+def adxl_engine_config(text: str) -> None:
     """The comm (adxl) engine's own read of ``llm.GlobalResourceConfig`` (adxl_inner_engine.cc
     ``LoadGlobalResourceConfig``): present means parsed again, so an **empty** value fails here;
     top-level values flattened to text; ``channel_pool.max_channel`` an int32 in [1, 512],
     ``channel_pool.high_waterline`` / ``low_waterline`` doubles in (0, 1) that leave at least one
     channel between the marks (max_channel only together with both), and
     ``comm_resource_config.listen_port`` a uint32 in [1, 65535]."""
-    if text is None:
-        return
     doc = loads(text)  # LoadJsonConfig: a parse error (also of "") is PARAM_INVALID
     flat = {k: _flat(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
     max_channel = _MAX_CHANNEL

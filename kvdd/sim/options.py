@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from ..option_json import (
     GlobalResourceConfig,
-    adxl_engine_config,
     read_local_comm_res_file,
     selects_hixl_cs,
 )
@@ -126,11 +125,8 @@ def _plan_hixl(m: Mapping[str, str], device_id: int, env: Mapping[str, str]) -> 
     if comm_res is not None:
         parse_option("hixl", OPTION_LOCAL_COMM_RES, {OPTION_LOCAL_COMM_RES: comm_res})
     local_engine = f"{ip}:{port}"
-    try:
-        if not selects_hixl_cs(comm_res, grc if isinstance(grc, GlobalResourceConfig) else None):
-            adxl_engine_config(m.get(OPTION_GLOBAL_RESOURCE_CONFIG))  # the comm engine's own read
-    except ValueError as exc:
-        raise OptionError(f"option {OPTION_GLOBAL_RESOURCE_CONFIG}: {exc}") from None
+    if not selects_hixl_cs(comm_res, grc if isinstance(grc, GlobalResourceConfig) else None):
+        parse_option("hixl_comm_engine", OPTION_GLOBAL_RESOURCE_CONFIG, m)  # its own read
     listen_ip, listen_port = _hixl_listen_info(local_engine)
     return InitPlan("hixl", device_id, (listen_ip, listen_port), None, local_engine, None, False)
 
