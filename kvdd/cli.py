@@ -30,6 +30,9 @@ def _doctor(args: argparse.Namespace) -> int:
         problem = backend_problem(name)
         print(f"backend {name}: {'usable' if problem is None else 'unavailable: ' + problem}")
     print(f"looks like an Ascend node: {looks_like_ascend_node()}")
+    from .sim.fabric import describe_secret
+
+    print(f"fabric secret: {describe_secret()}")
     try:
         print(f"backend=None selects: {resolve_backend_name(None)}")
     except (ImportError, ValueError) as exc:
@@ -40,6 +43,13 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"copy kernels: {_copy.cpu_features()}")
     except (ImportError, AttributeError) as exc:
         print(f"copy kernels: unavailable ({exc})")
+    return 0
+
+
+def _fabric_secret(args: argparse.Namespace) -> int:
+    from .sim.fabric import generate_secret
+
+    print(generate_secret())
     return 0
 
 
@@ -60,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="which backends are built and usable here, and why not")
     doctor.set_defaults(func=_doctor)
+    secret = sub.add_parser(
+        "fabric-secret", help="print a new secret for KVDD_FABRIC_SECRET (links across hosts)",
+        description="Print 32 random bytes as hex: put them into KVDD_FABRIC_SECRET or a file named by "
+                    "KVDD_FABRIC_SECRET_FILE (mode 0600) on every host whose instances link (docs/security.md).")
+    secret.set_defaults(func=_fabric_secret)
     from .demo import add_demo_arguments
 
     demo = sub.add_parser(

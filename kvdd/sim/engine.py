@@ -53,7 +53,7 @@ class CacheEntry:
     """A registered cache on its owner (SEMANTICS.md §2.1)."""
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions",
-                 "owners", "_lock", "_inflight", "_drained", "registered")
+                 "owners", "_lock", "_inflight", "_drained", "registered", "_watchers")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
                  addrs: Sequence[int], owners: tuple[object, ...]) -> None:
@@ -71,6 +71,12 @@ class CacheEntry:
         self._inflight = 0
         self._drained: threading.Event | None = None
         self.registered = True
+        self._watchers: dict[object, Callable[[], None]] = {}
+
+    @property
+    def inflight(self) -> int:
+        """Transfers holding this cache right now (local and remote leases)."""
+        return self._inflight
 
     def remote_view(self) -> RemoteCache:
         return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, self)
@@ -89,16 +95,38 @@ class CacheEntry:
             if self._inflight == 0 and self._drained is not None:
                 self._drained.set()
 
+    def watch_retire(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` once when the cache is unregistered (at once if it already is); returns
+        the function that cancels the watch (the fabric revokes idle remote leases with it)."""
+        key = object()
+        with self._lock:
+            if self.registered:
+                self._watchers[key] = fn
+                return lambda: self._unwatch(key)
+        fn()
+        return lambda: None
+
+    def _unwatch(self, key: object) -> None:
+        with self._lock:
+            self._watchers.pop(key, None)
+
     def retire(self, timeout: float | None = None) -> bool:
-        """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5).
+        """Unregister: refuse new leases, revoke idle remote ones, then wait for in-flight
+        transfers (§10 rule 5).  Any number of callers may wait; all return once drained.
 
         Returns False when ``timeout`` (seconds) passed with leases still held."""
         with self._lock:
             self.registered = False
-            drained = None
-            if self._inflight:
-                drained = self._drained = threading.Event()
-        if drained is not None and not drained.wait(timeout):
+            watchers = list(self._watchers.values())
+            self._watchers.clear()
+            if self._drained is None:
+                self._drained = threading.Event()
+            if self._inflight == 0:
+                self._drained.set()
+            drained = self._drained
+        for fn in watchers:
+            fn()
+        if not drained.wait(timeout):
             return False
         self.regions = []
         return True
@@ -183,6 +211,7 @@ class SimBackend:
         self.role = int(role)
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._finalizing: threading.Event | None = None
         self._reset()
 
     # -- state ------------------------------------------------------------------------------
@@ -199,6 +228,8 @@ class SimBackend:
         self.caches: dict[int, CacheEntry] = {}
         self.entities: dict[int, Entity] = {}
         self.hixl_addrs: dict[tuple[str, int], int] = {}  # ip:port -> entity key (hixl)
+        self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
+        self.closing: dict[int, Entity] = {}  # entities being closed (later callers wait too)
 
     def _fail(self, status: int, detail: str) -> int:
         self._local.detail = detail
@@ -292,13 +323,24 @@ class SimBackend:
     def finalize(self) -> None:
         with self._lock:
             if not self.initialized:
+                busy = self._finalizing
+                if busy is not None:  # another thread is finalizing: return when it does
+                    busy.wait()
                 return
             self.initialized = False
             self._stop_listening()
-            entities = list(self.entities.values())
-            caches = list(self.caches.values())
+            entities = list(self.entities.values()) + list(self.closing.values())
+            caches = list(self.caches.values()) + list(self.retiring.values())
             channels = fabric.take_endpoint(self)  # connections to peers in other processes
             self._reset()
+            done = self._finalizing = threading.Event()
+        try:
+            self._finalize_wait(entities, caches, channels)
+        finally:
+            done.set()
+
+    def _finalize_wait(self, entities: list[Entity], caches: list[CacheEntry],
+                       channels: list[fabric.Channel]) -> None:
         for entity in entities:
             with entity.lock:  # wait for an in-flight transfer over this link
                 entity.peer.close()
@@ -482,11 +524,22 @@ class SimBackend:
             entity.peer.close()
 
     def _destroy_entity(self, key: int) -> bool:
-        entity = self._pop_entity(key)
+        """Unlink ``key``: return once no transfer over it runs, also when another thread is
+        unlinking it right now (§10 rule 5)."""
+        with self._lock:
+            entity = self._pop_entity(key)
+            popped = entity is not None
+            if entity is None:
+                entity = self.closing.get(key)
+            else:
+                self.closing[key] = entity
         if entity is None:
             return False
         self._close_entity(entity)
-        return True
+        with self._lock:
+            if self.closing.get(key) is entity:
+                del self.closing[key]
+        return popped
 
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int,
                             force: bool) -> tuple[int, list[int]]:
@@ -581,8 +634,15 @@ class SimBackend:
             if not self.initialized:
                 return self._fail(FAILED, "not initialized")
             entry = self.caches.pop(cache_id, None)
+            if entry is None:  # another thread is unregistering it: wait as it does (§10 rule 5)
+                entry = self.retiring.get(cache_id)
+            else:
+                self.retiring[cache_id] = entry
         if entry is not None:
             entry.retire()
+            with self._lock:
+                if self.retiring.get(cache_id) is entry:
+                    del self.retiring[cache_id]
         return S_OK
 
     # -- §3.9 --------------------------------------------------------------------------------

@@ -404,6 +404,13 @@ class Channel:
             self._leases[lease.lease_id] = lease
         ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
         lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        unwatch: Callable[[], None] | None = entry.watch_retire(lease.revoke_soon)  # unregister revokes
+        with lease.lock:
+            if not lease.dropped:
+                lease.unwatch = unwatch
+                unwatch = None
+        if unwatch is not None:  # dropped meanwhile (revoked, expired, connection died)
+            unwatch()
         return struct.pack("<IQ", S_OK, lease.lease_id)
 
     def _serve_read(self, req: int, payload: bytes | bytearray) -> None:

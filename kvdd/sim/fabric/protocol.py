@@ -53,6 +53,11 @@ class ServedCache(Protocol):
 
     def release(self) -> None: ...
 
+    def watch_retire(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` once when the cache is unregistered (at once if it already is); returns
+        the function that cancels the watch.  The fabric revokes idle remote leases with it."""
+        ...
+
 
 #: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.
 Snapshot = tuple[dict[int, RemoteCache], Mapping[int, ServedCache]]
