@@ -53,10 +53,13 @@ class ServedCache(Protocol):
 
     def release(self) -> None: ...
 
-    def watch_retire(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Call ``fn`` once when the cache is unregistered (at once if it already is); returns
-        the function that cancels the watch.  The fabric revokes idle remote leases with it."""
+    def add_drain(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on unregister after new leases are refused and before waiting for held
+        ones (the same-host one-sided path revokes and waits for its copies there); False (not
+        added) once unregistered."""
         ...
+
+    def remove_drain(self, fn: Callable[[], None]) -> None: ...
 
 
 #: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.
