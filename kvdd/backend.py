@@ -36,11 +36,25 @@ class Backend(Protocol):
 
     Argument names and order are those of :class:`kvdd.LlmDataDist`; outputs come back with the
     status (``(status, rets)`` for link/unlink, ``(status, cache_id)`` for registration,
-    ``(status, cache | None)`` for allocate_cache).
+    ``(status, cache | None)`` for allocate_cache).  A backend never raises for an LLM status: it
+    returns it and explains it through :meth:`last_error_detail`, and the facade turns both into
+    an exception in one place (:func:`kvdd.status.raise_for_status`).
     """
 
     @property
     def listen_port(self) -> int | None: ...
+
+    def last_error_detail(self) -> str | None:
+        """The backend's explanation of the calling thread's last non-success status.
+
+        Returns
+        -------
+        str or None
+            None when it has none (and after it was read once).  The simulator says which check
+            of SEMANTICS.md failed; the native backend gives the message of a C++ exception the
+            library threw (the call then returned ``LLM_FAILED``).
+        """
+        ...
 
     def initialize(self, options: Mapping[str, str]) -> int: ...
 
