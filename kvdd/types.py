@@ -1,9 +1,14 @@
 """Value types of the LLM-DataDist C++ API, as immutable validated Python objects.
 
-Each class mirrors the C++ struct or enum of ``llm_datadist/llm_datadist.h`` (see VENDOR.md and
-API.md).  Construction checks Python types (``TypeError``) and the C++ field widths
-(``ValueError``) only; LLM semantics (e.g. ``num_tensors == 0``, a role of 4) are left to the call
-that uses the value, which returns the status SEMANTICS.md gives.
+Each class mirrors the C++ struct or enum of ``llm_datadist/llm_datadist.h`` (docs/spec/VENDOR.md,
+docs/spec/API.md "Value types").  Construction checks Python types (``TypeError``) and the C++ field
+widths (``ValueError``) only; LLM semantics (e.g. ``num_tensors == 0``, a role of 4) are left to the
+call that uses the value, which returns the status docs/spec/SEMANTICS.md gives.
+
+Terms (docs/spec/SEMANTICS.md §2.1): a cache is ``num_tensors`` tensors of one shape; T is the bytes
+of one tensor; B = ``shape[0]`` (as uint32) is the number of *rows* (batch rows) of a contiguous
+cache, which are the *blocks* of a paged one (the same unit); the *stride* S = T // B is the bytes of
+one row or block of one tensor.
 """
 
 from __future__ import annotations
@@ -53,8 +58,28 @@ _CTYPE_NAMES = {INT32: "int32", UINT8: "uint8", UINT16: "uint16", UINT32: "uint3
 def check_int(name: str, value: object, width: tuple[int, int]) -> int:
     """Return ``value`` as a Python int if it is an integer (not bool) within ``width``.
 
-    Raises ``TypeError`` for non-integers (``bool`` included) and ``ValueError`` when the value
-    does not fit the C++ field.
+    This is kvdd's one width check: the value types, the facade and the native binding all use it.
+
+    Parameters
+    ----------
+    name : str
+        The argument or field name, for the message.
+    value : object
+        An ``int`` or anything with ``__index__`` (numpy integers).
+    width : (int, int)
+        Inclusive (min, max), one of :data:`INT32`, :data:`UINT8`, ... :data:`UINT64`.
+
+    Returns
+    -------
+    int
+        ``operator.index(value)``.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not an integer (``bool`` and ``numpy.bool_`` included).
+    ValueError
+        ``value`` does not fit the C++ field; the message names the C++ type and its range.
     """
     if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
         return value
@@ -74,7 +99,28 @@ def check_int(name: str, value: object, width: tuple[int, int]) -> int:
 
 
 def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int, ...]:
-    """Return a sequence of integers (list, tuple, 1-D integer numpy array) as a tuple of ints."""
+    """Return a sequence of integers (list, tuple, 1-D integer numpy array) as a tuple of ints.
+
+    Parameters
+    ----------
+    name : str
+        The argument name, for messages (items are named ``name[i]``).
+    value : object
+        The sequence.
+    width : (int, int)
+        Inclusive (min, max) of every item, as in :func:`check_int`.
+
+    Returns
+    -------
+    tuple of int
+
+    Raises
+    ------
+    TypeError
+        Not a sequence (``str``/``bytes`` included), a non-integer item or dtype.
+    ValueError
+        An array that is not 1-D, or an item outside ``width``.
+    """
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         # fast path: plain ints within the width (e.g. thousands of block ids)
         items_: list[int] | tuple[int, ...] = value
@@ -96,7 +142,7 @@ def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int
 
 
 class LlmRole(enum.IntEnum):
-    """``llm_datadist::LlmRole`` (``int32_t``).  Role parameters take any int32 (SEMANTICS.md §3.2)."""
+    """``llm_datadist::LlmRole`` (``int32_t``).  Role parameters take any int32 (docs/spec/SEMANTICS.md §3.2)."""
 
     PROMPT = 1
     DECODER = 2
@@ -139,7 +185,7 @@ _ML_DTYPES_NAMES: dict[str, str] = {
 }
 
 class DataType(enum.IntEnum):
-    """``ge::DataType``: every value of SEMANTICS.md §5 (``DT_BF16 == 27``, ``DT_UNDEFINED == 28``).
+    """``ge::DataType``: every value of docs/spec/SEMANTICS.md §5 (``DT_BF16 == 27``, ``DT_UNDEFINED == 28``).
 
     Reserved value 5, ``DT_UNDEFINED`` and values outside the table are invalid for registration
     (PARAM_INVALID); dtype fields of the value types still take any int32.
@@ -212,7 +258,19 @@ class DataType(enum.IntEnum):
 
 
 def element_size(data_type: int) -> int | tuple[str, int] | None:
-    """Element size of a raw dtype value: bytes (int), ``("bits", n)`` or None when invalid."""
+    """Element size of a raw dtype value (docs/spec/SEMANTICS.md §5).
+
+    Parameters
+    ----------
+    data_type : int
+        A ``ge::DataType`` value.
+
+    Returns
+    -------
+    int or ("bits", int) or None
+        Bytes per element; ``("bits", n)`` for sub-byte types; None for ``DT_UNDEFINED``, the
+        reserved value 5 and values outside the table.
+    """
     try:
         return _DT_TABLE[DataType(data_type).name][1]
     except ValueError:
@@ -225,10 +283,26 @@ def _wrap32(v: int) -> int:
 
 
 def tensor_nbytes(shape: Sequence[int], data_type: int) -> int:
-    """T of SEMANTICS.md §2.1 (CalcTensorMemSize): bytes of one tensor.
+    """T of docs/spec/SEMANTICS.md §2.1 (upstream's CalcTensorMemSize): bytes of one tensor.
 
-    Raises ``ValueError`` with the reason when upstream returns PARAM_INVALID (empty shape, a dim
-    <= 0, int64 overflow, invalid dtype).
+    Parameters
+    ----------
+    shape : Sequence[int]
+        The tensor's dims (int64).
+    data_type : int
+        A ``ge::DataType`` value.
+
+    Returns
+    -------
+    int
+        Product of the dims x element size; sub-byte types are rounded up to whole bytes after
+        upstream's int32 narrowing (§5).
+
+    Raises
+    ------
+    ValueError
+        With the reason, where upstream returns PARAM_INVALID: empty shape, a dim <= 0, int64
+        overflow, an invalid or undefined dtype.
     """
     if not shape:
         raise ValueError("shape is empty")
@@ -278,7 +352,20 @@ _IntSeq = Union[Sequence[SupportsIndex], npt.NDArray[np.integer[Any]]]
 
 @dataclass(frozen=True, init=False)
 class IpInfo:
-    """``llm_datadist::IpInfo``: ``ip`` (``AscendString``) and ``port`` (``uint16_t``, default 0)."""
+    """``llm_datadist::IpInfo``: an address of a cluster (docs/spec/SEMANTICS.md §3.5).
+
+    Parameters
+    ----------
+    ip : str
+        The IP (``AscendString``); links take IPv4 literals only.
+    port : int
+        ``uint16_t``, default 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``ip`` is not a str; ``port`` is not an integer or outside 0..65535.
+    """
 
     ip: str
     port: int = 0
@@ -304,10 +391,22 @@ def _check_ip_infos(name: str, value: object) -> tuple[IpInfo, ...]:
 
 @dataclass(frozen=True, init=False)
 class ClusterInfo:
-    """``llm_datadist::ClusterInfo``: the peer to link to (SEMANTICS.md §3.5).
+    """``llm_datadist::ClusterInfo``: the peer to link to (docs/spec/SEMANTICS.md §3.5).
 
-    ``remote_cluster_id`` (uint64), ``remote_role_type`` (int32, ignored upstream),
-    ``local_ip_infos`` and ``remote_ip_infos`` (sequences of :class:`IpInfo`, IPv4 only).
+    Parameters
+    ----------
+    remote_cluster_id : int
+        The peer's cluster id (uint64).
+    remote_role_type : int
+        int32, ignored upstream.
+    local_ip_infos, remote_ip_infos : Sequence[IpInfo]
+        This side's and the peer's addresses (IPv4 only); ``remote_ip_infos[0]`` is where the peer
+        listens.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
     """
 
     remote_cluster_id: int = 0
@@ -342,11 +441,26 @@ class ClusterInfo:
 class CacheDesc:
     """``llm_datadist::CacheDesc``: describes the ``num_tensors`` equally shaped tensors of a cache.
 
-    Fields: ``num_tensors`` (uint32, default 0), ``data_type`` (``ge::DataType``, any int32, default
-    ``DT_UNDEFINED``), ``shape`` (int64 dims), ``placement`` (uint32, default ``DEVICE``).
+    Parameters
+    ----------
+    num_tensors : int
+        uint32, default 0.
+    data_type : int
+        ``ge::DataType`` (any int32; a :class:`DataType` member when known), default ``DT_UNDEFINED``.
+    shape : Sequence[int] or numpy integer array
+        int64 dims; the first is B (rows / blocks).
+    placement : int
+        uint32 (a :class:`CachePlacement` member when known), default ``DEVICE``.
 
-    Derived sizes (SEMANTICS.md §2.1) raise ``ValueError`` when upstream would reject the shape or
-    dtype: :attr:`tensor_nbytes` (T), :attr:`batch_size` (B = ``shape[0]`` as uint32) and
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+
+    Notes
+    -----
+    Derived sizes (docs/spec/SEMANTICS.md §2.1) raise ``ValueError`` when upstream would reject the
+    shape or dtype: :attr:`tensor_nbytes` (T), :attr:`batch_size` (B = ``shape[0]`` as uint32) and
     :attr:`stride_nbytes` (S = T // B, bytes per batch row = bytes per block).
     """
 
@@ -386,12 +500,18 @@ class CacheDesc:
 
     @property
     def tensor_nbytes(self) -> int:
-        """T: bytes of each tensor (product of dims x element size; sub-byte types rounded up)."""
+        """T: bytes of each tensor (product of dims x element size; sub-byte types rounded up).
+
+        Raises ``ValueError`` where upstream returns PARAM_INVALID (:func:`tensor_nbytes`).
+        """
         return tensor_nbytes(self.shape, self.data_type)
 
     @property
     def batch_size(self) -> int:
-        """B: ``shape[0]`` truncated to uint32 (also the number of blocks)."""
+        """B: ``shape[0]`` truncated to uint32, the number of rows (= blocks).
+
+        Raises ``ValueError`` for an empty or invalid shape.
+        """
         if not self.shape:
             raise ValueError("shape is empty")
         self.tensor_nbytes  # validates the shape
@@ -399,7 +519,10 @@ class CacheDesc:
 
     @property
     def stride_nbytes(self) -> int:
-        """S: ``T // B`` bytes, the size of one batch row and of one block."""
+        """S: ``T // B`` bytes, the size of one row and of one block of one tensor.
+
+        Raises ``ValueError`` for an invalid shape or B = 0.
+        """
         b = self.batch_size
         if b == 0:
             raise ValueError("batch size (shape[0] as uint32) is 0")
@@ -408,9 +531,23 @@ class CacheDesc:
 
 @dataclass(frozen=True, init=False)
 class Cache:
-    """``llm_datadist::Cache``: ``cache_id`` (int64, default -1), ``tensor_addrs`` (uint64 each),
-    ``cache_desc``.  Pulls read only ``cache_id``; pushes also read ``cache_desc.placement`` and
-    ``cache_desc.num_tensors`` (SEMANTICS.md §3.12)."""
+    """``llm_datadist::Cache``: a local cache as transfers name it (docs/spec/SEMANTICS.md §3.10-3.13).
+
+    Parameters
+    ----------
+    cache_id : int
+        int64, default -1; the id RegisterKvCache returned.
+    tensor_addrs : Sequence[int] or numpy integer array
+        uint64 each (not read by transfers).
+    cache_desc : CacheDesc
+        Pulls ignore it; pushes read ``placement`` (must be DEVICE) and ``num_tensors`` from it
+        (§3.12).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+    """
 
     cache_id: int = -1
     tensor_addrs: tuple[int, ...] = ()
@@ -436,9 +573,22 @@ class Cache:
 
 @dataclass(frozen=True, init=False)
 class CacheIndex:
-    """``llm_datadist::CacheIndex``: a peer's cache: ``cluster_id`` (uint64, the peer's cluster id),
-    ``cache_id`` (int64, the id the peer's RegisterKvCache returned), ``batch_index`` (uint32, the
-    remote batch row; must be 0 for block transfers)."""
+    """``llm_datadist::CacheIndex``: a peer's cache (docs/spec/SEMANTICS.md §3.10-3.13).
+
+    Parameters
+    ----------
+    cluster_id : int
+        The peer's cluster id (uint64).
+    cache_id : int
+        The id the peer's RegisterKvCache returned (int64).
+    batch_index : int
+        The remote row (uint32); must be 0 for block transfers.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+    """
 
     cluster_id: int
     cache_id: int
@@ -473,12 +623,20 @@ def _check_range(name: str, value: object) -> tuple[int, int]:
 
 @dataclass(frozen=True, init=False)
 class KvCacheExtParam:
-    """``llm_datadist::KvCacheExtParam``: layer ranges of a transfer (SEMANTICS.md §2.5).
+    """``llm_datadist::KvCacheExtParam``: layer ranges of a transfer (docs/spec/SEMANTICS.md §2.5).
 
-    ``src_layer_range`` / ``dst_layer_range`` are **inclusive** ``(first, last)`` int32 pairs as in
-    C++; ``(-1, -1)`` (the default, or any ``first == -1``) means all layers.
-    ``tensor_num_per_layer`` (uint8, default 2: K and V) maps layer L to tensors
-    ``[L*t, (L+1)*t)``.
+    Parameters
+    ----------
+    src_layer_range, dst_layer_range : pair of int
+        **Inclusive** ``(first, last)`` int32 pairs as in C++; ``(-1, -1)`` (the default, or any
+        ``first == -1``) means all layers.
+    tensor_num_per_layer : int
+        uint8, default 2 (K and V): layer L is tensors ``[L*t, (L+1)*t)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a pair of integers, or a value outside its C++ width.
     """
 
     src_layer_range: tuple[int, int] = (-1, -1)
@@ -505,4 +663,4 @@ class KvCacheExtParam:
 
 @dataclass(frozen=True)
 class RegisterCfg:
-    """``llm_datadist::RegisterCfg``: reserved, no fields (ignored by RegisterKvCache)."""
+    """``llm_datadist::RegisterCfg``: reserved, no fields (ignored by RegisterKvCache, §3.7)."""

@@ -18,7 +18,6 @@ for the calls in flight and holds new ones back while it runs, because upstream'
 must not run concurrently with other calls (VENDOR.md).
 """
 
-import operator
 import os
 import threading
 from collections.abc import Mapping
@@ -55,6 +54,8 @@ from kvdd._native._cdatadist cimport (
     RegisterCfg,
     Status,
 )
+
+from kvdd.types import check_int
 
 __all__ = ["NativeBackend", "build_info", "header_constants"]
 
@@ -150,16 +151,9 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 
 cdef object _as_int(object value, str name, object lo, object hi, str ctype):
     """``value`` as a Python int within [lo, hi]: TypeError for non-integers and bool,
-    ValueError outside the C++ width (API.md "Value types")."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        ivalue = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
-    if not lo <= ivalue <= hi:
-        raise ValueError(f"{name}={ivalue} does not fit the C++ field ({ctype}: {lo}..{hi})")
-    return ivalue
+    ValueError outside the C++ width (API.md "Value types").  The one width check is
+    :func:`kvdd.types.check_int`, which also names ``ctype`` in its message."""
+    return check_int(name, value, (lo, hi))
 
 
 cdef inline uint64_t _u64(object value, str name) except? 0:
