@@ -24,7 +24,8 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed) and doctor (what this installation can do). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
+    "cann-root (a simulated CANN root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -103,12 +104,21 @@ def _doctor_copy_kernels() -> str:
     return ", ".join(name for name, present in features.items() if present) or "plain memcpy"
 
 
+def _doctor_cann_root() -> str:
+    from .cann import simulated_root_status
+
+    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated
+    lines = [line.removeprefix("simulated CANN root ") for line in simulated_root_status()]
+    return "; ".join(lines) or "none in use"
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
     ("backend sim", _doctor_backend("sim")),
     ("backend native", _doctor_backend("native")),
     ("looks like an Ascend node", _doctor_ascend_node),
+    ("simulated CANN root", _doctor_cann_root),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
 ]
@@ -139,6 +149,12 @@ def _unloadable(exc: ImportError) -> Callable[[argparse.Namespace], int]:
         return _fail(_import_problem(exc), EXIT_USAGE)
 
     return run
+
+
+def _cann_root(args: argparse.Namespace) -> int:
+    from .cann.root import run_from_args as run_cann_root
+
+    return run_cann_root(args)
 
 
 def _add_job(sub: Any, name: str, module: str, help: str, description: str,
@@ -192,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "in the same run, plus the per-call overhead of a 64-byte pull. A benchmark: it "
                     "reports, it does not judge (exit status 0; 2 for unusable options).",
         run=_bench)
+    from .cann.root import add_cann_root_arguments
+
+    cann_root = sub.add_parser(
+        "cann-root", help="write a simulated CANN root: C++ LLM-DataDist programs on the simulator",
+        description="Write a directory with CANN's layout (include/, lib64/, set_env.sh, a CMake "
+                    "package) whose libllm_datadist.so and libascendcl.so are kvdd's simulator, so "
+                    "C++ programs written for LLM-DataDist build and run without an NPU. Compiles "
+                    "the libraries with the system C/C++ compiler.")
+    add_cann_root_arguments(cann_root)
+    cann_root.set_defaults(func=_cann_root)
     return parser
 
 

@@ -10,56 +10,28 @@ thread does meanwhile can move it out of bounds) and copies without the GIL (_co
 How a call is executed
 ----------------------
 * Below ``NOGIL_THRESHOLD`` (32 KiB) the copy runs with the GIL held: it is shorter than releasing
-  and re-taking the GIL, which can cost a 5 ms switch interval when another Python thread is busy
-  (numpy does the same for small arrays).
-* Below the streaming threshold (2 MiB per call): regular stores. Runs of <= 32 KiB use a vector loop
-  that prefetches the next run's source and destination (random 16 KiB runs: 0.51 -> 0.70x of memcpy
-  at 1 MiB, 0.53 -> 0.79x at 4 MiB); longer runs use glibc memmove.
-* From 2 MiB per call: non-temporal (streaming) stores, destinations aligned to 64 bytes, AVX-512,
-  AVX2 or SSE2 chosen at run time (``set_isa``), ``sfence`` at the end; short runs prefetch the next
-  run's source. Runs that overlap their own source and runs < 512 bytes always use memmove.
-* threads=0 uses a second thread from 32 MiB per call (threads=2 at any size) when the runs are
-  independent (no run writes bytes another run reads or writes: checked in O(K log K + J)); otherwise
-  runs execute in order on the calling thread. The helper is a detached pthread created per call and
-  pinned away from the caller's CPU; both threads claim work items from a shared counter, so a helper
-  that starts late only does less. What made 2-thread copies stall on this shared 2-CPU machine is a
-  helper descheduled in the middle of an item (the caller must wait for it: its writes cannot be
-  abandoned). So automatic mode also requires a free CPU right now (runnable tasks in /proc/loadavg)
-  and, after a stall (waited > 1 ms and > 1/4 of the caller's own work), stays on one thread for 2 s.
+  and re-taking the GIL, which can cost a 5 ms switch interval when another Python thread is busy.
+* Below the streaming threshold (``DEFAULT_STREAMING_THRESHOLD``: twice the per-core L2 cache,
+  clamped to 1-4 MiB, so that the copy would not stay in the core's cache anyway): regular stores.
+  Runs of <= 32 KiB use a vector loop that prefetches the next run's source and destination; longer
+  runs use the C library's ``memmove``.
+* From the streaming threshold: non-temporal (streaming) stores, destinations aligned to 64 bytes,
+  ``sfence`` (aarch64: ``dmb ishst``) at the end. Runs of at least 4 pages are copied 4 pages at a
+  time, interleaved, each page's source prefetched one step ahead; shorter runs and tails use a linear
+  loop that prefetches the next short run's source. Runs that overlap their own source and runs
+  < 512 bytes always use ``memmove``. The implementation is chosen at run time: AVX-512, AVX2 or
+  SSE2 on x86-64, NEON (``stnp``) on aarch64, plain ``memmove`` elsewhere (``set_isa`` forces one).
+* ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
+  run reads or writes: checked in O(K log K + J)), a CPU is free right now (runnable tasks in
+  /proc/loadavg), no 2-thread call stalled in the last 2 s, and the call is large enough for the
+  second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
+  latency of starting the helper and ``cost`` the measured one-thread time per byte of this
+  process's own calls (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
+  helper is a detached pthread created per call (nothing survives a fork) and pinned away from the
+  caller's CPU; both threads claim work items from a shared counter, so a helper that starts late
+  only does less.
 
-Measurements (``python -m benchmarks.kernels --threads 1,2,0``; 2-core AMD EPYC Zen 4 KVM guest, L2
-2 MiB per core, L3 32 MiB, AVX-512; other load while measuring 2%; one tensor, runs at random distinct
-block offsets; ratio = time of the best plain memcpy of the same bytes, contiguous, between the same
-buffers / copy_runs time, min over interleaved repeats in the same run; >1 = faster than memcpy):
-
-=======  ====================  ===========================  ===========================
-total    automatic path        1 thread: runs of 16 / 64 /  2 threads (threads=2):
-                               128 / 256 KiB                16 / 64 / 128 / 256 KiB
-=======  ====================  ===========================  ===========================
-1 MiB    regular, 1 thread     0.69 / 0.86 / 1.20 / 1.19    0.64 / 0.66 / 0.80 / 0.77
-4 MiB    streaming, 1 thread   1.07 / 1.09 / 1.08 / 1.08    0.94 / 0.96 / 0.94 / 0.94
-16 MiB   streaming, 1 thread   0.97 / 1.04 / 1.06 / 1.08    1.52 / 1.41 / 1.02 / 1.04
-64 MiB   streaming, 2 threads  0.87 / 1.13 / 1.42 / 1.33    1.41 / 1.55 / 2.38 / 1.81
-256 MiB  streaming, 2 threads  0.99 / 1.20 / 1.31 / 1.38    1.83 / 2.14 / 1.74 / 1.76
-=======  ====================  ===========================  ===========================
-
-The limit (glibc memcpy) ran at 32-38 GB/s at 1 MiB, 26 GB/s at 4-16 MiB, 13.5-17 GB/s at 64-256 MiB
-(regular stores read every destination line first); one contiguous streaming copy (``stream_bench``)
-reached 22 GB/s at 256 MiB, so one thread of random 16 KiB runs reaches 0.64 of that, 256 KiB runs
-0.91, and two threads 1.15-1.40 (25-31 GB/s).
-
-Thresholds: streaming from 2 MiB because regular stores lost from 4 MiB on (regular 0.74-0.91 at
-4 MiB in an earlier sweep, streaming 1.02-1.09) while at 1 MiB regular stores keep the destination in
-cache for its reader and are as fast or faster for runs >= 128 KiB (streaming: 0.84-0.93 at 1 MiB).
-Two threads from 32 MiB because below it they lose (thread start ~15-20 us, in-cache data crossing
-cores) or gain only in the best repeats: at 16 MiB the 2-thread medians were 1.06-1.13, within the
-1-thread spread, and on this shared machine they stalled whenever the other CPU was busy.
-The regular-store vector loop with next-run prefetch took random 16 KiB runs from 0.51 to 0.70x at
-1 MiB and 0.53 to 0.79x at 4 MiB; the source prefetch of the streaming loop took them from 11.2 to
-14 GB/s at 256 MiB. Prefetching runs longer than 32 KiB, or into L1, measured slower.
-
-Per-call overhead of a 64-byte copy (one tensor, one run): 0.245 us median (0.24 us min; an empty
-call into the extension costs 0.08 us).
+Measurements are in docs/benchmarks.md (``kvdd bench`` and ``python -m benchmarks.kernels``).
 """
 
 cimport cython
@@ -79,6 +51,7 @@ cdef extern from "_copy_impl.h" nogil:
         KVDD_ISA_SSE2
         KVDD_ISA_AVX2
         KVDD_ISA_AVX512
+        KVDD_ISA_NEON
         KVDD_ISA_COUNT
         KVDD_NT_MIN_RUN
     ctypedef struct kvdd_pair:
@@ -106,25 +79,36 @@ cdef extern from "_copy_impl.h" nogil:
     void kvdd_copy_one(int isa, void *dst, const void *src, size_t n)
     void kvdd_thread_stats(uint64_t out[4])
     int kvdd_auto_threads_allowed()
+    uint64_t kvdd_threads_min_bytes()
+    void kvdd_threads_model(int64_t out[2])
+    uint64_t kvdd_l2_bytes()
 
 # ---- tuning (process-wide; read once per call) -----------------------------------------------------
 
-#: Default bytes per call from which streaming stores are used (see the module docstring).
-DEFAULT_STREAMING_THRESHOLD = 2 << 20
-#: Default bytes per call from which threads=0 uses two threads.
-DEFAULT_THREADS_THRESHOLD = 32 << 20
+cdef uint64_t _default_streaming_threshold():
+    cdef uint64_t l2 = kvdd_l2_bytes()
+    if l2 == 0:
+        return 2 << 20
+    return min(max(2 * l2, <uint64_t>1 << 20), <uint64_t>4 << 20)
+
+
+#: Default bytes per call from which streaming stores are used: twice the per-core L2 cache,
+#: clamped to 1-4 MiB (2 MiB when the cache size is unknown).
+DEFAULT_STREAMING_THRESHOLD = _default_streaming_threshold()
+#: Default of the automatic 2-thread threshold: None, decided by measured cost (:func:`threads_model`).
+DEFAULT_THREADS_THRESHOLD = None
 #: Default bytes per work item of the 2-thread path (0: total / 32, clamped to 256 KiB .. 1 MiB).
 DEFAULT_CHUNK_SIZE = 0
 #: Bytes per call from which the GIL is released (below it the copy is shorter than the release).
 NOGIL_THRESHOLD = 32 << 10
 
 cdef uint64_t _streaming_threshold = DEFAULT_STREAMING_THRESHOLD
-cdef uint64_t _threads_threshold = DEFAULT_THREADS_THRESHOLD
+cdef int64_t _threads_threshold = -1  # -1: by measured cost
 cdef uint64_t _chunk_size = DEFAULT_CHUNK_SIZE
 cdef uint64_t _nogil_threshold = NOGIL_THRESHOLD
 cdef int _isa = kvdd_isa_best()
 
-_ISA_NAMES = ("memcpy", "sse2", "avx2", "avx512")
+_ISA_NAMES = ("memcpy", "sse2", "avx2", "avx512", "neon")
 
 # Requests of at most this many runs / tensors are snapshotted inside the request object (no malloc).
 cdef enum:
@@ -369,7 +353,8 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     r.job.stream = _isa != KVDD_ISA_MEMCPY and r.total >= _streaming_threshold
     r.job.chunk = _chunk_size
     r.job.threads = 1
-    if r.total > 0 and (threads == 2 or (threads == 0 and r.total >= _threads_threshold
+    cdef uint64_t auto_min = <uint64_t>_threads_threshold if _threads_threshold >= 0 else kvdd_threads_min_bytes()
+    if r.total > 0 and (threads == 2 or (threads == 0 and r.total >= auto_min
                                           and kvdd_auto_threads_allowed())):
         if kvdd_job_independent(&r.job):
             r.job.threads = 2
@@ -393,8 +378,9 @@ def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
         1-D int64 or uint64 arrays of equal length: byte offsets into each source / destination
         region and run lengths in bytes. Zero-length runs copy nothing.
     threads : int, keyword-only
-        0: automatic (two threads from ``get_threads_threshold()`` bytes, when a CPU is free and no
-        recent 2-thread call stalled); 1: the calling thread only; 2: two threads. Two threads only
+        0: automatic (two threads when the call is large enough for them to pay, see the module
+        notes, a CPU is free and no recent 2-thread call stalled); 1: the calling thread only;
+        2: two threads. Two threads only
         run independent runs (no run writes bytes another run reads or writes); otherwise, and
         whenever a second thread cannot start, everything runs in order on the calling thread.
 
@@ -416,7 +402,7 @@ def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
     Runs apply in order (k outer, j inner): a destination named twice ends with the last source, and a
     run whose source and destination overlap behaves as ``memmove``. Calls of at least
     ``get_streaming_threshold()`` bytes use non-temporal stores (64-byte-aligned destinations, AVX-512
-    / AVX2 / SSE2 chosen at run time) for non-overlapping runs of at least 512 bytes. The GIL is
+    / AVX2 / SSE2 / NEON chosen at run time) for non-overlapping runs of at least 512 bytes. The GIL is
     released for calls of at least ``NOGIL_THRESHOLD`` bytes.
     """
     cdef _Request r = _prepare(src, dst, src_off, dst_off, length, threads)
@@ -522,8 +508,9 @@ def get_isa():
 
 
 def set_isa(name):
-    """Select the streaming implementation (``"avx512"``, ``"avx2"``, ``"sse2"``, ``"memcpy"`` or
-    ``"best"``); returns the previous one. Raises ValueError for one this CPU cannot run."""
+    """Select the streaming implementation (``"avx512"``, ``"avx2"``, ``"sse2"``, ``"neon"``,
+    ``"memcpy"`` or ``"best"``); returns the previous one. Raises ValueError for one this CPU cannot
+    run."""
     global _isa
     prev = _ISA_NAMES[_isa]
     if name == "best":
@@ -559,16 +546,29 @@ def set_streaming_threshold(nbytes):
 
 
 def get_threads_threshold():
-    """Bytes per call from which ``threads=0`` uses two threads."""
-    return _threads_threshold
+    """Bytes per call from which ``threads=0`` uses two threads, or None: decided by measured cost
+    (see :func:`threads_model`)."""
+    return None if _threads_threshold < 0 else _threads_threshold
 
 
 def set_threads_threshold(nbytes):
-    """Set the automatic 2-thread threshold in bytes (0: always); returns the previous value."""
+    """Fix the automatic 2-thread threshold in bytes (0: always), or None: decide by measured cost;
+    returns the previous setting."""
     global _threads_threshold
-    prev = _threads_threshold
-    _threads_threshold = _threshold_arg(nbytes, "set_threads_threshold")
+    prev = get_threads_threshold()
+    _threads_threshold = -1 if nbytes is None else <int64_t>_threshold_arg(nbytes, "set_threads_threshold")
     return prev
+
+
+def threads_model():
+    """The measured costs behind the automatic thread choice: ``start_us`` (latency of starting the
+    second thread), ``one_thread_gbps`` (one thread's copy speed, from this process's calls of at
+    least 256 KiB) and ``min_bytes`` (calls from this size use two threads when the threshold is
+    None)."""
+    cdef int64_t out[2]
+    kvdd_threads_model(out)
+    return {"start_us": out[0] / 1e3, "one_thread_gbps": 1e3 / out[1] if out[1] > 0 else float("inf"),
+            "min_bytes": kvdd_threads_min_bytes()}
 
 
 def get_chunk_size():

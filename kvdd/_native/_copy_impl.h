@@ -15,12 +15,24 @@
 #define KVDD_ISA_SSE2 1
 #define KVDD_ISA_AVX2 2
 #define KVDD_ISA_AVX512 3
-#define KVDD_ISA_COUNT 4
+#define KVDD_ISA_NEON 4 /* aarch64 */
+#define KVDD_ISA_COUNT 5
 
 /* Runs shorter than this are always copied with memmove, even in streaming mode. */
 #define KVDD_NT_MIN_RUN 512
 /* In streaming mode the source of the next run is prefetched when that run is at most this long. */
 #define KVDD_PF_MAX_RUN 32768
+/* Streaming runs of at least KVDD_PAGED_MIN bytes are copied KVDD_PAGES pages at a time, interleaved,
+ * each page's source prefetched KVDD_PF_AHEAD steps ahead. */
+#ifndef KVDD_PAGES
+#define KVDD_PAGES 4
+#endif
+#ifndef KVDD_PAGED_MIN
+#define KVDD_PAGED_MIN ((size_t)KVDD_PAGES * 4096u)
+#endif
+#ifndef KVDD_PF_AHEAD
+#define KVDD_PF_AHEAD 1
+#endif
 
 typedef struct {
     uintptr_t src;  /* base address of the source region of tensor k */
@@ -63,8 +75,22 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 /* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these. */
 #define KVDD_CHUNK_MIN ((uint64_t)256 << 10)
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
+/* The runnable-task count of /proc/loadavg is re-read at most this often. */
+#define KVDD_LOADAVG_NS ((int64_t)10000000)
 /* After a 2-thread call stalled, automatic mode uses one thread for this long. */
 #define KVDD_BACKOFF_NS ((int64_t)2000000000)
+
+/* The automatic thread choice (threads=0 without a fixed threshold): two threads from
+ * kvdd_threads_min_bytes(), computed from this process's measured costs (kvdd_threads_model: out[0] the
+ * helper's start latency in ns, out[1] one thread's copy time in ps per byte), initially these: */
+#define KVDD_MODEL_START_NS ((int64_t)30000)
+#define KVDD_MODEL_PS_PER_BYTE ((int64_t)100)
+uint64_t kvdd_threads_min_bytes(void);
+void kvdd_threads_model(int64_t out[2]);
+/* Last-level cache size in bytes (0: unknown). */
+uint64_t kvdd_llc_bytes(void);
+/* Per-core L2 cache size in bytes (0: unknown). */
+uint64_t kvdd_l2_bytes(void);
 
 /* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
  * stalls (calls after which automatic mode backed off to one thread). */

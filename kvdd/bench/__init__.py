@@ -51,10 +51,12 @@ from typing import Any
 
 from .._native import _copy
 from ..models import BLOCK_TOKENS
+from .baselines import LIMIT_NAMES, STREAM_THRESHOLD, StreamingMemcpy
 from .harness import LoadMonitor, Row, environment
 from .overhead import measure_overhead
 from .report import print_report
-from .transfers import GEOMETRIES, KINDS, BenchGeometry, measure_transfers
+from .targets import DEFAULT_SCALES, PER_LAYER_TOKENS, QUICK_SCALES, judge, measure_targets
+from .transfers import DEFAULT_GEOMETRIES, GEOMETRIES, KINDS, BenchGeometry, measure_transfers
 from .xproc import (
     XP_BLOCK_BYTES,
     XP_BLOCKS,
@@ -73,6 +75,7 @@ __all__ = [
     "main",
     "measure_cross_process",
     "measure_overhead",
+    "measure_targets",
     "measure_transfers",
     "run",
     "run_from_args",
@@ -89,8 +92,9 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="1024-token requests, short time budget (well under a minute on 2 cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    ap.add_argument("--geometries", default=",".join(GEOMETRIES),
-                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default all)")
+    ap.add_argument("--geometries", default=",".join(DEFAULT_GEOMETRIES),
+                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default: all but "
+                         f"{', '.join(g for g in GEOMETRIES if g not in DEFAULT_GEOMETRIES)})")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of: {', '.join(KINDS)}")
     ap.add_argument("--tokens", type=int,
                     help="tokens per request of the model geometries (default 2048, --quick 1024; "
@@ -101,6 +105,16 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--overhead-calls", type=int,
                     help="calls per timed loop of the overhead measurement (default 20000, --quick 5000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random block ids")
+    tg = ap.add_mutually_exclusive_group()
+    tg.add_argument("--targets", action="store_true",
+                    help="measure only the targets section (the copy kernels against the best of numpy.copyto "
+                         "and glibc's streaming memcpy, 1 and 2 threads, on the workloads of issue 15); a plain "
+                         "run includes it")
+    tg.add_argument("--no-targets", action="store_true", help="leave the targets section out")
+    ap.add_argument("--scales", help=f"MiB per call of the targets' single-tensor rows, comma-separated (default "
+                                     f"{','.join(map(str, DEFAULT_SCALES))}, --quick {','.join(map(str, QUICK_SCALES))})")
+    ap.add_argument("--target-tokens", type=int, default=PER_LAYER_TOKENS,
+                    help=f"tokens per request of the targets' model rows (default {PER_LAYER_TOKENS})")
     xp = ap.add_mutually_exclusive_group()
     xp.add_argument("--cross-process", action="store_true",
                     help="measure only the cross-process section (a spawned peer process; process_vm and TCP "
@@ -125,13 +139,14 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["kvdd bench"]
-    for opt in ("quick", "json", "cross_process", "no_cross_process"):
-        if getattr(args, opt):
+    for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process"):
+        if getattr(args, opt, False):
             parts.append(f"--{opt.replace('_', '-')}")
-    defaults = {"geometries": ",".join(GEOMETRIES), "kinds": ",".join(KINDS), "seed": 0}
+    defaults = {"geometries": ",".join(DEFAULT_GEOMETRIES), "kinds": ",".join(KINDS), "seed": 0,
+                "target_tokens": PER_LAYER_TOKENS}
     for opt in ("geometries", "kinds", "tokens", "blocks", "repeats", "budget", "overhead_calls", "seed",
-                "cross_process_bytes", "cross_process_blocks"):
-        value = getattr(args, opt)
+                "scales", "target_tokens", "cross_process_bytes", "cross_process_blocks"):
+        value = getattr(args, opt, None)
         if value is not None and value != defaults.get(opt):
             parts.append(f"--{opt.replace('_', '-')} {value}")
     return " ".join(parts)
@@ -153,7 +168,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if calls < 1:
         raise ValueError("--overhead-calls must be at least 1")
     only_xp = bool(getattr(args, "cross_process", False))
-    with_xp = only_xp or not getattr(args, "no_cross_process", False)
+    only_tg = bool(getattr(args, "targets", False))
+    with_main = not (only_xp or only_tg)
+    with_tg = only_tg or (not only_xp and not getattr(args, "no_targets", False))
+    with_xp = only_xp or (not only_tg and not getattr(args, "no_cross_process", False))
+    scales_text = getattr(args, "scales", None)
+    scales = list(QUICK_SCALES if args.quick else DEFAULT_SCALES)
+    if scales_text is not None:
+        try:
+            scales = [int(x) for x in scales_text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--scales takes MiB as comma-separated integers, not {scales_text!r}") from None
+        if not scales or min(scales) < 1:
+            raise ValueError("--scales needs at least one size, each at least 1 (MiB)")
+    target_tokens = getattr(args, "target_tokens", PER_LAYER_TOKENS)
+    if target_tokens < BLOCK_TOKENS:
+        raise ValueError(f"--target-tokens must be at least {BLOCK_TOKENS} (one block)")
     xp_bytes = getattr(args, "cross_process_bytes", None)
     xp_bytes = xp_bytes if xp_bytes is not None else (XP_QUICK_ROW_BYTES if args.quick else XP_ROW_BYTES)
     xp_blocks = getattr(args, "cross_process_blocks", None)
@@ -170,12 +200,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats0 = _copy.thread_stats()
     overhead: list[Row] = []
     transfers: list[Row] = []
+    targets: dict[str, Any] | None = None
     cross: dict[str, Any] | None = None
+    children: list[float] = []  # CPU time of the streaming-limit processes: this run, not other load
     with LoadMonitor() as load:
-        if not only_xp:
+        if with_main:
             overhead = measure_overhead(calls, 7 if args.quick else 15)
             transfers = measure_transfers(names, tokens, args.blocks, budget, args.repeats, args.seed, kinds,
-                                          progress)
+                                          progress, child_cpu=children)
+        if with_tg:
+            mine: list[float] = []
+            with LoadMonitor() as tg_load:
+                targets = measure_targets(scales, target_tokens, budget, args.repeats, args.seed, progress, mine)
+                tg_load.add_own(sum(mine))
+            judge(targets, tg_load.result().get("other_busy"))
+            children += mine
+        load.add_own(sum(children))
         if with_xp:
             try:
                 cross = measure_cross_process(xp_bytes, xp_blocks, budget, args.repeats, args.seed,
@@ -202,10 +242,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "isa": _copy.get_isa(),
             "streaming_threshold": _copy.get_streaming_threshold(),
             "threads_threshold": _copy.get_threads_threshold(),
+            "threads_model": _copy.threads_model(),
             "cpu_features": _copy.cpu_features(),
+            "limits": list(LIMIT_NAMES),
+            "stream_limit_tunables": f"glibc.cpu.x86_non_temporal_threshold={STREAM_THRESHOLD:#x}"
+                                     if StreamingMemcpy.available else None,
         },
         "overhead": overhead,
         "transfers": transfers,
+        "targets": targets,
         "cross_process": cross,
         "two_thread_kernel_calls": {k: stats1[k] - stats0[k] for k in stats1},
         "elapsed_s": time.perf_counter() - t0,

@@ -32,10 +32,10 @@ from .. import (
 )
 from .._native import _copy
 from ..models import BLOCK_TOKENS, MODELS
-from .baselines import TwoThreadMemcpy, arena, fill_pattern, memcpy_limits
+from .baselines import Limits, arena, fill_pattern, limit_columns
 from .harness import KiB, Row, Timing, gbps, interleaved, repeats_for
 
-__all__ = ["DECODE_ID", "GEOMETRIES", "KINDS", "LOCALHOST", "PREFILL_ID", "BenchGeometry", "instance",
+__all__ = ["DECODE_ID", "DEFAULT_GEOMETRIES", "GEOMETRIES", "KINDS", "LOCALHOST", "PREFILL_ID", "BenchGeometry", "instance",
            "instance_pair", "link", "measure_transfers"]
 
 LOCALHOST = "127.0.0.1"
@@ -60,6 +60,7 @@ class BenchGeometry:
     per_layer: int
     token_shape: tuple[int, ...]
     blocks: int | None = None
+    tokens: int | None = None  # a fixed request size (tokens), whatever --tokens says
 
     @property
     def token_bytes(self) -> int:
@@ -79,25 +80,33 @@ class BenchGeometry:
     def request_blocks(self, tokens: int, synthetic_blocks: int | None) -> int:
         if self.blocks is not None:
             return synthetic_blocks if synthetic_blocks is not None else self.blocks
+        if self.tokens is not None:
+            tokens = min(tokens, self.tokens)
         return max(1, tokens // BLOCK_TOKENS)
 
 
-def _model_cache(name: str, model: str, cache: str, label: str) -> BenchGeometry:
+def _model_cache(name: str, model: str, cache: str, label: str, tokens: int | None = None) -> BenchGeometry:
     fam = MODELS[model].cache(cache)
-    return BenchGeometry(name, f"{model} {label}", fam.tensors, fam.tensors_per_layer, fam.token_shape)
+    return BenchGeometry(name, f"{model} {label}", fam.tensors, fam.tensors_per_layer, fam.token_shape,
+                         tokens=tokens)
 
 
 #: The bench's geometries by ``--geometries`` name: cache families of :data:`kvdd.models.MODELS`
-#: and two synthetic single-tensor block cases.
+#: and two synthetic single-tensor block cases.  The default run measures :data:`DEFAULT_GEOMETRIES`.
 GEOMETRIES: dict[str, BenchGeometry] = {g.name: g for g in (
     _model_cache("qwen2.5-7b", "Qwen2.5-7B", "kv", "K/V"),
     _model_cache("llama-3.1-8b", "Llama-3.1-8B", "kv", "K/V"),
     _model_cache("deepseek-v3-latent", "DeepSeek-V3", "latent", "MLA latent"),
     _model_cache("deepseek-v3-rope", "DeepSeek-V3", "rope", "MLA rope"),
+    _model_cache("glm-5-rope", "GLM-5", "rope", "MLA rope"),
     _model_cache("glm-5-indexer", "GLM-5", "indexer", "DSA indexer keys"),
+    # 160 tensors: requests of at most 1024 tokens (640 MiB per instance)
+    _model_cache("llama-3.1-70b", "Llama-3.1-70B", "kv", "K/V", tokens=1024),
     BenchGeometry("synthetic-1024x64k", "1 tensor, 1024 x 64 KiB blocks", 1, 1, (256,), blocks=1024),
     BenchGeometry("synthetic-4096x16k", "1 tensor, 4096 x 16 KiB blocks", 1, 1, (64,), blocks=4096),
 )}
+#: The geometries of a plain ``kvdd bench`` (the targets section measures Llama-3.1-70B and GLM-5 rope).
+DEFAULT_GEOMETRIES = tuple(n for n in GEOMETRIES if n not in ("llama-3.1-70b", "glm-5-rope"))
 
 
 # ---- the two instances ----------------------------------------------------------------------------
@@ -112,10 +121,8 @@ def instance(cluster_id: int, role: int, device: int) -> LlmDataDist:
 
 def link(local: LlmDataDist, remote: LlmDataDist) -> None:
     """`local` links to `remote` (by its listening port)."""
-    port = remote.listen_port
-    assert port is not None
     local.link_llm_clusters([ClusterInfo(remote_cluster_id=remote.cluster_id,
-                                         remote_ip_infos=(IpInfo(LOCALHOST, port),))])
+                                         remote_ip_infos=(IpInfo(LOCALHOST, remote.listening_port),))])
 
 
 @contextmanager
@@ -228,46 +235,51 @@ def _cases(geom: BenchGeometry, blocks: int, p: LlmDataDist, d: LlmDataDist, ps:
     return cases
 
 
-def measure_transfers(names: Sequence[str], tokens: int, synthetic_blocks: int | None, budget_s: float,
-                      repeats: int | None, seed: int, kinds: Sequence[str] = KINDS,
-                      progress: Callable[[str], None] | None = None) -> list[Row]:
-    """One row per (geometry, transfer kind): see the module docstring."""
+def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthetic_blocks: int | None,
+                      budget_s: float, repeats: int | None, seed: int, kinds: Sequence[str] = KINDS,
+                      progress: Callable[[str], None] | None = None, streaming_limit: bool = True,
+                      child_cpu: list[float] | None = None) -> list[Row]:
+    """One row per (geometry, transfer kind): see :mod:`kvdd.bench`.  `names` are keys of
+    :data:`GEOMETRIES` or geometries; the CPU time of the streaming-limit child processes is appended
+    to `child_cpu` (it is this run's, not other load)."""
     rows: list[Row] = []
     rng = np.random.default_rng(seed)
-    pair = TwoThreadMemcpy()
-    try:
-        for name in names:
-            geom = GEOMETRIES[name]
-            blocks = geom.request_blocks(tokens, synthetic_blocks)
-            if progress is not None:
-                progress(f"{name}: {geom.tensors} tensors x {blocks} blocks of {geom.block_bytes // KiB} KiB")
-            with instance_pair() as (p, d):
-                ps = _side(p, geom, blocks, pattern=True)
-                ds = _side(d, geom, blocks, pattern=False)
-                link(d, p)  # after registering: a link sees the caches registered before it
-                for case in _cases(geom, blocks, p, d, ps, ds, rng):
-                    if case.kind not in kinds:
-                        continue
+    for name in names:
+        geom = GEOMETRIES[name] if isinstance(name, str) else name
+        blocks = geom.request_blocks(tokens, synthetic_blocks)
+        if progress is not None:
+            progress(f"{geom.name}: {geom.tensors} tensors x {blocks} blocks of {geom.block_bytes // KiB} KiB")
+        with instance_pair() as (p, d):
+            ps = _side(p, geom, blocks, pattern=True)
+            ds = _side(d, geom, blocks, pattern=False)
+            link(d, p)  # after registering: a link sees the caches registered before it
+            cases = [c for c in _cases(geom, blocks, p, d, ps, ds, rng) if c.kind in kinds]
+            limits = Limits(max((c.nbytes for c in cases), default=1), streaming=streaming_limit)
+            try:
+                for case in cases:
                     for k in {0, geom.tensors - 1}:  # what the check reads: nothing left from before
                         ds.tensors[k][:] = 0
                     case.run()
                     verified = case.expect()
                     fns: dict[str, Callable[[], object]] = {"transfer": case.run}
-                    fns.update(memcpy_limits(ds.region, ps.region, case.nbytes, pair))
+                    fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
+                    before = _copy.thread_stats()["calls"]
                     res = interleaved(fns, reps)
-                    rows.append(_row(geom, blocks, case, res, verified))
-                del ps, ds
-    finally:
-        pair.close()
+                    two = (_copy.thread_stats()["calls"] - before) / (case.calls * (reps + 1))
+                    rows.append(_row(geom, blocks, case, res, verified, two))
+            finally:
+                limits.close()
+                if child_cpu is not None:
+                    child_cpu.append(limits.child_cpu_s)
+            del ps, ds
     return rows
 
 
-def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool) -> Row:
-    tr, m1, m2 = res["transfer"], res["memcpy_1t"], res["memcpy_2t"]
-    best_min = min(m1["min_s"], m2["min_s"])
-    best_med = min(m1["median_s"], m2["median_s"])
-    return {
+def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool,
+         two_threads: float) -> Row:
+    tr = res["transfer"]
+    row: Row = {
         "geometry": geom.name,
         "kind": case.kind,
         "tensors": geom.tensors,
@@ -278,12 +290,7 @@ def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], 
         "min_ms": tr["min_s"] * 1e3,
         "median_ms": tr["median_s"] * 1e3,
         "gbps": gbps(case.nbytes, tr["min_s"]),
-        "memcpy_1t_gbps": gbps(case.nbytes, m1["min_s"]),
-        "memcpy_2t_gbps": gbps(case.nbytes, m2["min_s"]),
-        "ratio": best_min / tr["min_s"],
-        "ratio_median": best_med / tr["median_s"],
-        "ratio_1t": m1["min_s"] / tr["min_s"],
-        "samples": tr["samples"],
-        "verified": verified,
     }
-
+    row.update(limit_columns(res, case.nbytes))
+    row.update({"two_threads": two_threads, "samples": tr["samples"], "verified": verified})
+    return row

@@ -106,10 +106,6 @@ class _Root:
     def drop(self, oid: int) -> None:
         self.objects.pop(oid, None)
 
-    def probe_addr(self) -> int:
-        from kvdd.sim import fabric
-        return fabric.PROBE_ADDR
-
     def can_read(self, pid: int, addr: int) -> bool:
         """Whether process_vm_readv of ``pid`` works from here (ptrace rules)."""
         from kvdd._native import _xproc

@@ -4,7 +4,9 @@ All memory lives in one numpy "arena" per test; regions are spans of it. The ref
 runs in order on a copy of the arena, each run through a temporary (memmove semantics), and every test
 compares the *whole* arena, so bytes that must not change are checked as well as the bytes moved.
 Every path is exercised on small data by forcing it: streaming on/off (threshold), each vector ISA the
-CPU has, one and two threads (small work items so runs are split between threads).
+CPU has, one and two threads (small work items so runs are split between threads). The C kernels are
+also checked in C (tests/sim/copy_impl_check.c): natively, as the plain memcpy build, and for aarch64
+NEON with a cross compiler under qemu-user when those are installed.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import pickle
+import platform
+import shutil
+import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -210,6 +216,18 @@ def test_unaligned_long_runs(path: tuple[str, bool], threads: int, n: int, soff:
     run(arena, [(soff, n + 64)], [(n + 128 + doff, n + 64)], [0, 1], [0, 50], [n, n - 50], threads)
 
 
+@pytest.mark.parametrize("n", [4 * 4096 - 1, 4 * 4096, 4 * 4096 + 1, 8 * 4096 + 4095, 20 * 4096 + 77])
+@pytest.mark.parametrize("soff,doff", [(0, 0), (1, 63), (4095, 17), (64, 4032)])
+@pytest.mark.parametrize("chunk", [0, 20000], ids=["items-auto", "items-20000"])
+def test_page_interleaved_runs(path: tuple[str, bool], threads: int, n: int, soff: int, doff: int,
+                               chunk: int) -> None:
+    """Runs of at least 4 pages (the page-interleaved streaming loop), their tails below a page group,
+    every alignment class, and 2-thread work items that cut a run inside a page group."""
+    _copy.set_chunk_size(chunk)
+    arena = Arena(2 * n + 8192 + 256, seed=n + soff)
+    run(arena, [(soff, n + 64)], [(n + 4096 + doff, n + 64)], [0, 3], [0, 40], [n, n - 40], threads)
+
+
 def test_zero_length_runs_are_refused(path: tuple[str, bool], threads: int) -> None:
     """A zero-length run is a request the engine did not validate (it never plans one): refused,
     nothing copied, even when the other runs are fine."""
@@ -295,9 +313,27 @@ def test_default_thresholds_choose_paths() -> None:
     assert (small.streaming, small.threads, small.nogil) == (False, 1, False)
     assert small.isa == _copy.get_isa() and small.nbytes == 8
     assert _copy.get_streaming_threshold() == _copy.DEFAULT_STREAMING_THRESHOLD
-    assert _copy.get_threads_threshold() == _copy.DEFAULT_THREADS_THRESHOLD
-    assert 0 < _copy.DEFAULT_STREAMING_THRESHOLD <= _copy.DEFAULT_THREADS_THRESHOLD
+    assert _copy.get_threads_threshold() == _copy.DEFAULT_THREADS_THRESHOLD is None  # by measured cost
+    assert (1 << 20) <= _copy.DEFAULT_STREAMING_THRESHOLD <= (4 << 20)
+    model = _copy.threads_model()
+    assert model["start_us"] > 0 and model["one_thread_gbps"] > 0
+    assert model["min_bytes"] >= 256 << 10
     assert "CopyPlan(" in repr(small)
+
+
+def test_automatic_threads_follow_the_measured_cost(restore_tuning: None) -> None:
+    # a call below the model's size stays on one thread; a fixed threshold of 0 asks for two (the
+    # plan says 2 only when a CPU is free: the load check is part of the automatic choice)
+    arena = Arena(4 << 20, seed=15)
+    r = [arena.region(0, 2 << 20)], [arena.region(2 << 20, 2 << 20)]
+    below = int(_copy.threads_model()["min_bytes"]) - 64
+    if below < 2 << 20:
+        assert plan_runs(*r, arr([0]), arr([0]), arr([below])).threads == 1
+    assert _copy.set_threads_threshold(0) is None
+    assert plan_runs(*r, arr([0]), arr([0]), arr([4096]), threads=1).threads == 1
+    assert plan_runs(*r, arr([0]), arr([0]), arr([4096]), threads=2).threads == 2
+    assert _copy.set_threads_threshold(None) == 0
+    assert _copy.get_threads_threshold() is None
 
 
 # ---- refused requests: nothing copied -------------------------------------------------------------------
@@ -495,8 +531,8 @@ def test_isa_selection(restore_tuning: None) -> None:
     assert _copy.set_isa("best") == ISAS[-1]
     assert _copy.get_isa() == ISAS[-1]
     with pytest.raises(ValueError, match="unknown"):
-        _copy.set_isa("neon")
-    for isa in {"sse2", "avx2", "avx512"} - set(ISAS):
+        _copy.set_isa("altivec")
+    for isa in {"sse2", "avx2", "avx512", "neon"} - set(ISAS):
         with pytest.raises(ValueError, match="cannot run"):
             _copy.set_isa(isa)
 
@@ -505,6 +541,7 @@ def test_tuning_setters(restore_tuning: None) -> None:
     prev = _copy.set_streaming_threshold(123)
     assert _copy.set_streaming_threshold(prev) == 123
     assert _copy.set_threads_threshold(0) == _copy.DEFAULT_THREADS_THRESHOLD
+    assert _copy.set_threads_threshold(None) == 0
     assert _copy.set_chunk_size(4096) == _copy.DEFAULT_CHUNK_SIZE and _copy.get_chunk_size() == 4096
     for setter in (_copy.set_streaming_threshold, _copy.set_threads_threshold, _copy.set_chunk_size):
         with pytest.raises(ValueError):
@@ -578,3 +615,58 @@ def test_two_thread_path_works_after_fork() -> None:
         p.kill()
         pytest.fail("child process hung in the 2-thread path after fork")
     assert p.exitcode == 0 and q.get(timeout=5) is True
+
+
+# ---- every kernel path in C, including the ones this machine cannot force from Python ----------------
+
+IMPL_DIR = Path(__file__).resolve().parent.parent.parent / "kvdd" / "_native"
+CHECK_C = Path(__file__).resolve().parent / "copy_impl_check.c"
+
+
+def _build(cc: str, out: Path, *flags: str) -> None:
+    proc = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{IMPL_DIR}",
+                           "-o", str(out), str(CHECK_C), "-lpthread"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _run_check(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.skipif(not (IMPL_DIR / "_copy_impl.c").is_file(), reason="needs the source tree (kvdd/_native)")
+@pytest.mark.parametrize("variant", ["native", "no-simd"])
+def test_c_kernels_on_this_machine(variant: str, tmp_path: Path) -> None:
+    """Every implementation this CPU runs (and, with KVDD_NO_SIMD, the plain memcpy build), regular and
+    streaming, 1 and 2 threads, checked byte for byte in C."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "check"
+    _build(cc, exe, *(["-DKVDD_NO_SIMD"] if variant == "no-simd" else []))
+    out = _run_check([str(exe)])
+    mask = int(out.split("isa mask ")[1], 16)
+    if variant == "no-simd":
+        assert mask == 1
+    else:
+        assert mask == sum(1 << i for i, name in enumerate(("memcpy", "sse2", "avx2", "avx512", "neon"))
+                           if name in ISAS)
+
+
+@pytest.mark.skipif(not (IMPL_DIR / "_copy_impl.c").is_file(), reason="needs the source tree (kvdd/_native)")
+def test_c_kernels_aarch64_neon(tmp_path: Path) -> None:
+    """The aarch64 NEON path: cross-compiled (aarch64-linux-gnu-gcc, Debian package gcc-aarch64-linux-gnu)
+    and run under qemu-user (qemu-aarch64-static, package qemu-user-static) when they are installed."""
+    if platform.machine() in ("aarch64", "arm64"):
+        pytest.skip("native aarch64: test_c_kernels_on_this_machine covers NEON")
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    if cc is None:
+        pytest.skip("no aarch64 cross compiler (apt install gcc-aarch64-linux-gnu)")
+    exe = tmp_path / "check-aarch64"
+    _build(cc, exe, "-static")
+    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+    if qemu is None:
+        pytest.skip("compiled for aarch64; no qemu-aarch64 to run it (apt install qemu-user-static)")
+    out = _run_check([qemu, str(exe)])
+    assert int(out.split("isa mask ")[1], 16) == 1 | (1 << 4)  # memcpy and neon

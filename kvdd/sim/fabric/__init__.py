@@ -43,11 +43,13 @@ from __future__ import annotations
 from . import wire
 from .channel import close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
-from .hostprobe import ENV_XPROC, PROBE_ADDR
+from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
+                   default_secret_path, describe_secret, generate_secret, load_secret)
+from .extensions import register_extension, unregister_extension
 from .listener import Listener
 from .peers import InProcessPeer, RemotePeer, in_process_peer
-from .protocol import (Connection, LinkOffer, LinkOwner, LinkResult, PeerHandle, RemoteCache,
-                       ServedCache, Snapshot)
+from .protocol import (Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle,
+                       RemoteCache, ServedCache, Snapshot)
 from .registry import lookup_listener
 from .wire import PROTOCOL_VERSION
 
@@ -74,5 +76,20 @@ __all__ = [
     "wire",
     "PROTOCOL_VERSION",
     "ENV_XPROC",
-    "PROBE_ADDR",
+    "DataPath",
+    "Session",
+    "Secret",
+    "SecretError",
+    "load_secret",
+    "generate_secret",
+    "describe_secret",
+    "default_secret_path",
+    "register_extension",
+    "unregister_extension",
+    "ENV_AUTH",
+    "ENV_SECRET",
+    "ENV_SECRET_FILE",
 ]
+
+#: Environment variable selecting the same-host data path: ``auto`` (default) or ``tcp``.
+ENV_XPROC = "KVDD_SIM_XPROC"

@@ -1,0 +1,112 @@
+"""The targets section of ``kvdd bench`` (issue 15): the copy kernels against the limit, measured on
+the workloads the targets name, each row saying what limits it where a target is not met.
+
+``scale``       one tensor, PullKvCache of one row of N bytes (L3 scale: 8-64 MiB; DRAM scale:
+                >= 256 MiB), target >= 0.95x the limit;
+``small runs``  GLM-5's rope (78 tensors x 16 KiB blocks) and DSA indexer (78 x 32 KiB) caches,
+                PullKvBlocks and PushKvBlocks of a request's blocks (random ids), target >= 0.9x;
+``per layer``   one request of Qwen2.5-7B and of Llama-3.1-70B pulled one layer per call
+                (``pull_layers``), target >= 0.9x one copy of the same bytes; ``pull_row`` of the
+                same request in one call is measured alongside, so the per-call cost shows.
+
+The limit is the best of :data:`kvdd.bench.baselines.LIMIT_NAMES` on the same bytes, interleaved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .._native import _copy
+from .harness import MiB, Row
+from .transfers import BenchGeometry, measure_transfers
+
+__all__ = ["DEFAULT_SCALES", "QUICK_SCALES", "TARGETS", "judge", "measure_targets", "scale_geometry"]
+
+#: Bytes per call of the ``scale`` workloads (MiB).
+DEFAULT_SCALES = (8, 16, 32, 64, 256, 512)
+QUICK_SCALES = (8, 64, 256)
+SMALL_RUN_GEOMETRIES = ("glm-5-rope", "glm-5-indexer")
+PER_LAYER_GEOMETRIES = ("qwen2.5-7b", "llama-3.1-70b")
+PER_LAYER_TOKENS = 1024
+
+#: (name, minimum ratio) of each target.
+TARGETS = {"L3 scale (8-64 MiB per call)": 0.95, "DRAM scale (>= 256 MiB per call)": 0.95,
+           ">= 64 tensors, 16-32 KiB runs": 0.9, "per-layer pull, 1024 tokens": 0.9}
+
+
+def scale_geometry(mib: int) -> BenchGeometry:
+    """One tensor whose row is `mib` MiB (blocks of 1 MiB: 128 tokens x 4096 bf16)."""
+    return BenchGeometry(f"1 tensor, {mib} MiB", f"1 tensor, {mib} MiB row", 1, 1, (4096,), blocks=mib)
+
+
+def _target(row: Row) -> str | None:
+    kind, geom = row["kind"], row["geometry"]
+    if geom.startswith("1 tensor, ") and kind == "pull_row":
+        mib = row["bytes"] / MiB
+        if 8 <= mib <= 64:
+            return "L3 scale (8-64 MiB per call)"
+        if mib >= 256:
+            return "DRAM scale (>= 256 MiB per call)"
+        return None
+    if geom in SMALL_RUN_GEOMETRIES and kind in ("pull_blocks", "push_blocks"):
+        return ">= 64 tensors, 16-32 KiB runs"
+    if geom in PER_LAYER_GEOMETRIES and kind == "pull_layers":
+        return "per-layer pull, 1024 tokens"
+    return None
+
+
+def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: Mapping[str, Any]) -> str:
+    """What this run measured that keeps `row` below its target (empty when it is met)."""
+    why: list[str] = []
+    if other_busy is not None and other_busy > 0.1:
+        why.append(f"other load {other_busy:.0%} of the CPUs during the run (shared machine)")
+    per_call = row["bytes"] // row["calls"]
+    if row["limit"].endswith("_2t") and row["two_threads"] < 0.5:
+        reason = (f"{per_call / MiB:.1f} MiB per call is below the 2-thread size {model['min_bytes'] / MiB:.1f} MiB "
+                  f"(helper start {model['start_us']:.0f} us, one thread {model['one_thread_gbps']:.1f} GB/s)"
+                  if per_call < model["min_bytes"] else "no CPU free for a second thread when the call started")
+        why.append(f"the limit used 2 threads, kvdd {row['two_threads']:.0%} of its calls: {reason}")
+    if row["calls"] > 1:
+        one = next((r for r in rows if r["geometry"] == row["geometry"] and r["kind"] == "pull_row"), None)
+        if one is not None:
+            extra_us = (row["min_ms"] - one["min_ms"]) * 1e3 / row["calls"]
+            why.append(f"{row['calls']} calls: {extra_us:.0f} us per call more than one pull_row of the same bytes "
+                       f"({one['gbps']:.1f} GB/s, ratio {one['ratio']:.2f})")
+    return "; ".join(why)
+
+
+def measure_targets(scales_mib: Sequence[int], tokens: int, budget_s: float, repeats: int | None, seed: int,
+                    progress: Callable[[str], None] | None = None,
+                    child_cpu: list[float] | None = None) -> dict[str, Any]:
+    """The targets section's measurements (transfer rows); :func:`judge` adds the verdicts."""
+    geoms: list[str | BenchGeometry] = [scale_geometry(m) for m in scales_mib]
+    rows = measure_transfers(geoms, tokens, None, budget_s, repeats, seed, ("pull_row",), progress,
+                             child_cpu=child_cpu)
+    rows += measure_transfers(list(SMALL_RUN_GEOMETRIES), tokens, None, budget_s, repeats, seed,
+                              ("pull_blocks", "push_blocks"), progress, child_cpu=child_cpu)
+    rows += measure_transfers(list(PER_LAYER_GEOMETRIES), tokens, None, budget_s, repeats, seed,
+                              ("pull_row", "pull_layers"), progress, child_cpu=child_cpu)
+    return {"tokens": tokens, "scales_mib": list(scales_mib), "threads_model": _copy.threads_model(),
+            "rows": rows, "summary": []}
+
+
+def judge(section: dict[str, Any], other_busy: float | None) -> None:
+    """Add to every row of `section` its ``target``, ``goal``, ``met`` and ``limited_by`` (what this
+    run measured that keeps it below the goal), and one summary per target (its worst row)."""
+    rows: list[Row] = section["rows"]
+    model = section["threads_model"]
+    for r in rows:
+        target = _target(r)
+        goal = TARGETS.get(target) if target is not None else None
+        met = None if goal is None else bool(r["ratio"] >= goal)
+        r.update({"target": target, "goal": goal, "met": met,
+                  "limited_by": _limited_by(r, rows, other_busy, model) if met is False else ""})
+    summary = []
+    for name, goal in TARGETS.items():
+        mine = [r for r in rows if r["target"] == name]
+        if mine:
+            worst = min(mine, key=lambda r: float(r["ratio"]))
+            summary.append({"target": name, "goal": goal, "rows": len(mine), "worst_ratio": worst["ratio"],
+                            "worst": f"{worst['geometry']} {worst['kind']}", "met": all(r["met"] for r in mine)})
+    section["summary"] = summary
