@@ -27,7 +27,7 @@ from ..options import (
     parse_listen_ip_info,
     parse_sync_wait_time,
 )
-from ..status import Status
+from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
 from .checks import CACHE_TABLE_LIMIT, REQUEST_LIMIT, Rejected, reject, require_initialized
@@ -37,10 +37,6 @@ from .memory import first_inaccessible
 from .options import check_comm_options, check_mem_pool_config, port_text, valid_comm_res
 
 __all__ = ["SimBackend", "CacheEntry", "Entity", "CACHE_TABLE_LIMIT", "REQUEST_LIMIT"]
-
-S_OK = Status.LLM_SUCCESS
-FAILED = Status.LLM_FAILED
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 
 class SimBackend:
