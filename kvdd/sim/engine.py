@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
-from ..status import Status
+from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
 from .checks import CACHE_TABLE_LIMIT, REQUEST_LIMIT, Rejected, reject, require_initialized
@@ -33,10 +33,6 @@ from .options import (
 )
 
 __all__ = ["SimBackend", "CacheEntry", "Entity", "CACHE_TABLE_LIMIT", "REQUEST_LIMIT"]
-
-S_OK = Status.LLM_SUCCESS
-FAILED = Status.LLM_FAILED
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 
 class SimBackend:
