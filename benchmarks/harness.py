@@ -15,7 +15,7 @@ Typical use::
 from __future__ import annotations
 
 # One implementation, inside the installed package (``kvdd bench`` cannot import this directory).
-from kvdd.bench import (
+from kvdd.bench.harness import (
     LoadMonitor,
     Timing,
     compare,

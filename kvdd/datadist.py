@@ -120,9 +120,50 @@ class LlmDataDist:
 
     @property
     def listen_port(self) -> int | None:
-        """TCP port bound for ``llm.ListenIpInfo`` (the real one when 0 was asked); None when not
-        listening."""
+        """The TCP port of ``llm.ListenIpInfo``, or None when not listening.
+
+        Returns
+        -------
+        int or None
+            The port bound (the real one when port 0 was asked; the native backend reports 0
+            there, as the C++ library has no call that tells), None before Initialize, after
+            Finalize and on an instance without ``llm.ListenIpInfo``.  :attr:`listening_port`
+            is the same as a plain ``int`` for typed code.
+        """
         return self._backend.listen_port
+
+    @property
+    def listening_port(self) -> int:
+        """The TCP port this instance listens on, as an ``int`` (docs/spec/API.md).
+
+        For typed code that passes the port on (``IpInfo(ip, dd.listening_port)``) without a
+        ``None`` check.
+
+        Returns
+        -------
+        int
+            The port bound for ``llm.ListenIpInfo`` (1..65535).
+
+        Raises
+        ------
+        RuntimeError
+            When the instance does not listen (not initialized, finalized, or initialized
+            without ``kvdd.OPTION_LISTEN_IP_INFO``), or when the backend cannot tell which port
+            ``":0"`` bound (native: the C++ library has no call for it).
+        """
+        port = self._backend.listen_port
+        if port is None:
+            raise RuntimeError(
+                f"{self!r} is not listening: initialize it with "
+                "{kvdd.OPTION_LISTEN_IP_INFO: 'IP:PORT'} (port 0 picks a free one) first; "
+                "listen_port is None"
+            )
+        if port == 0:
+            raise RuntimeError(
+                f"{self!r} listens on port 0 as asked, and the {self._backend_name} backend cannot "
+                "tell which port that bound; ask for a fixed port in llm.ListenIpInfo"
+            )
+        return port
 
     def __enter__(self) -> LlmDataDist:
         return self

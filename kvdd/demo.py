@@ -70,6 +70,7 @@ from typing import IO, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from . import models as _models
 from . import (
     OPTION_DEVICE_ID,
     OPTION_LISTEN_IP_INFO,
@@ -246,19 +247,15 @@ class ModelSpec:
                    notes=tuple(doc.get("notes", ())))
 
 
-#: Real geometries from MODELS.md (published configs).  ``--model`` takes these names (any case).
+#: Real geometries from MODELS.md (published configs; the table is :data:`kvdd.models.MODELS`).
+#: ``--model`` takes these names (any case).
 MODELS: dict[str, ModelSpec] = {
-    m.name: m for m in (
-        ModelSpec("Qwen2.5-7B", 28, "GQA", kv_heads=4, head_dim=128),
-        ModelSpec("Llama-3.1-8B", 32, "GQA", kv_heads=8, head_dim=128),
-        ModelSpec("Qwen3-32B", 64, "GQA", kv_heads=8, head_dim=128),
-        ModelSpec("Llama-3.1-70B", 80, "GQA", kv_heads=8, head_dim=128),
-        ModelSpec("DeepSeek-V3", 61, "MLA", kv_lora_rank=512, qk_rope_head_dim=64),
-        ModelSpec("GLM-5", 78, "MLA", kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128),
-    )
+    m.name: ModelSpec(m.name, m.layers, m.attention, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                      kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                      index_head_dim=m.index_head_dim)
+    for m in _models.MODELS.values()
 }
-_MODEL_ALIASES = {"qwen2.5-7b-instruct": "Qwen2.5-7B", "llama-3.1-8b-instruct": "Llama-3.1-8B",
-                  "llama-3.1-70b-instruct": "Llama-3.1-70B", "deepseek-r1": "DeepSeek-V3"}
+_MODEL_ALIASES = _models.ALIASES
 DEFAULT_MODEL = "Qwen2.5-7B"
 
 

@@ -1,14 +1,15 @@
 """LLM-DataDist status codes and the exception family built on them.
 
 The C++ API returns ``ge::Status`` (``uint32_t``) from every call; the values are listed in
-SEMANTICS.md §1 (``LLM_SUCCESS = 0``, ``LLM_FAILED = 0xFFFFFFFF`` and ``0x5010B000 + n``).
-Backends return these integers; :func:`raise_for_status` is the one place where a non-zero status
-becomes an :class:`LLMError`.
+docs/spec/SEMANTICS.md §1 (``LLM_SUCCESS = 0``, ``LLM_FAILED = 0xFFFFFFFF`` and
+``0x5010B000 + n``).  Backends return these integers; :func:`raise_for_status` is the one place
+where a non-zero status becomes an :class:`LLMError` (docs/spec/API.md "Status and errors").
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Any, ClassVar
 
 __all__ = [
@@ -53,10 +54,19 @@ _BASE = 0x5010B000
 
 
 class Status(enum.IntEnum):
-    """Every status code of the LLM-DataDist error table (SEMANTICS.md §1).
+    """Every status code of the LLM-DataDist error table (docs/spec/SEMANTICS.md §1).
 
     ``Status.LLM_PARAM_INVALID == 0x5010B005``.  Hardware can also return raw numbers outside this
-    table (ACL runtime codes); :class:`LLMError` keeps those as plain ints.
+    table (ACL runtime codes, SEMANTICS.md §8): ``Status(code)`` then gives a *pseudo-member*
+    whose value is the raw number and whose name says it is unknown (``Status(507053).name ==
+    'UNKNOWN_0x0007BCAD'``), so ``.name`` and ``int()`` work for every status.  Pseudo-members are
+    not listed by iteration or ``Status.__members__``, compare equal to their number and pickle
+    by value.
+
+    Raises
+    ------
+    ValueError
+        ``Status(x)`` for an ``x`` that is not an integer (``bool`` included).
     """
 
     LLM_SUCCESS = 0
@@ -90,21 +100,74 @@ class Status(enum.IntEnum):
     LLM_OUT_OF_MEMORY = _BASE + 28
     LLM_FAILED = 0xFFFFFFFF
 
+    @classmethod
+    def _missing_(cls, value: object) -> Status | None:
+        # A code outside the table: one cached pseudo-member per number (as enum.Flag does for
+        # combinations), so identity, hashing and pickling behave like a real member's.
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        number = int(value)
+        with _PSEUDO_LOCK:
+            member = cls._value2member_map_.get(number)
+            if member is None:
+                member = int.__new__(cls, number)
+                member._name_ = f"{UNKNOWN_PREFIX}0x{number & 0xFFFFFFFF:08X}"
+                member._value_ = number
+                cls._value2member_map_[number] = member
+        assert isinstance(member, cls)
+        return member
 
-def as_status(value: int) -> int:
-    """``Status(value)`` when the value is a known code, else the raw int."""
-    try:
-        return Status(value)
-    except ValueError:
-        return int(value)
+    @property
+    def is_known(self) -> bool:
+        """False for a pseudo-member (a code outside the table of SEMANTICS.md §1)."""
+        return self._name_ in type(self).__members__
+
+
+#: Name prefix of the pseudo-members :class:`Status` makes for codes outside its table.
+UNKNOWN_PREFIX = "UNKNOWN_"
+_PSEUDO_LOCK = threading.Lock()
+
+# Short names for the statuses the simulator returns most; import these instead of redefining them.
+S_OK = Status.LLM_SUCCESS
+FAILED = Status.LLM_FAILED
+PARAM_INVALID = Status.LLM_PARAM_INVALID
+NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
+NOT_YET_LINK = Status.LLM_NOT_YET_LINK
+TIMEOUT = Status.LLM_TIMEOUT
+
+
+def as_status(value: int) -> Status:
+    """``Status(value)``: the member for a known code, else the pseudo-member of the raw number.
+
+    Parameters
+    ----------
+    value : int
+        A ``ge::Status`` as a backend returns it.
+
+    Returns
+    -------
+    Status
+        Always a :class:`Status`; ``int(result) == value``.
+    """
+    return Status(value)
 
 
 def status_name(value: int) -> str:
-    """``'LLM_PARAM_INVALID (0x5010B005)'``; unknown codes give ``'unknown status (0x...)'``."""
-    try:
-        name = Status(value).name
-    except ValueError:
-        name = "unknown status"
+    """The name and hex code of a status, as error messages print it.
+
+    Parameters
+    ----------
+    value : int
+        Any status code (known or not).
+
+    Returns
+    -------
+    str
+        ``'LLM_PARAM_INVALID (0x5010B005)'``; codes outside the table give
+        ``'unknown status (0x0007BCAD)'``.
+    """
+    status = Status(value)
+    name = status.name if status.is_known else "unknown status"
     return f"{name} (0x{int(value) & 0xFFFFFFFF:08X})"
 
 
@@ -113,16 +176,30 @@ def _camel(name: str) -> str:
 
 
 class LLMError(Exception):
-    """A non-success status returned by an LLM-DataDist call.
+    """A non-success status returned by an LLM-DataDist call (docs/spec/API.md "Status and errors").
+
+    Parameters
+    ----------
+    status : int
+        The ``ge::Status`` the C++ call returned (a :class:`Status` or a raw number).
+    message : str, optional
+        What failed (the C++ call) and the backend's explanation.
+    rets : list[int] or None, optional
+        Per-cluster statuses of LinkLlmClusters / UnlinkLlmClusters.
 
     Attributes
     ----------
-    status : int
-        A :class:`Status` member when the code is known, else the raw number.
+    status : Status
+        The status; for a code outside the table a :class:`Status` pseudo-member whose value is
+        the raw number (``int(e.status)``) and whose name starts with ``UNKNOWN_``.
     rets : list[int] | None
-        Per-cluster statuses for link/unlink (``[]`` when the call failed before the per-cluster
-        phase), ``None`` for every other call.
+        Per-cluster statuses for link/unlink, each a :class:`Status` (``[]`` when the call
+        failed before the per-cluster phase), ``None`` for every other call.
+    detail : str
+        ``message`` as given.
 
+    Notes
+    -----
     Use :meth:`from_status` to get the class matching a status; tests should assert the exact
     class and ``.status``.  Instances pickle with all attributes.
     """
@@ -131,19 +208,35 @@ class LLMError(Exception):
     _registry: ClassVar[dict[int, type[LLMError]]] = {}
 
     def __init__(self, status: int, message: str = "", rets: list[int] | None = None) -> None:
-        self.status: int = as_status(status)
+        self.status: Status = as_status(status)
         self.rets: list[int] | None = None if rets is None else [as_status(r) for r in rets]
         self.detail = message
         text = f"{status_name(self.status)}: {message}" if message else status_name(self.status)
         super().__init__(text)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_error, (type(self), int(self.status), self.detail, self.rets))
+        rets = None if self.rets is None else [int(r) for r in self.rets]
+        return (_rebuild_error, (type(self), int(self.status), self.detail, rets))
 
     @classmethod
     def from_status(cls, status: int, message: str = "", rets: list[int] | None = None) -> LLMError:
-        """Return an instance of the class registered for ``status`` (``LLMError`` for unknown
-        codes, ``LLM_FAILED`` and ``LLM_ENGINE_FINALIZED``)."""
+        """The exception for ``status``: an instance of the class registered for it.
+
+        Parameters
+        ----------
+        status : int
+            A ``ge::Status`` (known or not).
+        message : str, optional
+            What failed.
+        rets : list[int] or None, optional
+            Per-cluster statuses (link/unlink only).
+
+        Returns
+        -------
+        LLMError
+            The subclass of docs/spec/API.md's table; plain ``LLMError`` for unknown codes,
+            ``LLM_FAILED`` and ``LLM_ENGINE_FINALIZED``.
+        """
         klass = LLMError._registry.get(int(status), LLMError)
         return klass(status, message, rets)
 
@@ -300,7 +393,23 @@ def raise_for_status(
     """Raise the :class:`LLMError` subclass for ``status`` unless it is ``LLM_SUCCESS``.
 
     This is the single place where backend statuses become exceptions (the facade calls it after
-    every backend call).  ``what`` names the C++ call; ``detail`` is the backend's explanation.
+    every backend call).
+
+    Parameters
+    ----------
+    status : int
+        The status a backend returned.
+    what : str
+        The C++ call (``"PullKvCache"``).
+    rets : list[int] or None, optional
+        Per-cluster statuses (link/unlink only).
+    detail : str or None, optional
+        The backend's explanation, appended to the message.
+
+    Raises
+    ------
+    LLMError
+        The subclass :meth:`LLMError.from_status` picks, for any non-zero ``status``.
     """
     if status == Status.LLM_SUCCESS:
         return

@@ -187,8 +187,15 @@ def test_unknown_codes_are_plain_llm_error_with_raw_status(code: int) -> None:
     err = LLMError.from_status(code, "RegisterKvCache")
     assert type(err) is LLMError
     assert err.status == code
-    assert type(err.status) is int
+    # API.md: always a Status; unknown codes are pseudo-members whose value is the raw number
+    # and whose name says they are unknown.
+    assert type(err.status) is Status
+    assert int(err.status) == code and type(int(err.status)) is int
+    assert err.status.name == f"UNKNOWN_0x{code:08X}"
+    assert err.status not in list(Status) and err.status.name not in Status.__members__
+    assert Status(code) is err.status  # one pseudo-member per number
     assert f"{code:X}" in str(err).upper()
+    assert "unknown status" in str(err)
 
 
 def test_rets() -> None:
@@ -240,8 +247,13 @@ def test_pickle_round_trip(name: str) -> None:
 def test_pickle_unknown_code() -> None:
     err = LLMError.from_status(507053, "PullKvCache", rets=None)
     back = _roundtrip(err)
-    assert type(back) is LLMError and back.status == 507053 and type(back.status) is int
+    assert type(back) is LLMError and back.status == 507053 and type(back.status) is Status
+    assert back.status.name == "UNKNOWN_0x0007BCAD" and int(back.status) == 507053
     assert str(back) == str(err)
+    assert pickle.loads(pickle.dumps(err.status)) is Status(507053)
+    err = LLMError.from_status(0xFFFFFFFF, "UnlinkLlmClusters", rets=[507053, 0])
+    back = _roundtrip(err)
+    assert back.rets == [507053, 0] and [type(r) for r in back.rets] == [Status, Status]
 
 
 def test_direct_construction() -> None:

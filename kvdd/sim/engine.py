@@ -215,6 +215,13 @@ class SimBackend:
         listener = self.listener
         return None if listener is None else listener.port
 
+    def link_data_path(self, remote_cluster_id: int) -> str | None:
+        """How this instance's link to `remote_cluster_id` moves bytes: ``"in_process"`` (a peer in
+        this process: the copy kernels), ``"process_vm"`` (same host: process_vm_readv/writev) or
+        ``"tcp"``; None when there is no such link.  Public introspection for benchmarks and tests."""
+        entity = self.entities.get(int(remote_cluster_id))
+        return None if entity is None else str(getattr(entity.peer, "data_path", "in_process"))
+
     def _start_listening(self, ip: str, port: int) -> int:
         try:
             self.listener = fabric.Listener(self, ip, port)
@@ -418,7 +425,7 @@ class SimBackend:
         finally:
             conn.close()
 
-    def _serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
+    def serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
                     ) -> tuple[int, str, tuple[dict[int, RemoteCache], dict[int, CacheEntry]] | None]:
         """The acceptor's side of a link (called by the fabric, for initiators in this process
         and elsewhere): the initiator must be initialized on the same transfer backend; on comm the
@@ -523,7 +530,7 @@ class SimBackend:
             return self._fail(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
         return peer_status
 
-    def _peer_unlinked(self, peer_cluster_id: int) -> int:
+    def peer_unlinked(self, peer_cluster_id: int) -> int:
         """A peer asked (non-force unlink) to drop our entity for it; absent is success."""
         if self.initialized:
             self._destroy_entity(peer_cluster_id)

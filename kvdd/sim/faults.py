@@ -631,6 +631,12 @@ class _Link(Protocol):
     broken: bool
 
 
+class _Server(Protocol):
+    """What :func:`on_serve` needs of the serving instance (a fabric ``LinkOwner``)."""
+
+    cluster_id: int
+
+
 @dataclass
 class _Decision:
     status: int = _S_OK
@@ -736,7 +742,7 @@ def on_transfer(owner: _Instance, kind: str, peer: int, link: _Link, nbytes: int
 _load_env()
 
 
-def on_serve(owner: _Instance, what: Literal["lease", "read", "write"], nbytes: int = 0) -> None:
+def on_serve(owner: _Server, what: Literal["lease", "read", "write"], nbytes: int = 0) -> None:
     """Hook for the fabric's server side: slow down what ``owner`` serves to another process.
 
     Only ``serve=True`` injections apply, matched by their ``peer`` (= the serving instance; None =

@@ -108,7 +108,7 @@ class _Root:
 
     def probe_addr(self) -> int:
         from kvdd.sim import fabric
-        return fabric._PROBE_ADDR
+        return fabric.PROBE_ADDR
 
     def can_read(self, pid: int, addr: int) -> bool:
         """Whether process_vm_readv of ``pid`` works from here (ptrace rules)."""
@@ -132,9 +132,9 @@ class _Root:
         granted (a slow reader holding a lease); 0 restores.  Records when each finished."""
         from kvdd.sim import fabric
         cls: Any = fabric.RemotePeer
-        orig = cls.__dict__.get("_kvdd_orig_move") or cls._move
+        orig = cls.__dict__.get("_kvdd_orig_move") or cls.move
         if ms <= 0:
-            cls._move = orig
+            cls.move = orig
             return
         root = self
 
@@ -146,7 +146,7 @@ class _Root:
                 root.released_at.append(time.monotonic())
 
         cls._kvdd_orig_move = orig
-        cls._move = slow_move
+        cls.move = slow_move
 
     def released(self) -> list[float]:
         return list(self.released_at)

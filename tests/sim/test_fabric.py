@@ -34,6 +34,8 @@ import kvdd
 from kvdd import DataType, LlmRole, Status
 from kvdd._native import _xproc
 from kvdd.sim import fabric
+from kvdd.sim.fabric import hostprobe, wire
+from kvdd.sim.fabric import listener as fabric_listener
 
 import peer_proc
 from conformance import reference as ref
@@ -139,7 +141,7 @@ def _expected_paths(xproc: str, p: PeerProcess) -> tuple[str, str]:
         d_to_p = "process_vm"
     except OSError:
         d_to_p = "tcp"
-    p_to_d = "process_vm" if p.root("can_read", os.getpid(), fabric._PROBE_ADDR) else "tcp"
+    p_to_d = "process_vm" if p.root("can_read", os.getpid(), fabric.PROBE_ADDR) else "tcp"
     return d_to_p, p_to_d
 
 
@@ -475,20 +477,20 @@ class _Hold:
 
     def __init__(self, seconds: float) -> None:
         self.leased = threading.Event()
-        self._orig = orig = fabric.RemotePeer._move
+        self._orig = orig = fabric.RemotePeer.move
 
         def slow(peer: fabric.RemotePeer, *args: Any) -> int:
             self.leased.set()
             time.sleep(seconds)
             return orig(peer, *args)
 
-        fabric.RemotePeer._move = slow  # type: ignore[method-assign,assignment]
+        fabric.RemotePeer.move = slow  # type: ignore[method-assign,assignment]
 
     def __enter__(self) -> _Hold:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        fabric.RemotePeer._move = self._orig  # type: ignore[method-assign]
+        fabric.RemotePeer.move = self._orig  # type: ignore[method-assign]
 
 
 def _inflight(d: Node, h: CacheHandle) -> int:
@@ -684,10 +686,10 @@ def _hdr(ftype: int, length: int, req: int = 0, magic: bytes = b"KV", version: i
 
 def _hello(cluster_id: int, backend: int = 0) -> bytes:
     """A well-formed HELLO_LINK payload with an empty snapshot."""
-    w = fabric._Writer()
-    fabric._encode_offer(w, fabric.LinkOffer(cluster_id, fabric._BACKENDS[backend], None, 1000))
+    w = wire.Writer()
+    wire.encode_offer(w, fabric.LinkOffer(cluster_id, wire.BACKENDS[backend], None, 1000))
     w.pack("B", 1)
-    fabric._encode_host(w, fabric._Host(1, "", "fuzz", 0, bytes(16)))
+    hostprobe.encode_host(w, hostprobe.Host(1, "", "fuzz", 0, bytes(16)))
     w.pack("I", 0)
     return bytes(w.buf)
 
@@ -718,15 +720,15 @@ def _read_frame(s: socket.socket) -> tuple[int, bytes]:
 def _linked_raw(port: int, cluster_id: int) -> tuple[socket.socket, dict[int, fabric.RemoteCache]]:
     """A raw socket that completed a real link handshake (comm: the server makes an entity)."""
     s = _connect(port)
-    s.sendall(_hdr(fabric.F_HELLO_LINK, len(_hello(cluster_id))) + _hello(cluster_id))
+    s.sendall(_hdr(wire.F_HELLO_LINK, len(_hello(cluster_id))) + _hello(cluster_id))
     ftype, body = _read_frame(s)
-    assert ftype == fabric.F_LINK_REPLY
-    r = fabric._Reader(body)
+    assert ftype == wire.F_LINK_REPLY
+    r = wire.Reader(body)
     assert r.u("I") == S, body
     r.text()
-    fabric._decode_offer(r)
-    fabric._decode_host(r)
-    snap, _addrs = fabric._decode_snapshot(r)
+    wire.decode_offer(r)
+    hostprobe.decode_host(r)
+    snap, _addrs = wire.decode_snapshot(r)
     return s, snap
 
 
@@ -738,26 +740,26 @@ def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
         if case == 0:
             s.sendall(rng.randbytes(rng.randrange(1, 4096)))
         elif case == 1:  # truncated header
-            s.sendall(_hdr(fabric.F_HELLO_LINK, 100)[:rng.randrange(1, 12)])
+            s.sendall(_hdr(wire.F_HELLO_LINK, 100)[:rng.randrange(1, 12)])
         elif case == 2:  # bad magic / version / type
             s.sendall(rng.choice([_hdr(1, 10, magic=b"XX"), _hdr(1, 10, version=9),
                                   _hdr(rng.randrange(22, 256), 10)]) + bytes(10))
         elif case == 3:  # oversized frame
-            s.sendall(_hdr(rng.choice([fabric.F_HELLO_LINK, fabric.F_HELLO_UNLINK, fabric.F_DATA]),
-                           rng.choice([fabric.MAX_HELLO + 1, 0xFFFFFFFF])))
+            s.sendall(_hdr(rng.choice([wire.F_HELLO_LINK, wire.F_HELLO_UNLINK, wire.F_DATA]),
+                           rng.choice([wire.MAX_HELLO + 1, 0xFFFFFFFF])))
         elif case == 4:  # a request before any handshake
-            s.sendall(_hdr(rng.choice([fabric.F_LEASE, fabric.F_READ, fabric.F_WRITE,
-                                       fabric.F_DATA, fabric.F_GOODBYE]), 8) + bytes(8))
+            s.sendall(_hdr(rng.choice([wire.F_LEASE, wire.F_READ, wire.F_WRITE,
+                                       wire.F_DATA, wire.F_GOODBYE]), 8) + bytes(8))
         elif case == 5:  # HELLO_LINK with a random or truncated payload
             body = _hello(rng.randrange(100, 1 << 60))
             body = rng.choice([rng.randbytes(len(body)), body[:rng.randrange(len(body))],
                                body + rng.randbytes(5)])
-            s.sendall(_hdr(fabric.F_HELLO_LINK, len(body)) + body)
+            s.sendall(_hdr(wire.F_HELLO_LINK, len(body)) + body)
         elif case == 6:  # HELLO_LINK announcing more than it sends, then hang up
-            s.sendall(_hdr(fabric.F_HELLO_LINK, 5000) + rng.randbytes(100))
+            s.sendall(_hdr(wire.F_HELLO_LINK, 5000) + rng.randbytes(100))
         elif case == 7:  # HELLO_UNLINK of a random (never linked) id with junk
             body = struct.pack("<BQ", rng.choice([1, 2, 200]), rng.randrange(100, 1 << 60))
-            s.sendall(_hdr(fabric.F_HELLO_UNLINK, len(body)) + body + rng.randbytes(rng.randrange(3)))
+            s.sendall(_hdr(wire.F_HELLO_UNLINK, len(body)) + body + rng.randbytes(rng.randrange(3)))
         else:  # a real handshake, then hostile frames on the link
             s.close()
             s, snap = _linked_raw(port, rng.randrange(100, 1 << 60))
@@ -765,28 +767,28 @@ def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
             for _ in range(rng.randrange(1, 6)):
                 k = rng.randrange(8)
                 if k == 0:
-                    frames.append(_hdr(fabric.F_LEASE, 8, 1) + struct.pack("<Q", rng.choice(
+                    frames.append(_hdr(wire.F_LEASE, 8, 1) + struct.pack("<Q", rng.choice(
                         [*cache_ids, 0, 77, 1 << 63])))
                 elif k == 1:  # forged lease / out-of-range tensors and runs
-                    req = fabric._encode_request(rng.randrange(1 << 20), [rng.randrange(20)],
+                    req = wire.encode_request(rng.randrange(1 << 20), [rng.randrange(20)],
                                                  np.array([rng.randrange(-10, 1 << 40)], np.int64),
                                                  np.array([rng.randrange(-10, 1 << 40)], np.int64))
-                    frames.append(_hdr(fabric.F_READ, len(req), 2) + req)
+                    frames.append(_hdr(wire.F_READ, len(req), 2) + req)
                 elif k == 2:
-                    req = fabric._encode_request(1, [0], np.array([0], np.int64),
+                    req = wire.encode_request(1, [0], np.array([0], np.int64),
                                                  np.array([64], np.int64))
-                    frames.append(_hdr(fabric.F_WRITE, len(req), 3) + req + _hdr(fabric.F_DATA, 64, 3)
+                    frames.append(_hdr(wire.F_WRITE, len(req), 3) + req + _hdr(wire.F_DATA, 64, 3)
                                   + rng.randbytes(64))
                 elif k == 3:
-                    frames.append(_hdr(fabric.F_DATA, 16, 4) + rng.randbytes(16))
+                    frames.append(_hdr(wire.F_DATA, 16, 4) + rng.randbytes(16))
                 elif k == 4:
-                    frames.append(_hdr(fabric.F_RELEASE, 8) + struct.pack("<Q", rng.randrange(1 << 64)))
+                    frames.append(_hdr(wire.F_RELEASE, 8) + struct.pack("<Q", rng.randrange(1 << 64)))
                 elif k == 5:
-                    frames.append(_hdr(fabric.F_READ, 7) + rng.randbytes(7))  # truncated request
+                    frames.append(_hdr(wire.F_READ, 7) + rng.randbytes(7))  # truncated request
                 elif k == 6:
                     frames.append(rng.randbytes(rng.randrange(1, 64)))
                 else:
-                    frames.append(_hdr(fabric.F_PING, 0, 5))
+                    frames.append(_hdr(wire.F_PING, 0, 5))
             data = b"".join(frames)
             if case == 11:
                 data = data[:rng.randrange(1, len(data) + 1)]
@@ -847,13 +849,13 @@ def test_server_drops_slow_handshakes(world: World, monkeypatch: pytest.MonkeyPa
     """Connections that send nothing, or drip a handshake byte by byte, are closed after the
     handshake timeout; while they fill every handshake slot new connections are turned away,
     afterwards a real peer links again."""
-    monkeypatch.setattr(fabric, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(fabric_listener, "HANDSHAKE_TIMEOUT_S", 0.5)
     d, p, dh, ph = _setup(world, d_listen=True)
     port = d.listen_port
     assert port
-    idle = [_connect(port) for _ in range(fabric.MAX_HANDSHAKES)]
+    idle = [_connect(port) for _ in range(wire.MAX_HANDSHAKES)]
     drip = idle[0]
-    hello = _hdr(fabric.F_HELLO_LINK, len(_hello(500))) + _hello(500)
+    hello = _hdr(wire.F_HELLO_LINK, len(_hello(500))) + _hello(500)
     try:
         for i in range(len(hello)):  # one byte every 50 ms: each recv is fast, the whole is not
             drip.sendall(hello[i:i + 1])

@@ -1,0 +1,238 @@
+"""``kvdd bench``: simulator transfer speed on real model KV-cache geometries, measured against the
+machine's own memcpy in the same run.
+
+Two in-process simulator instances (``LlmDataDist(..., backend="sim")``, prefill cluster 1 and
+decode cluster 2, both listening on 127.0.0.1 port 0 and linked) move a model's KV cache through the
+public API, as a serving engine would:
+
+``pull_row``     PullKvCache of one full batch row of every tensor (contiguous ``[batch, seq, ...]``
+                 layout; one row = the request's tokens);
+``pull_size``    PullKvCache with ``size``: the first half of the row's tokens of every tensor;
+``pull_layers``  PullKvCache of the row one layer at a time (``KvCacheExtParam`` layer ranges
+                 ``(l, l)``, prebuilt), all layers: the bytes of ``pull_row`` in ``layers`` calls;
+``push_row``     PushKvCache of one full row of every tensor, prefill -> decode (all layers, one call);
+``pull_blocks``  PullKvBlocks of the request's blocks from random, distinct, unordered block ids of a
+                 paged cache twice as large, into random ids (so nearly every block is its own run);
+``push_blocks``  PushKvBlocks of the same shape, prefill -> decode.
+
+Geometries (MODELS.md; 128-token blocks, bf16): Qwen2.5-7B (56 tensors, 128 KiB per block and
+tensor), Llama-3.1-8B (64, 256 KiB), DeepSeek-V3 latent (61, 128 KiB) and rope (61, 16 KiB) caches,
+GLM-5 DSA indexer keys (78, 32 KiB), and the synthetic single-tensor 1024 x 64 KiB and
+4096 x 16 KiB block cases.
+
+Every row reports bytes moved, min/median time over interleaved repeats, GB/s (decimal), the
+best plain ``memcpy`` of the same number of bytes between the same two buffers with 1 thread and
+with 2 threads (two halves at once) measured interleaved with the transfer, and ``ratio`` = best
+memcpy time / transfer time (min over repeats; ``ratio_median`` from medians; > 1 is faster than
+memcpy, possible because large copies use streaming stores). Every transfer kind is checked once
+against the source bytes before timing (``verified``).
+
+The per-call overhead of a 64-byte single-tensor pull is measured through ``LlmDataDist.pull_kv_cache``
+with prebuilt ``CacheIndex``/``Cache`` objects (with ``ext_param`` left out, and prebuilt), through
+the backend object directly, with many caches registered and peers linked, and for the bare copy
+kernel call.
+
+Benchmarks are not tests: they report, they do not assert. ``--quick`` takes well under
+a minute on 2 cores; ``--json`` prints one JSON document instead of tables.
+The package: :mod:`~kvdd.bench.harness` (the reusable measuring harness: timing, load, tables),
+:mod:`~kvdd.bench.baselines` (the limits and the memory they run on), :mod:`~kvdd.bench.transfers`
+(the model runs), :mod:`~kvdd.bench.overhead` (per-call overhead), :mod:`~kvdd.bench.xproc` (the
+cross-process section), :mod:`~kvdd.bench.report` (the tables); this module holds the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .._native import _copy
+from ..models import BLOCK_TOKENS
+from .harness import LoadMonitor, Row, environment
+from .overhead import measure_overhead
+from .report import print_report
+from .transfers import GEOMETRIES, KINDS, BenchGeometry, measure_transfers
+from .xproc import (
+    XP_BLOCK_BYTES,
+    XP_BLOCKS,
+    XP_QUICK_BLOCKS,
+    XP_QUICK_ROW_BYTES,
+    XP_ROW_BYTES,
+    measure_cross_process,
+)
+
+__all__ = [
+    "GEOMETRIES",
+    "KINDS",
+    "SCHEMA",
+    "BenchGeometry",
+    "add_bench_arguments",
+    "main",
+    "measure_cross_process",
+    "measure_overhead",
+    "measure_transfers",
+    "run",
+    "run_from_args",
+]
+
+#: Identifies the JSON document ``kvdd bench --json`` prints.
+SCHEMA = "kvdd.bench/1"
+
+MiB = 1 << 20
+
+
+def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``kvdd bench`` (also used by ``benchmarks/transfers.py``)."""
+    ap.add_argument("--quick", action="store_true",
+                    help="1024-token requests, short time budget (well under a minute on 2 cores)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    ap.add_argument("--geometries", default=",".join(GEOMETRIES),
+                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default all)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of: {', '.join(KINDS)}")
+    ap.add_argument("--tokens", type=int,
+                    help="tokens per request of the model geometries (default 2048, --quick 1024; "
+                         "rounded down to 128-token blocks)")
+    ap.add_argument("--blocks", type=int, help="override the block count of the synthetic cases")
+    ap.add_argument("--repeats", type=int, help="timed repeats per measurement (default: by size)")
+    ap.add_argument("--budget", type=float, help="seconds per measured operation (default 0.25, --quick 0.05)")
+    ap.add_argument("--overhead-calls", type=int,
+                    help="calls per timed loop of the overhead measurement (default 20000, --quick 5000)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random block ids")
+    xp = ap.add_mutually_exclusive_group()
+    xp.add_argument("--cross-process", action="store_true",
+                    help="measure only the cross-process section (a spawned peer process; process_vm and TCP "
+                         "paths against process_vm_readv, memcpy and a raw loopback socket); a plain run "
+                         "includes it")
+    xp.add_argument("--no-cross-process", action="store_true", help="leave the cross-process section out")
+    ap.add_argument("--cross-process-bytes", type=int,
+                    help=f"bytes of the cross-process row, a multiple of 64 KiB (default {XP_ROW_BYTES // MiB} MiB, "
+                         f"--quick {XP_QUICK_ROW_BYTES // MiB} MiB)")
+    ap.add_argument("--cross-process-blocks", type=int,
+                    help=f"64 KiB blocks of the cross-process block transfers (default {XP_BLOCKS}, "
+                         f"--quick {XP_QUICK_BLOCKS})")
+
+
+def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {', '.join(bad) or '(none given)'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["kvdd bench"]
+    for opt in ("quick", "json", "cross_process", "no_cross_process"):
+        if getattr(args, opt):
+            parts.append(f"--{opt.replace('_', '-')}")
+    defaults = {"geometries": ",".join(GEOMETRIES), "kinds": ",".join(KINDS), "seed": 0}
+    for opt in ("geometries", "kinds", "tokens", "blocks", "repeats", "budget", "overhead_calls", "seed",
+                "cross_process_bytes", "cross_process_blocks"):
+        value = getattr(args, opt)
+        if value is not None and value != defaults.get(opt):
+            parts.append(f"--{opt.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`)."""
+    names = _names(args.geometries, list(GEOMETRIES), "geometry")
+    kinds = _names(args.kinds, KINDS, "transfer kind")
+    tokens = args.tokens if args.tokens is not None else (1024 if args.quick else 2048)
+    if tokens < BLOCK_TOKENS:
+        raise ValueError(f"--tokens must be at least {BLOCK_TOKENS} (one block)")
+    if args.blocks is not None and args.blocks < 1:
+        raise ValueError("--blocks must be at least 1")
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    budget = args.budget if args.budget is not None else (0.05 if args.quick else 0.25)
+    calls = args.overhead_calls if args.overhead_calls is not None else (5000 if args.quick else 20000)
+    if calls < 1:
+        raise ValueError("--overhead-calls must be at least 1")
+    only_xp = bool(getattr(args, "cross_process", False))
+    with_xp = only_xp or not getattr(args, "no_cross_process", False)
+    xp_bytes = getattr(args, "cross_process_bytes", None)
+    xp_bytes = xp_bytes if xp_bytes is not None else (XP_QUICK_ROW_BYTES if args.quick else XP_ROW_BYTES)
+    xp_blocks = getattr(args, "cross_process_blocks", None)
+    xp_blocks = xp_blocks if xp_blocks is not None else min(XP_QUICK_BLOCKS if args.quick else XP_BLOCKS,
+                                                            max(1, xp_bytes // XP_BLOCK_BYTES))
+    if with_xp:
+        if xp_bytes < XP_BLOCK_BYTES or xp_bytes % XP_BLOCK_BYTES:
+            raise ValueError("--cross-process-bytes must be a positive multiple of 65536 (64 KiB)")
+        if not 1 <= xp_blocks <= xp_bytes // XP_BLOCK_BYTES:
+            raise ValueError("--cross-process-blocks must lie in [1, --cross-process-bytes / 64 KiB]")
+    progress = None if args.json else (lambda msg: print(f"# measuring {msg}", file=sys.stderr, flush=True))
+
+    t0 = time.perf_counter()
+    stats0 = _copy.thread_stats()
+    overhead: list[Row] = []
+    transfers: list[Row] = []
+    cross: dict[str, Any] | None = None
+    with LoadMonitor() as load:
+        if not only_xp:
+            overhead = measure_overhead(calls, 7 if args.quick else 15)
+            transfers = measure_transfers(names, tokens, args.blocks, budget, args.repeats, args.seed, kinds,
+                                          progress)
+        if with_xp:
+            try:
+                cross = measure_cross_process(xp_bytes, xp_blocks, budget, args.repeats, args.seed,
+                                              progress=progress)
+            except Exception as exc:  # reported in the document (and the exit status of --cross-process)
+                cross = {"config": {"row_bytes": xp_bytes, "blocks": xp_blocks, "block_bytes": XP_BLOCK_BYTES},
+                         "error": f"{type(exc).__name__}: {exc}", "peers": [], "peer_cpu_s": 0.0, "rows": [],
+                         "targets": []}
+            load.add_own(float(cross["peer_cpu_s"]))  # the peers are this run, not other load
+    stats1 = _copy.thread_stats()
+    env = environment()
+    env.update(load.result())
+    return {
+        "schema": SCHEMA,
+        "command": _command(args),
+        "quick": bool(args.quick),
+        "environment": env,
+        "config": {
+            "tokens": tokens,
+            "block_tokens": BLOCK_TOKENS,
+            "budget_s": budget,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "isa": _copy.get_isa(),
+            "streaming_threshold": _copy.get_streaming_threshold(),
+            "threads_threshold": _copy.get_threads_threshold(),
+            "cpu_features": _copy.cpu_features(),
+        },
+        "overhead": overhead,
+        "transfers": transfers,
+        "cross_process": cross,
+        "two_thread_kernel_calls": {k: stats1[k] - stats0[k] for k in stats1},
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``kvdd bench``: exit status 0, 2 for unusable arguments, 1 when ``--cross-process`` failed."""
+    try:
+        doc = run(args)
+    except ValueError as exc:
+        print(f"kvdd bench: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    else:
+        print_report(doc)
+    cross = doc.get("cross_process")
+    if getattr(args, "cross_process", False) and cross is not None and cross.get("error"):
+        print(f"kvdd bench: cross-process: {cross['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "kvdd bench") -> int:
+    """The ``kvdd bench`` command on its own (``benchmarks/transfers.py`` runs this)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_bench_arguments(ap)
+    return run_from_args(ap.parse_args(argv))

@@ -1,0 +1,78 @@
+"""Listening and linking for the simulator: how one instance reaches a peer's registered memory.
+
+
+The engine (:mod:`kvdd.sim.engine`) keeps all LLM-DataDist semantics; this package gives it
+
+* :class:`Listener` — the real TCP socket bound for ``llm.ListenIpInfo`` (SEMANTICS.md §10 rule 6),
+  the in-process registry of listening instances keyed by ``(ip, port)``, and a server that
+  accepts link / unlink handshakes from other processes and hosts;
+* :func:`connect` — "dial" a peer address and get a :class:`Connection` whose ``link`` /
+  ``notify_unlink`` work identically for a peer in this process and one elsewhere;
+* :class:`PeerHandle` — what a link entity uses to reach the peer: the snapshot of its caches at
+  link time, leases on a remote cache for the duration of a transfer (the owner's unregister and
+  finalize wait for them, §10 rule 5), reads and writes of remote tensor bytes.
+
+The engine and the fabric meet at the typed protocols of :mod:`.protocol` (:class:`LinkOwner`,
+:class:`ServedCache` implemented by the engine; :class:`PeerHandle`, :class:`Connection` by the
+fabric).
+
+Modules, one concern each: :mod:`.wire` (frames, codecs, limits), :mod:`.hostprobe` (same-host
+detection), :mod:`.watchdog` (deadlines), :mod:`.streams` (byte streams of a transfer),
+:mod:`.channel` (one link's connection, leases, serving requests), :mod:`.peers` (peer handles and
+data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.registry` and
+:mod:`.listener` (listening).
+
+Data paths, chosen per link and direction
+-----------------------------------------
+* same process: :class:`InProcessPeer`, the copy kernels directly (``copy_runs``);
+* same host, other process: one-sided ``process_vm_readv`` / ``process_vm_writev``
+  (:mod:`kvdd._native._xproc`) on the tensor addresses of the snapshot; the peer's Python only grants
+  and releases the lease.  ``KVDD_SIM_XPROC=tcp`` disables it;
+* other host (or the fallback): DATA frames over the link's TCP connection, read or written by the
+  owner's server threads, only inside caches registered and visible to that peer.
+
+Failures: a connection reset, EOF, or ESRCH is certain death → LLM_TIMEOUT at once; silence →
+LLM_TIMEOUT at the deadline, after which the connection is closed (the engine marks the link
+broken until relinked, rule 8).  A peer that *finalized* says so (a GOODBYE frame) before closing:
+its caches then give LLM_KV_CACHE_NOT_EXIST over that link, as for an in-process peer (rule 2); a
+peer that vanished without saying so gives LLM_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+from . import wire
+from .channel import close_channels, close_endpoint, take_endpoint
+from .handshake import InProcessConnection, RemoteConnection, connect
+from .hostprobe import ENV_XPROC, PROBE_ADDR
+from .listener import Listener
+from .peers import InProcessPeer, RemotePeer, in_process_peer
+from .protocol import (Connection, LinkOffer, LinkOwner, LinkResult, PeerHandle, RemoteCache,
+                       ServedCache, Snapshot)
+from .registry import lookup_listener
+from .wire import PROTOCOL_VERSION
+
+__all__ = [
+    "RemoteCache",
+    "PeerHandle",
+    "ServedCache",
+    "LinkOwner",
+    "Snapshot",
+    "InProcessPeer",
+    "RemotePeer",
+    "LinkOffer",
+    "LinkResult",
+    "Connection",
+    "InProcessConnection",
+    "RemoteConnection",
+    "Listener",
+    "connect",
+    "lookup_listener",
+    "close_endpoint",
+    "take_endpoint",
+    "close_channels",
+    "in_process_peer",
+    "wire",
+    "PROTOCOL_VERSION",
+    "ENV_XPROC",
+    "PROBE_ADDR",
+]

@@ -1,0 +1,498 @@
+"""One link's TCP connection: the owner's leases, serving the peer's requests, this end's requests.
+
+Both ends run the same :class:`Channel`: a reader thread (parses every frame, receives DATA into
+memory directly), a worker thread (answers requests, sends READ data) and the callers' threads
+(send requests, wait for the reply with the deadline ``llm.SyncKvCacheWaitTime``).  On the comm
+backend the connection serves both directions (the acceptor's entity for the initiator uses it
+too); on hixl only the initiator has an entity.
+
+Leases (SEMANTICS.md §10 rule 5 across processes): a transfer first asks the owner for a lease on
+the remote cache; the owner checks the cache is still registered (else LLM_KV_CACHE_NOT_EXIST) and
+counts it in the entry's in-flight count, so unregister / unlink / finalize wait for it.  A lease
+ends when the reader releases it, when the reader's connection closes (a dead reader releases at
+once), or when it expires: ``SyncKvCacheWaitTime`` of the reader (announced in the handshake,
+capped by the owner) plus a grace; if the owner's server is still moving bytes for it then, the
+connection is closed.  The reader never touches remote memory past its own deadline, which is
+earlier.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ...status import Status
+from .. import faults
+from .protocol import LinkOwner, ServedCache
+from .streams import Cursor, Layout, send_stream
+from .watchdog import WATCHDOG, Timer
+from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
+                   F_LEASE_REPLY, F_PING, F_PONG, F_READ, F_RELEASE, F_WRITE, LEASE_GRACE_MS,
+                   MAX_JOBS, MAX_LEASE_MS, MAX_LEASES, ProtocolError, Reader, decode_request,
+                   discard, frame, read_header, recv_exact)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Channel", "Pending", "Lease", "take_endpoint", "close_channels", "close_endpoint"]
+
+S_OK = Status.LLM_SUCCESS
+TIMEOUT = Status.LLM_TIMEOUT
+NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
+
+_J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
+_J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
+
+class Pending:
+    __slots__ = ("req", "event", "lock", "reply", "cursor", "cancelled", "failed")
+
+    def __init__(self, req: int, cursor: Cursor | None) -> None:
+        self.req = req
+        self.event = threading.Event()
+        self.lock = threading.Lock()  # held by the reader while it writes into the caller's memory
+        self.reply: bytes | None = None
+        self.cursor = cursor
+        self.cancelled = False
+        self.failed = False
+
+
+class Lease:
+    """The owner's record of a peer's lease on one of its caches."""
+
+    __slots__ = ("lease_id", "entry", "chan", "users", "dropped", "released", "timer", "lock")
+
+    def __init__(self, lease_id: int, entry: ServedCache, chan: Channel) -> None:
+        self.lease_id = lease_id
+        self.entry = entry
+        self.chan = chan
+        self.users = 0  # server threads moving bytes under this lease right now
+        self.dropped = False
+        self.released = False
+        self.timer: Timer | None = None
+        self.lock = threading.Lock()
+
+    def use(self) -> bool:
+        with self.lock:
+            if self.dropped:
+                return False
+            self.users += 1
+            return True
+
+    def unuse(self) -> None:
+        with self.lock:
+            self.users -= 1
+            fin = self.dropped and self.users == 0 and not self.released
+            if fin:
+                self.released = True
+        if fin:
+            self.entry.release()
+
+    def drop(self) -> None:
+        with self.lock:
+            if self.dropped:
+                return
+            self.dropped = True
+            WATCHDOG.cancel(self.timer)
+            fin = self.users == 0 and not self.released
+            if fin:
+                self.released = True
+        if fin:
+            self.entry.release()
+
+    def expire(self) -> None:
+        with self.lock:
+            busy = self.users > 0
+        self.chan.forget_lease(self.lease_id)
+        self.drop()
+        if busy:  # a server thread is still moving bytes: stop it, the memory may go away now
+            self.chan.kill()
+
+
+_endpoint_lock = threading.Lock()
+_endpoints: weakref.WeakKeyDictionary[LinkOwner, set[Channel]] = weakref.WeakKeyDictionary()
+
+
+def take_endpoint(owner: LinkOwner) -> list[Channel]:
+    """Finalize, first half: the connections of ``owner`` (to close once its caches are retired;
+    until then they keep serving lease releases)."""
+    with _endpoint_lock:
+        return list(_endpoints.pop(owner, ()))
+
+
+def close_channels(chans: Sequence[Channel]) -> None:
+    """Finalize, second half: tell every connected peer (GOODBYE) and close the connections."""
+    for chan in chans:
+        chan.close(goodbye=True)
+
+
+def close_endpoint(owner: LinkOwner) -> None:
+    """GOODBYE to every peer connected to ``owner`` and close those connections."""
+    close_channels(take_endpoint(owner))
+
+
+class Channel:
+    """One end of a link's TCP connection: serves the peer's requests on ``owner``'s caches and
+    carries this end's requests (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, owner: LinkOwner, label: str) -> None:
+        self.sock = sock
+        self.owner = owner
+        self.label = label
+        self.served: Mapping[int, ServedCache] = {}  # our caches visible to the peer over this link
+        self.peer_wait_ms = 1000
+        self.send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        self._jobs: deque[tuple[int, int, bytes | bytearray | int] | None] = deque()
+        self._jobs_cv = threading.Condition(self._lock)
+        self._closing = False
+        self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
+        self.dead = threading.Event()
+        self.peer_finalized = False
+        self.local_user = False  # our PeerHandle on the peer uses this connection
+        self.peer_user = False  # the peer's PeerHandle on us uses it
+        self._started = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.sock.settimeout(None)
+        with _endpoint_lock:
+            _endpoints.setdefault(self.owner, set()).add(self)
+        self._started = True
+        threading.Thread(target=self._reader, name=f"kvdd-sim-rx {self.label}", daemon=True).start()
+        threading.Thread(target=self._worker, name=f"kvdd-sim-tx {self.label}", daemon=True).start()
+
+    def kill(self) -> None:
+        """Abort the connection (errors, deadlines): both directions stop at once."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if not self._started:
+            self._on_dead()
+
+    def close(self, goodbye: bool = False) -> None:
+        """Close gracefully: optional GOODBYE, then FIN; the reader drains until the peer closes
+        (at most CLOSE_LINGER_S)."""
+        with self._lock:
+            if self._closing or self.dead.is_set():
+                return
+            self._closing = True
+        if not self._started:
+            self._on_dead()
+            return
+        with self._lock:  # after the frames already queued (CLOSE_HANDLE, RELEASE)
+            self._jobs.append((_J_CLOSE, int(goodbye), b""))
+            self._jobs_cv.notify()
+        WATCHDOG.schedule(CLOSE_LINGER_S, self.kill)
+        if goodbye:  # finalize returns once the peers have been told (or the link is dead)
+            self._closed_wr.wait(CLOSE_LINGER_S)
+
+    def release_local_user(self) -> None:
+        """Our handle is closed: tell the peer; close when neither side uses the connection."""
+        with self._lock:
+            if not self.local_user:
+                return
+            self.local_user = False
+            unused = not self.peer_user
+        if unused:
+            self.close()
+        else:
+            self.send_oneway(F_CLOSE_HANDLE, b"")
+
+    def _peer_released(self) -> None:
+        with self._lock:
+            self.peer_user = False
+            unused = not self.local_user
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            lease.drop()
+        if unused:
+            self.close()
+
+    def _on_dead(self) -> None:
+        with self._lock:
+            if self.dead.is_set():
+                return
+            self.dead.set()
+            leases = list(self._leases.values())
+            self._leases.clear()
+            pending = list(self._pending.values())
+            self._jobs.clear()
+            self._jobs.append(None)
+            self._jobs_cv.notify_all()
+        for lease in leases:  # a dead reader releases its leases at once
+            lease.drop()
+        for p in pending:
+            p.failed = True
+            p.event.set()
+        self._closed_wr.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
+        except OSError:
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        with _endpoint_lock:
+            chans = _endpoints.get(self.owner)
+            if chans is not None:
+                chans.discard(self)
+
+    # -- the reader thread ------------------------------------------------------------------------
+    def _reader(self) -> None:
+        sock = self.sock
+        try:
+            while True:
+                ftype, req, length = read_header(sock)
+                if ftype == F_DATA:
+                    self._recv_data(req, length)
+                    continue
+                payload = recv_exact(sock, length)
+                if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
+                    with self._lock:
+                        p = self._pending.get(req)
+                    if p is not None:
+                        p.reply = bytes(payload)
+                        p.event.set()
+                elif ftype in (F_LEASE, F_READ, F_PING):
+                    self._enqueue(ftype, req, payload)
+                elif ftype == F_WRITE:
+                    self._serve_write(req, payload)
+                elif ftype == F_RELEASE:
+                    lease_id = Reader(payload).u("Q")
+                    lease = self.forget_lease(lease_id)
+                    if lease is not None:
+                        lease.drop()
+                elif ftype == F_CLOSE_HANDLE:
+                    self._peer_released()
+                elif ftype == F_GOODBYE:
+                    # The peer finalized: it serves nothing more.  Our handle on it (a stale
+                    # entity) now finds no cache (§10 rule 2); requests in flight end now.
+                    self.peer_finalized = True
+                    self._peer_released()
+                    return
+                else:
+                    raise ProtocolError(f"unexpected frame type {ftype} on a link")
+        except (OSError, ProtocolError, struct.error) as exc:  # a dead socket or a misbehaving peer
+            logger.debug("kvdd fabric %s: connection ends: %s", self.label, exc)
+        except Exception:  # a bug: log it; the connection ends and transfers get LLM_TIMEOUT
+            logger.exception("kvdd fabric %s: reader failed", self.label)
+        finally:
+            self._on_dead()
+
+    def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
+        """Queue a request of the peer for the worker (at most MAX_JOBS of the peer's waiting)."""
+        with self._lock:
+            if sum(1 for job in self._jobs if job is not None and job[0] > 0) >= MAX_JOBS:
+                raise ProtocolError("too many queued requests")
+            self._jobs.append((ftype, req, payload))
+            self._jobs_cv.notify()
+
+    def _recv_data(self, req: int, length: int) -> None:
+        """DATA for our pending READ: straight into the caller's memory (unless it gave up)."""
+        with self._lock:
+            p = self._pending.get(req)
+        if p is None or p.cursor is None:
+            raise ProtocolError("DATA without a pending read")
+        with p.lock:
+            if p.cancelled:
+                discard(self.sock, length)
+            else:
+                p.cursor.recv(self.sock, length)
+
+    def forget_lease(self, lease_id: int) -> Lease | None:
+        with self._lock:
+            return self._leases.pop(lease_id, None)
+
+    def _check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
+                    length: np.ndarray) -> tuple[int, Lease | None]:
+        """The server's checks of a READ/WRITE: a live lease of this connection on a visible,
+        registered cache, tensors and byte ranges inside it (kvdd rule 1)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+        if lease is None or not lease.use():
+            return TIMEOUT, None  # only an expired (or forged) lease gets here
+        entry = lease.entry
+        t = entry.T
+        if (len(tensors) and (int(tensors.max()) >= entry.n)) or np.any(off < 0) \
+                or np.any(length < 0) or np.any(length > t) or np.any(off > t - length):
+            lease.unuse()
+            return Status.LLM_PARAM_INVALID, None
+        return S_OK, lease
+
+    def _serve_write(self, req: int, payload: bytes | bytearray) -> None:
+        """A WRITE and its DATA frames, received by the reader straight into the owner's cache.
+
+        A WRITE the checks refuse ends the connection: a correct peer never sends one (its engine
+        ran the same checks), except after its lease expired, when it has timed out anyway."""
+        lease_id, tensors, off, length = decode_request(payload)
+        status, lease = self._check_runs(lease_id, tensors, off, length)
+        if lease is None:
+            raise ProtocolError(f"refused WRITE (status {status:#x})")
+        try:
+            layout = Layout([lease.entry.regions[int(i)] for i in tensors], off, length)
+            faults.on_serve(self.owner, "write", layout.total)
+            cursor = Cursor(layout)
+            while cursor.left > 0:
+                ftype, freq, n = read_header(self.sock)
+                if ftype != F_DATA or freq != req:
+                    raise ProtocolError("WRITE data expected")
+                cursor.recv(self.sock, n)
+            layout.scatter()
+        finally:
+            lease.unuse()
+        self._enqueue(F_DONE, req, status)
+
+    # -- the worker thread ------------------------------------------------------------------------
+    def _worker(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._jobs:
+                        self._jobs_cv.wait()
+                    job = self._jobs.popleft()
+                if job is None:
+                    return
+                ftype, req, payload = job
+                if ftype == F_LEASE:
+                    assert not isinstance(payload, int)
+                    self._send(F_LEASE_REPLY, req, self._serve_lease(payload))
+                elif ftype == F_READ:
+                    assert not isinstance(payload, int)
+                    self._serve_read(req, payload)
+                elif ftype == F_DONE:
+                    assert isinstance(payload, int)
+                    self._send(F_DONE, req, struct.pack("<I", payload))
+                elif ftype == F_PING:
+                    self._send(F_PONG, req, b"")
+                elif ftype == _J_SEND:
+                    assert not isinstance(payload, int)
+                    with self.send_lock:
+                        self.sock.sendall(payload)
+                elif ftype == _J_CLOSE:
+                    try:
+                        with self.send_lock:
+                            if req:
+                                self.sock.sendall(frame(F_GOODBYE, 0))
+                            self.sock.shutdown(socket.SHUT_WR)
+                    finally:
+                        self._closed_wr.set()
+                    return  # the reader drains until the peer closes too
+        except OSError as exc:  # the connection ends; the owner's leases are dropped by the reader
+            logger.debug("kvdd fabric %s: send failed: %s", self.label, exc)
+            self.kill()
+        except Exception:  # a bug: log it; the connection ends (transfers get LLM_TIMEOUT)
+            logger.exception("kvdd fabric %s: worker failed", self.label)
+            self.kill()
+
+    def _send(self, ftype: int, req: int, payload: bytes | bytearray) -> None:
+        with self.send_lock:
+            self.sock.sendall(frame(ftype, req, payload))
+
+    def _serve_lease(self, payload: bytes | bytearray) -> bytes:
+        r = Reader(payload)
+        cache_id = r.u("Q")
+        r.end()
+        owner = self.owner
+        faults.on_serve(owner, "lease")  # serve=1 fault injections: a slow server
+        entry = self.served.get(cache_id)
+        if not owner.initialized or entry is None:  # finalized, or not visible over this link
+            return struct.pack("<IQ", NOT_EXIST, 0)
+        with self._lock:
+            if len(self._leases) >= MAX_LEASES:
+                return struct.pack("<IQ", Status.LLM_FAILED, 0)
+        if not entry.acquire():  # unregistered (§10 rule 2)
+            return struct.pack("<IQ", NOT_EXIST, 0)
+        lease = Lease(next(self._lease_ids), entry, self)
+        with self._lock:
+            if self.dead.is_set():
+                lease.drop()
+                return struct.pack("<IQ", TIMEOUT, 0)
+            self._leases[lease.lease_id] = lease
+        ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
+        lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        return struct.pack("<IQ", S_OK, lease.lease_id)
+
+    def _serve_read(self, req: int, payload: bytes | bytearray) -> None:
+        lease_id, tensors, off, length = decode_request(payload)
+        status, lease = self._check_runs(lease_id, tensors, off, length)
+        if lease is None:
+            self._send(F_DONE, req, struct.pack("<I", status))
+            return
+        try:
+            layout = Layout([lease.entry.regions[int(i)] for i in tensors], off, length)
+            faults.on_serve(self.owner, "read", layout.total)
+            layout.gather()
+            with self.send_lock:
+                send_stream(self.sock, req, layout)
+                self.sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
+        finally:
+            lease.unuse()
+
+    # -- requests of this end -----------------------------------------------------------------------
+    def send_oneway(self, ftype: int, payload: bytes) -> None:
+        """A frame with no reply (RELEASE, CLOSE_HANDLE), sent by the worker thread: the caller
+        never waits behind a long transfer the worker is sending in the other direction (a
+        RELEASE that comes late only keeps a lease until it arrives or expires)."""
+        if self.dead.is_set():
+            return
+        with self._lock:
+            if not self._closing:
+                self._jobs.append((_J_SEND, 0, frame(ftype, 0, payload)))
+                self._jobs_cv.notify()
+
+    def request(self, ftype: int, payload: bytes, deadline: float,
+                cursor: Cursor | None = None, data: Layout | None = None) -> bytes | None:
+        """Send a request (and WRITE data) and wait for its reply until ``deadline``.
+
+        None when the peer did not answer in time (the connection is then closed: the link is
+        broken) or the connection died."""
+        if self.dead.is_set():
+            return None
+        req = next(self._req_ids) & 0xFFFFFFFF
+        p = Pending(req, cursor)
+        with self._lock:
+            self._pending[req] = p
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.send_lock.acquire(timeout=left):
+                return None
+            guard = WATCHDOG.schedule(deadline - time.monotonic(), self.kill)
+            try:
+                self.sock.sendall(frame(ftype, req, payload))
+                if data is not None:
+                    send_stream(self.sock, req, data)
+            except OSError:
+                self.kill()
+                return None
+            finally:
+                WATCHDOG.cancel(guard)
+                self.send_lock.release()
+            if not p.event.wait(max(deadline - time.monotonic(), 0.0)):
+                self.kill()  # silent peer: the link is broken; stop the reader touching our memory
+                with p.lock:
+                    p.cancelled = True
+                return None
+            if p.failed:
+                with p.lock:
+                    p.cancelled = True
+                return None
+            return p.reply
+        finally:
+            with self._lock:
+                self._pending.pop(req, None)
+

@@ -1,0 +1,158 @@
+"""The typed boundary between the engine and the fabric (SEMANTICS.md §2.3-2.4, §10 rules 2, 3, 5).
+
+The engine implements :class:`LinkOwner` (one simulated instance) and :class:`ServedCache` (one of
+its registered caches); the fabric implements :class:`PeerHandle` (the engine's view of a linked
+peer) and :class:`Connection` (a dialled peer before/while linking).  Neither side uses the other's
+private names: everything crossing the boundary is declared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..memory import Region
+
+__all__ = ["RemoteCache", "PeerHandle", "ServedCache", "LinkOwner", "LinkOffer", "LinkResult",
+           "Connection", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class RemoteCache:
+    """What a link's snapshot knows of one of the peer's caches (SEMANTICS.md §2.4)."""
+
+    cache_id: int
+    num_tensors: int
+    tensor_nbytes: int  # T
+    batch_size: int  # B
+    stride_nbytes: int  # S (0 when B > T: only possible for ragged sub-byte caches)
+    ragged: bool  # T % S != 0 or S == 0 (kvdd rule 10)
+    token: object  # identifies this registration on its owner (ids restart after re-Initialize)
+
+
+class ServedCache(Protocol):
+    """A cache registered on its owner, as the fabric serves it to linked peers.
+
+    ``acquire`` counts one in-flight transfer (False once unregistered); ``release`` ends it.
+    Unregister, unlink and finalize wait until every acquired transfer released (§10 rule 5)."""
+
+    cache_id: int
+    n: int  # tensors
+    T: int  # bytes per tensor
+    B: int
+    S: int
+    ragged: bool
+    placement: int
+    addrs: tuple[int, ...]
+    regions: list[Region]
+
+    def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+#: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.
+Snapshot = tuple[dict[int, RemoteCache], Mapping[int, ServedCache]]
+
+
+@dataclass(frozen=True)
+class LinkOffer:
+    """One side's identity in a link handshake (the fields the acceptance logic of §3.5 e reads)."""
+
+    cluster_id: int  # the real cluster id (constructor argument)
+    transfer_backend: str  # "comm" or "hixl"
+    comm_res_text: str | None  # llm.LocalCommRes, validated by both sides
+    sync_wait_ms: int  # llm.SyncKvCacheWaitTime: the lifetime of this side's leases on the peer
+
+    @classmethod
+    def of(cls, owner: LinkOwner) -> LinkOffer:
+        """The offer ``owner`` makes in a handshake now."""
+        return cls(owner.cluster_id, owner.transfer_backend, owner.comm_res_text,
+                   owner.sync_wait_ms)
+
+
+class PeerHandle(Protocol):
+    """The engine's view of the peer at the other end of a link."""
+
+    peer_cluster_id: int
+    transfer_backend: str
+
+    def snapshot(self) -> dict[int, RemoteCache]:
+        """The peer's caches registered before this link was created (visibility rule)."""
+        ...
+
+    def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
+        """Check the cache is still registered and take a lease on it: ``(status, lease)``.
+
+        LLM_KV_CACHE_NOT_EXIST when the owner unregistered it or finalized (§10 rule 2),
+        LLM_TIMEOUT when the owner cannot be reached, LLM_NOT_YET_LINK when this handle was
+        closed (a local unlink won the race, §10 rule 5)."""
+        ...
+
+    def release(self, lease: object) -> None: ...
+
+    def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
+             dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
+             timeout_ms: int) -> int:
+        """remote[tensors[k]] bytes at src_off[j] → dst[k] at dst_off[j] (length[j]); a status."""
+        ...
+
+    def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
+              src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,
+              timeout_ms: int) -> int:
+        """src[k] at src_off[j] → remote[tensors[k]] at dst_off[j] (length[j]); a status."""
+        ...
+
+    def close(self) -> None:
+        """Drop the connection (local teardown; the peer is not told)."""
+        ...
+
+
+class LinkOwner(Protocol):
+    """What the fabric needs from a simulated instance that links and serves links."""
+
+    cluster_id: int
+    transfer_backend: str
+    comm_res_text: str | None
+    sync_wait_ms: int
+    initialized: bool
+
+    def snapshot_for_link(self) -> Snapshot:
+        """The caches a peer linking now may use (registered before the link, §10 rule 3)."""
+        ...
+
+    def serve_link(self, peer: LinkOffer, force_link: bool,
+                   make_handle: Callable[[], PeerHandle]) -> tuple[int, str, Snapshot | None]:
+        """The acceptor's side of a link (§3.5): status, why it failed, our snapshot on success."""
+        ...
+
+    def peer_unlinked(self, peer_cluster_id: int) -> int:
+        """A peer asked (non-force unlink, §3.6) to drop our entity for it; absent is success."""
+        ...
+
+
+@dataclass
+class LinkResult:
+    """What ``Connection.link`` returns: the peer's status (and why), its offer, our handle on it."""
+
+    status: int
+    detail: str = ""
+    offer: LinkOffer | None = None
+    handle: PeerHandle | None = None
+
+
+class Connection(Protocol):
+    """A dialled peer (see :func:`kvdd.sim.fabric.connect`); ``close`` keeps what a handle adopted."""
+
+    def link(self, local: LinkOwner, force_link: bool) -> LinkResult:
+        """Run the peer's side of a link handshake (§3.5: comm acceptance / hixl connect)."""
+        ...
+
+    def notify_unlink(self, local: LinkOwner) -> int:
+        """Non-force comm unlink: the peer drops its entity for ``local``'s real id (§3.6)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,128 @@
+"""Byte streams of a transfer: the runs of a READ/WRITE as socket buffers, and their sending."""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..memory import Region, copy_runs
+from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError, recv_into
+
+__all__ = ["region_view", "Layout", "Cursor", "sendmsg_all", "send_stream"]
+
+def region_view(region: Region) -> memoryview:
+    n = region.nbytes
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(region.addr)).cast("B")
+
+
+class Layout:
+    """The byte stream of runs ``(off[j], length[j])`` of regions ``k`` (k outer, j inner).
+
+    Long runs are sent from / received into the regions directly (memoryviews); many short runs
+    go through one staging buffer and one ``copy_runs`` call (gather before sending, scatter after
+    receiving)."""
+
+    def __init__(self, regions: Sequence[Region], off: np.ndarray, length: np.ndarray) -> None:
+        self.regions = list(regions)
+        self.off = np.ascontiguousarray(off, dtype=np.int64)
+        self.length = np.ascontiguousarray(length, dtype=np.int64)
+        per_k = int(self.length.sum())
+        self.per_k = per_k
+        self.total = per_k * len(self.regions)
+        runs = len(self.regions) * int(np.count_nonzero(self.length))
+        self.staged = 0 < self.total <= MAX_DATA and self.total < STAGE_RUN_BYTES * runs
+        self.views: list[memoryview] = []
+        self._stage: np.ndarray | None = None
+        self._stage_regions: list[Region] = []
+        if self.total == 0:
+            return
+        if self.staged:
+            stage = np.empty(self.total, dtype=np.uint8)
+            base = int(stage.ctypes.data)
+            self._stage = stage
+            self._stage_regions = [Region(base + k * per_k, per_k, stage)
+                                   for k in range(len(self.regions))]
+            self._cum = np.concatenate(([0], np.cumsum(self.length)[:-1])).astype(np.int64)
+            self.views = [stage.data.cast("B")]
+        else:
+            for region in self.regions:
+                mv = region_view(region)
+                for o, n in zip(self.off.tolist(), self.length.tolist()):
+                    if n:
+                        if o < 0 or o + n > len(mv):
+                            raise ValueError("run outside its region")
+                        self.views.append(mv[o:o + n])
+
+    def gather(self) -> None:
+        if self.staged:
+            copy_runs(self.regions, self._stage_regions, self.off, self._cum, self.length)
+
+    def scatter(self) -> None:
+        if self.staged:
+            copy_runs(self._stage_regions, self.regions, self._cum, self.off, self.length)
+
+
+class Cursor:
+    """Fills a layout's views from the socket, frame by frame."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.views = layout.views
+        self.i = 0
+        self.pos = 0
+        self.left = layout.total
+
+    def recv(self, sock: socket.socket, n: int) -> None:
+        if n > self.left:
+            raise ProtocolError("more DATA than the transfer holds")
+        self.left -= n
+        while n > 0:
+            v = self.views[self.i]
+            take = min(n, len(v) - self.pos)
+            recv_into(sock, v[self.pos:self.pos + take])
+            self.pos += take
+            n -= take
+            if self.pos == len(v):
+                self.i += 1
+                self.pos = 0
+
+
+def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """sendmsg (gather, zero-copy) until every buffer is sent."""
+    while bufs:
+        sent = sock.sendmsg(bufs)
+        while sent and bufs:
+            if sent >= len(bufs[0]):
+                sent -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][sent:]
+                sent = 0
+
+
+def send_stream(sock: socket.socket, req: int, layout: Layout) -> None:
+    """The layout's bytes as DATA frames of at most MAX_DATA bytes, each sent by gathering
+    the header and up to 64 views per system call (zero-copy)."""
+    left = layout.total
+    views = iter(layout.views)
+    cur: memoryview | None = None
+    while left > 0:
+        n = min(left, MAX_DATA)
+        batch = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, n))]
+        left -= n
+        while n > 0:
+            if cur is None or len(cur) == 0:
+                cur = next(views)
+            take = min(n, len(cur))
+            batch.append(cur[:take])
+            cur = cur[take:]
+            n -= take
+            if len(batch) == 64:
+                sendmsg_all(sock, batch)
+                batch = []
+        sendmsg_all(sock, batch)
+

@@ -1,0 +1,228 @@
+"""The fabric's wire format: frame header, frame types and their length limits, payload codecs.
+
+Every frame: header ``<2sBBII>`` = magic ``b"KV"``, protocol version, frame type, request id,
+payload length; then the payload.  Lengths are bounded per type (:data:`MAX_LEN`); anything else
+closes the connection.  Integers little-endian; never pickle.  DATA frames carry at most
+:data:`MAX_DATA` bytes of a transfer's byte stream (tensor k outer, run j inner).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .protocol import LinkOffer, RemoteCache, ServedCache
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KV"
+HDR = struct.Struct("<2sBBII")
+
+MAX_CONTROL = 64 << 10
+MAX_HELLO = 16 << 20
+MAX_REQUEST = 4 << 20
+MAX_DATA = 64 << 20
+
+F_HELLO_LINK = 1
+F_HELLO_UNLINK = 2
+F_LINK_REPLY = 3
+F_UNLINK_REPLY = 4
+F_LEASE = 10
+F_LEASE_REPLY = 11
+F_RELEASE = 12
+F_READ = 13
+F_WRITE = 14
+F_DATA = 15
+F_DONE = 16
+F_PING = 17
+F_PONG = 18
+F_CLOSE_HANDLE = 20
+F_GOODBYE = 21
+
+MAX_LEN = {
+    F_HELLO_LINK: MAX_HELLO, F_HELLO_UNLINK: MAX_CONTROL, F_LINK_REPLY: MAX_HELLO,
+    F_UNLINK_REPLY: MAX_CONTROL, F_LEASE: MAX_CONTROL, F_LEASE_REPLY: MAX_CONTROL,
+    F_RELEASE: MAX_CONTROL, F_READ: MAX_REQUEST, F_WRITE: MAX_REQUEST, F_DATA: MAX_DATA,
+    F_DONE: MAX_CONTROL, F_PING: MAX_CONTROL, F_PONG: MAX_CONTROL, F_CLOSE_HANDLE: MAX_CONTROL,
+    F_GOODBYE: MAX_CONTROL,
+}
+
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection must complete its handshake within this
+MAX_HANDSHAKES = 64  # concurrent connections still in their handshake, per listener
+MAX_LEASES = 64  # outstanding leases per connection (a peer needs one at a time)
+MAX_JOBS = 64  # queued requests per connection
+LEASE_GRACE_MS = 250
+MAX_LEASE_MS = 600_000
+CLOSE_LINGER_S = 2.0
+STAGE_RUN_BYTES = 64 << 10  # runs shorter than this on average go through one staging copy
+PVM_CHUNK = 16 << 20
+
+BACKENDS = ("comm", "hixl")
+RC = struct.Struct("<QIQIQBB")  # cache_id, n, T, B, S, ragged, placement
+REQ = struct.Struct("<QII")  # lease id, K tensors, J runs
+
+
+class ProtocolError(Exception):
+    """A peer sent something this protocol does not allow; its connection is closed."""
+
+
+class Writer:
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def pack(self, fmt: str, *values: object) -> Writer:
+        self.buf += struct.pack("<" + fmt, *values)
+        return self
+
+    def text(self, value: str | None, long: bool = False) -> Writer:
+        if value is None:
+            return self.pack("B", 0)
+        data = value.encode("utf-8", "surrogatepass")
+        self.pack("B", 1)
+        self.pack("I" if long else "H", len(data))
+        self.buf += data
+        return self
+
+    def raw(self, data: bytes) -> Writer:
+        self.buf += data
+        return self
+
+
+class Reader:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self.mv = memoryview(data)
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.mv):
+            raise ProtocolError("truncated payload")
+        out = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        s = struct.Struct("<" + fmt)
+        values: tuple[int, ...] = s.unpack(self.take(s.size))
+        return values
+
+    def u(self, fmt: str) -> int:
+        return self.unpack(fmt)[0]
+
+    def text(self, long: bool = False) -> str | None:
+        if self.u("B") == 0:
+            return None
+        n = self.u("I" if long else "H")
+        try:
+            return bytes(self.take(n)).decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid text") from None
+
+    def end(self) -> None:
+        if self.pos != len(self.mv):
+            raise ProtocolError("trailing bytes in payload")
+
+
+def frame(ftype: int, req: int, payload: bytes | bytearray = b"") -> bytes:
+    return HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, req & 0xFFFFFFFF, len(payload)) + payload
+
+
+def recv_into(sock: socket.socket, mv: memoryview) -> None:
+    while len(mv):
+        n = sock.recv_into(mv)
+        if n == 0:
+            raise ConnectionError("connection closed by the peer")
+        mv = mv[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes; memory grows with the bytes that actually arrive (a peer announcing
+    a large frame and sending nothing costs at most 1 MiB)."""
+    if n <= 1 << 20:
+        buf = bytearray(n)
+        recv_into(sock, memoryview(buf))
+        return buf
+    out = bytearray()
+    while len(out) < n:
+        chunk = bytearray(min(n - len(out), 1 << 20))
+        recv_into(sock, memoryview(chunk))
+        out += chunk
+    return out
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    scratch = bytearray(min(n, 1 << 20)) if n else b""
+    mv = memoryview(scratch)
+    while n > 0:
+        take = min(n, len(mv))
+        recv_into(sock, mv[:take])
+        n -= take
+
+
+def read_header(sock: socket.socket) -> tuple[int, int, int]:
+    magic, version, ftype, req, length = HDR.unpack(recv_exact(sock, HDR.size))
+    if magic != MAGIC:
+        raise ProtocolError("bad magic")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} (this is {PROTOCOL_VERSION})")
+    limit = MAX_LEN.get(ftype)
+    if limit is None:
+        raise ProtocolError(f"unknown frame type {ftype}")
+    if length > limit:
+        raise ProtocolError(f"frame type {ftype} of {length} bytes exceeds {limit}")
+    return ftype, req, length
+
+
+def encode_offer(w: Writer, offer: LinkOffer) -> None:
+    w.pack("QBI", offer.cluster_id & 0xFFFFFFFFFFFFFFFF, BACKENDS.index(offer.transfer_backend),
+           max(0, min(offer.sync_wait_ms, 0xFFFFFFFF)))
+    w.text(offer.comm_res_text, long=True)
+
+
+def decode_offer(r: Reader) -> LinkOffer:
+    cluster_id, backend, wait_ms = r.unpack("QBI")
+    if backend >= len(BACKENDS):
+        raise ProtocolError("unknown transfer backend")
+    return LinkOffer(cluster_id, BACKENDS[backend], r.text(long=True), wait_ms)
+def encode_snapshot(w: Writer, entries: Mapping[int, ServedCache]) -> None:
+    w.pack("I", len(entries))
+    for cid, e in entries.items():
+        w.raw(RC.pack(cid, e.n, e.T, e.B, e.S, int(e.ragged), e.placement & 0xFF))
+        w.raw(np.asarray(e.addrs, dtype="<u8").tobytes())
+
+
+def decode_snapshot(r: Reader) -> tuple[dict[int, RemoteCache], dict[int, tuple[int, ...]]]:
+    count = r.u("I")
+    snap: dict[int, RemoteCache] = {}
+    addrs: dict[int, tuple[int, ...]] = {}
+    for _ in range(count):
+        cid, n, t, b, s, ragged, _placement = RC.unpack(r.take(RC.size))
+        if n == 0 or cid in snap:
+            raise ProtocolError("malformed cache snapshot")
+        a = np.frombuffer(r.take(8 * n), dtype="<u8")
+        if t >= 1 << 62 or np.any(a == 0) or np.any(a > (1 << 64) - 1 - t):
+            raise ProtocolError("malformed cache snapshot")
+        snap[cid] = RemoteCache(cid, n, t, b, s, bool(ragged), cid)
+        addrs[cid] = tuple(int(x) for x in a)
+    return snap, addrs
+
+def encode_request(lease: int, tensors: Sequence[int], off: np.ndarray,
+                    length: np.ndarray) -> bytes:
+    t = np.asarray(tensors, dtype="<u4")
+    o = np.ascontiguousarray(off, dtype="<i8")
+    n = np.ascontiguousarray(length, dtype="<i8")
+    return REQ.pack(lease, len(t), len(n)) + t.tobytes() + o.tobytes() + n.tobytes()
+
+
+def decode_request(payload: bytes | bytearray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    r = Reader(payload)
+    lease, k, j = REQ.unpack(r.take(REQ.size))
+    t = np.frombuffer(r.take(4 * k), dtype="<u4").astype(np.int64)
+    o = np.frombuffer(r.take(8 * j), dtype="<i8").astype(np.int64)
+    n = np.frombuffer(r.take(8 * j), dtype="<i8").astype(np.int64)
+    r.end()
+    return lease, t, o, n
+
+
+# ---- one link's connection -----------------------------------------------------------------------
