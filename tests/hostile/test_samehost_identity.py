@@ -18,7 +18,7 @@ import pytest
 
 from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost
-from kvdd.sim.fabric.samehost_path import new_table_fd
+from kvdd.sim.fabric.samehost_path import check_table_fd, new_table_fd
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -105,7 +105,7 @@ def test_honest_proof_names_the_processes(acceptor: tuple[Session, Acceptor]) ->
         assert link.peer_pid == a.proc.pid and link.peer_uid == os.getuid()
         assert link.table_slots == 3 and link.table_fd >= 0 and seen == [link]
         assert link.alive()
-        samehost.check_table_fd(link.table_fd, 3, _xproc.LEASE_HEADER + 3 * _xproc.LEASE_SLOT)
+        check_table_fd(link.table_fd, 3, _xproc.LEASE_HEADER + 3 * _xproc.LEASE_SLOT)
         assert a.line() == f"LINK {os.getpid()} 2"  # the acceptor attested us, with our table
     finally:
         link.close()
