@@ -103,6 +103,13 @@ def _doctor_copy_kernels() -> str:
     return ", ".join(name for name, present in features.items() if present) or "plain memcpy"
 
 
+def _doctor_samehost() -> str:
+    from .sim.fabric.samehost import availability
+
+    ok, why = availability()
+    return f"{'one-sided' if ok else 'TCP'}: {why}"
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
@@ -111,6 +118,7 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("looks like an Ascend node", _doctor_ascend_node),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
+    ("same-host links", _doctor_samehost),
 ]
 
 
