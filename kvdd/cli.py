@@ -24,7 +24,8 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed) and doctor (what this installation can do). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
+    "cann-root (a simulated CANN root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -103,6 +104,22 @@ def _doctor_copy_kernels() -> str:
     return ", ".join(name for name, present in features.items() if present) or "plain memcpy"
 
 
+def _doctor_cann_root() -> str:
+    from .cann import simulated_root_status
+
+    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated
+    lines = [line.removeprefix("simulated CANN root ") for line in simulated_root_status()]
+    return "; ".join(lines) or "none in use"
+
+
+def _doctor_fabric_secret() -> str:
+    try:
+        from .sim.fabric.auth import describe_secret
+    except ImportError as exc:
+        return f"unavailable ({exc})"
+    return describe_secret()  # where it comes from, never the secret; whether auth is off
+
+
 def _doctor_samehost() -> str:
     from .sim.fabric.samehost import availability
 
@@ -116,8 +133,10 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("backend sim", _doctor_backend("sim")),
     ("backend native", _doctor_backend("native")),
     ("looks like an Ascend node", _doctor_ascend_node),
+    ("simulated CANN root", _doctor_cann_root),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
+    ("fabric secret", _doctor_fabric_secret),
     ("same-host links", _doctor_samehost),
 ]
 
@@ -129,6 +148,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 # ---- demo and bench --------------------------------------------------------------------------
+
+def _fabric_secret(args: argparse.Namespace) -> int:
+    from .sim.fabric.auth import generate_secret
+
+    print(generate_secret())
+    return 0
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_from_args
@@ -147,6 +173,12 @@ def _unloadable(exc: ImportError) -> Callable[[argparse.Namespace], int]:
         return _fail(_import_problem(exc), EXIT_USAGE)
 
     return run
+
+
+def _cann_root(args: argparse.Namespace) -> int:
+    from .cann.root import run_from_args as run_cann_root
+
+    return run_cann_root(args)
 
 
 def _add_job(sub: Any, name: str, module: str, help: str, description: str,
@@ -182,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="which backends are built and usable here, and why not",
         description="Say which kvdd backends this installation has and can use here, and why not.")
     doctor.set_defaults(func=_doctor)
+    secret = sub.add_parser(
+        "fabric-secret", help="print a new secret for KVDD_FABRIC_SECRET (links across hosts)",
+        description="Print 32 random bytes as hex for KVDD_FABRIC_SECRET, or for a file (mode 0600) "
+                    "named by KVDD_FABRIC_SECRET_FILE, on every host whose instances link "
+                    "(docs/security.md).")
+    secret.set_defaults(func=_fabric_secret)
     _add_job(
         sub, "demo", "kvdd.demo",
         help="prefill and decode move a real model's KV cache, verified byte for byte",
@@ -200,6 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "in the same run, plus the per-call overhead of a 64-byte pull. A benchmark: it "
                     "reports, it does not judge (exit status 0; 2 for unusable options).",
         run=_bench)
+    from .cann.root import add_cann_root_arguments
+
+    cann_root = sub.add_parser(
+        "cann-root", help="write a simulated CANN root: C++ LLM-DataDist programs on the simulator",
+        description="Write a directory with CANN's layout (include/, lib64/, set_env.sh, a CMake "
+                    "package) whose libllm_datadist.so and libascendcl.so are kvdd's simulator, so "
+                    "C++ programs written for LLM-DataDist build and run without an NPU. Compiles "
+                    "the libraries with the system C/C++ compiler.")
+    add_cann_root_arguments(cann_root)
+    cann_root.set_defaults(func=_cann_root)
     return parser
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from ..status import Status
+from ..status import PARAM_INVALID, Status
 from ..types import KvCacheExtParam
 
 if TYPE_CHECKING:
@@ -26,8 +26,6 @@ __all__ = [
     "require_inside_remote",
 ]
 
-S_OK = Status.LLM_SUCCESS
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 #: §3.7 step 10: the serialized cache table must fit 1 MiB.
 CACHE_TABLE_LIMIT = 1 << 20

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from ...status import Status
+from ...status import S_OK, TIMEOUT, Status
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretError, Session,
                    channel_binding, load_secret, mac, session_key)
 from .channel import Channel
@@ -43,9 +43,6 @@ __all__ = ["InProcessConnection", "RemoteConnection", "connect", "serve_session"
            "serve_unlink", "linger", "transcript_of", "auth_refusal", "mode_mismatch", "BOOT_ID"]
 
 _T = TypeVar("_T")
-
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
 
 
 class InProcessConnection:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .samehost import SameHostLink, SameHostRefused
 
 if TYPE_CHECKING:
@@ -53,9 +53,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
            "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
 
 #: State words (0: open).  Slot: the cache was unregistered.  Link: the owner finalized / closed.
 STATE_UNREGISTERED = 1

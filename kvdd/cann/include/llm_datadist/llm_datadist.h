@@ -1,16 +1,19 @@
 /*
- * kvdd CI test double: the public LLM-DataDist C++ API (llm_datadist::LlmDataDist).
+ * kvdd's simulated CANN root: the public LLM-DataDist C++ API (llm_datadist::LlmDataDist).
  *
  * Written by the kvdd project from the type and signature tables of kvdd's VENDOR.md and the
  * constants of API.md; it is NOT the vendor header and copies nothing from it.  It provides the
  * same names, member types, member order, defaults and include path, so that kvdd's Cython
- * binding (kvdd/_native/_cdatadist.pxd) compiles against it exactly as against a CANN install.
+ * binding and C++ programs written for CANN compile against it exactly as against a CANN install.
  * Every struct ends in a reserved byte array that user code does not touch (128 bytes; 127 in
- * KvCacheExtParam).  The implementation (testdouble/src/llm_datadist.cc) forwards each call to
+ * KvCacheExtParam); as in CANN, only RegisterCfg's is zero-initialized by default, so code must
+ * value-initialize the structs it fills (`CacheDesc desc{};`).  Only the 18 status codes CANN's
+ * llm_datadist.h has are declared here; the other twelve are ge::LLM_* in
+ * llm_datadist/llm_error_codes.h.  The implementation (kvdd/cann/src/) forwards each call to
  * kvdd's simulator engine.
  */
-#ifndef KVDD_TESTDOUBLE_LLM_DATADIST_LLM_DATADIST_H_
-#define KVDD_TESTDOUBLE_LLM_DATADIST_LLM_DATADIST_H_
+#ifndef KVDD_CANN_LLM_DATADIST_LLM_DATADIST_H_
+#define KVDD_CANN_LLM_DATADIST_LLM_DATADIST_H_
 
 #include <cstdint>
 #include <map>
@@ -78,15 +81,12 @@ constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";
 constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";
 constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig";
 
-// Statuses: 0x5010B000 + n, plus success and ge::FAILED.
+// Statuses: 0x5010B000 + n, plus success and ge::FAILED (the 18 of CANN's llm_datadist.h).
 constexpr Status LLM_SUCCESS = 0x0U;
 constexpr Status LLM_FAILED = 0xFFFFFFFFU;
 constexpr Status LLM_WAIT_PROC_TIMEOUT = 0x5010B001U;
 constexpr Status LLM_KV_CACHE_NOT_EXIST = 0x5010B002U;
-constexpr Status LLM_REPEAT_REQUEST = 0x5010B003U;
-constexpr Status LLM_REQUEST_ALREADY_COMPLETED = 0x5010B004U;
 constexpr Status LLM_PARAM_INVALID = 0x5010B005U;
-constexpr Status LLM_ENGINE_FINALIZED = 0x5010B006U;
 constexpr Status LLM_NOT_YET_LINK = 0x5010B007U;
 constexpr Status LLM_ALREADY_LINK = 0x5010B008U;
 constexpr Status LLM_LINK_FAILED = 0x5010B009U;
@@ -95,15 +95,6 @@ constexpr Status LLM_NOTIFY_PROMPT_UNLINK_FAILED = 0x5010B00BU;
 constexpr Status LLM_CLUSTER_NUM_EXCEED_LIMIT = 0x5010B00CU;
 constexpr Status LLM_PROCESSING_LINK = 0x5010B00DU;
 constexpr Status LLM_DEVICE_OUT_OF_MEMORY = 0x5010B00EU;
-constexpr Status LLM_PREFIX_ALREADY_EXIST = 0x5010B00FU;
-constexpr Status LLM_PREFIX_NOT_EXIST = 0x5010B010U;
-constexpr Status LLM_SEQ_LEN_OVER_LIMIT = 0x5010B011U;
-constexpr Status LLM_NO_FREE_BLOCK = 0x5010B012U;
-constexpr Status LLM_BLOCKS_OUT_OF_MEMORY = 0x5010B013U;
-constexpr Status LLM_CACHE_INCOMPATIBLE = 0x5010B014U;
-constexpr Status LLM_CACHE_KEY_ALREADY_EXIST = 0x5010B015U;
-constexpr Status LLM_COPY_CACHE_FAILED = 0x5010B016U;
-constexpr Status LLM_CACHE_ID_ALREADY_EXIST = 0x5010B017U;
 constexpr Status LLM_EXIST_LINK = 0x5010B018U;
 constexpr Status LLM_FEATURE_NOT_ENABLED = 0x5010B019U;
 constexpr Status LLM_TIMEOUT = 0x5010B01AU;
@@ -125,7 +116,7 @@ enum class CachePlacement : uint32_t {
 struct IpInfo {
   AscendString ip;
   uint16_t port = 0U;
-  uint8_t reserved[128] = {};
+  uint8_t reserved[128];
 };
 
 struct ClusterInfo {
@@ -133,7 +124,7 @@ struct ClusterInfo {
   int32_t remote_role_type = 0;
   std::vector<IpInfo> local_ip_infos;
   std::vector<IpInfo> remote_ip_infos;
-  uint8_t reserved[128] = {};
+  uint8_t reserved[128];
 };
 
 struct CacheIndex {
@@ -148,21 +139,21 @@ struct CacheDesc {
   uint32_t num_tensors = 0U;
   DataType data_type = DT_UNDEFINED;
   std::vector<int64_t> shape;
-  uint8_t reserved[128] = {};
+  uint8_t reserved[128];
 };
 
 struct Cache {
   int64_t cache_id = -1;
   std::vector<uintptr_t> tensor_addrs;
   CacheDesc cache_desc;
-  uint8_t reserved[128] = {};
+  uint8_t reserved[128];
 };
 
 struct KvCacheExtParam {
   std::pair<int32_t, int32_t> src_layer_range = {-1, -1};
   std::pair<int32_t, int32_t> dst_layer_range = {-1, -1};
   uint8_t tensor_num_per_layer = 2U;
-  uint8_t reserved[127] = {};
+  uint8_t reserved[127];
 };
 
 struct RegisterCfg {
@@ -222,4 +213,4 @@ class LlmDataDist {
 
 }  // namespace llm_datadist
 
-#endif  // KVDD_TESTDOUBLE_LLM_DATADIST_LLM_DATADIST_H_
+#endif  // KVDD_CANN_LLM_DATADIST_LLM_DATADIST_H_

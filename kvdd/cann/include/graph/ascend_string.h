@@ -1,5 +1,5 @@
 /*
- * kvdd CI test double: ge::AscendString.
+ * kvdd simulated CANN root: ge::AscendString.
  *
  * Written by the kvdd project from the facts in kvdd's spec (VENDOR.md); this is not the vendor
  * header.  The class is constructible from `const char*` and `(const char*, size_t)`, exposes
@@ -7,8 +7,8 @@
  * Like the real class, its methods are defined out of line in libmetadef.so, so the std::string
  * ABI (_GLIBCXX_USE_CXX11_ABI) of the caller and of the library must agree.
  */
-#ifndef KVDD_TESTDOUBLE_GRAPH_ASCEND_STRING_H_
-#define KVDD_TESTDOUBLE_GRAPH_ASCEND_STRING_H_
+#ifndef KVDD_CANN_GRAPH_ASCEND_STRING_H_
+#define KVDD_CANN_GRAPH_ASCEND_STRING_H_
 
 #include <cstddef>
 #include <memory>
@@ -39,4 +39,4 @@ class AscendString {
 
 }  // namespace ge
 
-#endif  // KVDD_TESTDOUBLE_GRAPH_ASCEND_STRING_H_
+#endif  // KVDD_CANN_GRAPH_ASCEND_STRING_H_

@@ -1,13 +1,13 @@
 /*
- * kvdd CI test double: ge::DataType.
+ * kvdd simulated CANN root: ge::DataType.
  *
  * Written by the kvdd project from the value table of kvdd's SEMANTICS.md section 5 (not the
  * vendor header).  Value 5 is reserved.  DT_HIFLOAT4 (42) exists only in newer metadef releases
  * and is not re-exported by llm_datadist.h.  Like upstream the enum has no fixed underlying type;
  * kvdd's binding stores any int32 in it (GCC does not assume enum ranges without -fstrict-enums).
  */
-#ifndef KVDD_TESTDOUBLE_GRAPH_TYPES_H_
-#define KVDD_TESTDOUBLE_GRAPH_TYPES_H_
+#ifndef KVDD_CANN_GRAPH_TYPES_H_
+#define KVDD_CANN_GRAPH_TYPES_H_
 
 namespace ge {
 
@@ -59,4 +59,4 @@ enum DataType {
 
 }  // namespace ge
 
-#endif  // KVDD_TESTDOUBLE_GRAPH_TYPES_H_
+#endif  // KVDD_CANN_GRAPH_TYPES_H_

@@ -1,31 +1,21 @@
-// kvdd CI test double: libllm_datadist.so.
+// kvdd's simulated CANN root: libkvdd_simbridge.so, the simulator side of libllm_datadist.so.
 //
-// Written by the kvdd project (not derived from vendor code).  Every llm_datadist::LlmDataDist
-// method converts its C++ arguments back into kvdd value types (kvdd.types) and calls the method
-// of the same name (Backend protocol, API.md) on a kvdd.sim.engine.SimBackend created by the
-// constructor, then converts the result back into the C++ outputs the way upstream fills them:
+// Written by the kvdd project (not derived from vendor code).  Each Engine method converts its C++
+// arguments back into kvdd value types (kvdd.types) and calls the method of the same name (Backend
+// protocol, API.md) on a kvdd.sim.engine.SimBackend created by the constructor, then converts the
+// result back into the C++ outputs the way upstream fills them:
 //   * the status is returned unchanged;
 //   * per-cluster statuses are APPENDED to the caller's `rets` (never cleared, SEMANTICS.md §7.17);
 //   * RegisterKvCache writes `cache_id` only on success; AllocateCache fills `cache` only on
 //     success.
-// So every field kvdd's binding marshals reaches the simulator, and a marshalling bug fails a
-// conformance test.
+// So every field a caller (kvdd's binding, or a C++ program) passes reaches the simulator.
 //
-// The library runs inside a Python process (kvdd's extension module links it) and does not link
-// libpython: the Python C API symbols are resolved from the process at load time.  It uses only
-// the stable ABI (Py_LIMITED_API 3.10), so one build works with any CPython >= 3.10.
-//
-// Test-double-only hooks (never present in the real library):
-//   * extern "C" int kvdd_testdouble_listen_port(void *llm_datadist): the port the simulator
-//     actually bound (so `listen_port` can report it when port 0 was asked); -1 when not
-//     listening, -2 on error or unknown instance.
-//   * extern "C" int kvdd_testdouble_cxx11_abi(void): the _GLIBCXX_USE_CXX11_ABI it was built with.
-//   * Instances constructed with one of the kThrow* cluster ids below throw a C++ exception from
-//     every method except the constructor, the destructor and Finalize, so the binding's
-//     exception translation can be tested.
-//   * A Python exception raised by the simulator engine becomes std::runtime_error carrying the
-//     Python exception type and message (an engine bug therefore surfaces as a C++ exception,
-//     which the binding reports as LLMError(LLM_FAILED, message)).
+// This library is loaded (dlopen, by libllm_datadist.so) only into a process where CPython's
+// symbols are visible: a Python process, or a C++ process after libllm_datadist.so loaded
+// libpython and libkvdd_pyembed.so started the interpreter.  It does not link libpython and uses
+// only the stable ABI (Py_LIMITED_API 3.10), so one build works with any CPython >= 3.10.
+// A Python exception raised by the simulator becomes std::runtime_error carrying the Python
+// exception type and message.
 #define PY_SSIZE_T_CLEAN
 #ifndef Py_LIMITED_API
 #define Py_LIMITED_API 0x030A0000
@@ -37,18 +27,22 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <map>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "llm_datadist/llm_datadist.h"
+#include <cstdio>
 
-namespace llm_datadist {
+#include "engine.h"
+
+namespace kvdd_cann {
 namespace {
 
-constexpr uint64_t kThrowRuntimeErrorClusterId = 0xFFFFFFFFFFFFFF00ULL;
-constexpr uint64_t kThrowBadAllocClusterId = 0xFFFFFFFFFFFFFF01ULL;
-constexpr uint64_t kThrowNonStdClusterId = 0xFFFFFFFFFFFFFF02ULL;
+using llm_datadist::CachePlacement;
+using llm_datadist::DataType;
+using llm_datadist::IpInfo;
+
 
 // Holds the GIL for its lifetime.  Declare it before any Ref so that it is released last.
 class Gil {
@@ -126,7 +120,7 @@ std::string PyText(PyObject *obj) {
       PyErr_Clear();
     }
   }
-  throw std::runtime_error("kvdd test double: Python exception in " + where + ": " + type_name +
+  throw std::runtime_error("kvdd simulated CANN root: Python exception in " + where + ": " + type_name +
                            ": " + PyText(value));
 }
 
@@ -202,12 +196,12 @@ int64_t AsInt64(PyObject *obj, const char *what) {
 
 Status AsStatus(PyObject *obj, const std::string &where) {
   if (!PyLong_Check(obj)) {
-    throw std::runtime_error("kvdd test double: " + where + " returned a non-int status: " +
+    throw std::runtime_error("kvdd simulated CANN root: " + where + " returned a non-int status: " +
                              PyText(obj));
   }
   uint64_t v = AsUInt64(obj, "status conversion");
   if (v > 0xFFFFFFFFULL) {
-    throw std::runtime_error("kvdd test double: " + where + " returned a status wider than 32 bits");
+    throw std::runtime_error("kvdd simulated CANN root: " + where + " returned a status wider than 32 bits");
   }
   return static_cast<Status>(v);
 }
@@ -219,7 +213,7 @@ Ref GetAttr(PyObject *obj, const char *name) {
 // Splits the `(status, output)` pair returned by several protocol methods.
 std::pair<Status, Ref> StatusAndOutput(Ref result, const std::string &where) {
   if (!PyTuple_Check(result.get()) || PyTuple_Size(result.get()) != 2) {
-    throw std::runtime_error("kvdd test double: " + where +
+    throw std::runtime_error("kvdd simulated CANN root: " + where +
                              " did not return a (status, output) tuple: " + PyText(result.get()));
   }
   PyObject *status = PyTuple_GetItem(result.get(), 0);  // borrowed
@@ -228,47 +222,28 @@ std::pair<Status, Ref> StatusAndOutput(Ref result, const std::string &where) {
   return {AsStatus(status, where), Ref(output)};
 }
 
-void MaybeThrowInjected(uint64_t cluster_id, const char *method) {
-  switch (cluster_id) {
-    case kThrowRuntimeErrorClusterId:
-      throw std::runtime_error(std::string("kvdd test double: injected C++ exception in ") + method);
-    case kThrowBadAllocClusterId:
-      throw std::bad_alloc();
-    case kThrowNonStdClusterId:
-      throw 42;  // not derived from std::exception
-    default:
-      break;
-  }
-}
-
-// What kvdd_testdouble_listen_port needs from an instance (LlmDataDistImpl is a private nested
-// class of the vendor-shaped LlmDataDist, so the registry below refers to this interface).
-class ListenPortSource {
+class SimEngine final : public Engine {
  public:
-  virtual ~ListenPortSource() = default;
-  virtual int ListenPort() = 0;
-};
-
-}  // namespace
-
-class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
- public:
-  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : cluster_id_(cluster_id) {
+  SimEngine(uint64_t cluster_id, int32_t role) {
     Gil gil;
+    // Looked up at every construction, so a test can replace kvdd.sim.engine.SimBackend.
     Ref engine_module(Check(PyImport_ImportModule("kvdd.sim.engine"), "import kvdd.sim.engine"));
     types_ = Ref(Check(PyImport_ImportModule("kvdd.types"), "import kvdd.types"));
     Ref cls = GetAttr(engine_module.get(), "SimBackend");
     Ref cid = UInt(cluster_id);
-    Ref r = Int(static_cast<int32_t>(role));
+    Ref r = Int(role);
     engine_ = Ref(Check(PyObject_CallFunctionObjArgs(cls.get(), cid.get(), r.get(), nullptr),
                         "SimBackend(cluster_id, role)"));
   }
 
-  ~LlmDataDistImpl() {
+  ~SimEngine() override {
     if (!Py_IsInitialized()) {
       // The interpreter is gone: nothing can be released safely; leak the references.
       (void)engine_.release();
       (void)types_.release();
+      for (auto &kv : memo_) {
+        (void)kv.second.release();
+      }
       return;
     }
     Gil gil;
@@ -279,11 +254,10 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
         PyErr_Clear();
       }
     }
+    memo_.clear();
     engine_ = Ref();
     types_ = Ref();
   }
-
-  uint64_t cluster_id() const { return cluster_id_; }
 
   // ---- C++ -> kvdd.types -------------------------------------------------------------------
 
@@ -292,7 +266,7 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     return CallKw(cls.get(), kwargs, std::string("kvdd.types.") + type_name + "(...)");
   }
 
-  static Ref Options(const std::map<AscendString, AscendString> &options) {
+  static Ref OptionsDict(const Options &options) {
     Ref dict(Check(PyDict_New(), "dict"));
     for (const auto &kv : options) {
       Ref key = Str(kv.first);
@@ -322,7 +296,62 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     return Make("ClusterInfo", kw.get());
   }
 
+  // kvdd.types values are immutable: a struct passed again with the same fields (the usual case:
+  // a serving loop reuses its CacheIndex, Cache and KvCacheExtParam) reuses the Python value built
+  // for it, which saves most of the per-call conversion.  Bounded; cleared when full.
+  template <typename F>
+  Ref Memoized(std::vector<int64_t> key, F &&make) {
+    auto it = memo_.find(key);
+    if (it != memo_.end()) {
+      Py_INCREF(it->second.get());
+      return Ref(it->second.get());
+    }
+    Ref value = make();
+    if (memo_.size() >= 64) {
+      memo_.clear();
+    }
+    Py_INCREF(value.get());
+    memo_.emplace(std::move(key), Ref(value.get()));
+    return value;
+  }
+
+  static void DescKey(std::vector<int64_t> &key, const CacheDesc &desc) {
+    key.push_back(static_cast<int64_t>(desc.placement));
+    key.push_back(static_cast<int64_t>(desc.num_tensors));
+    key.push_back(static_cast<int64_t>(desc.data_type));
+    key.push_back(static_cast<int64_t>(desc.shape.size()));
+    key.insert(key.end(), desc.shape.begin(), desc.shape.end());
+  }
+
   Ref ToPy(const CacheDesc &desc) {
+    std::vector<int64_t> key = {1};
+    DescKey(key, desc);
+    return Memoized(std::move(key), [&] { return Convert(desc); });
+  }
+
+  Ref ToPy(const Cache &cache) {
+    std::vector<int64_t> key = {2, cache.cache_id};
+    DescKey(key, cache.cache_desc);
+    for (uintptr_t a : cache.tensor_addrs) {
+      key.push_back(static_cast<int64_t>(a));
+    }
+    return Memoized(std::move(key), [&] { return Convert(cache); });
+  }
+
+  Ref ToPy(const CacheIndex &index) {
+    return Memoized({3, static_cast<int64_t>(index.cluster_id), index.cache_id,
+                     static_cast<int64_t>(index.batch_index)},
+                    [&] { return Convert(index); });
+  }
+
+  Ref ToPy(const KvCacheExtParam &param) {
+    return Memoized({4, param.src_layer_range.first, param.src_layer_range.second,
+                     param.dst_layer_range.first, param.dst_layer_range.second,
+                     static_cast<int64_t>(param.tensor_num_per_layer)},
+                    [&] { return Convert(param); });
+  }
+
+  Ref Convert(const CacheDesc &desc) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "num_tensors", UInt(desc.num_tensors));
     // ge::DataType has no fixed underlying type; kvdd stores any int32 in it.
@@ -332,16 +361,16 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     return Make("CacheDesc", kw.get());
   }
 
-  Ref ToPy(const Cache &cache) {
+  Ref Convert(const Cache &cache) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "cache_id", Int(cache.cache_id));
     SetItem(kw.get(), "tensor_addrs",
             Tuple(cache.tensor_addrs, [](uintptr_t a) { return UInt(static_cast<uint64_t>(a)); }));
-    SetItem(kw.get(), "cache_desc", ToPy(cache.cache_desc));
+    SetItem(kw.get(), "cache_desc", Convert(cache.cache_desc));
     return Make("Cache", kw.get());
   }
 
-  Ref ToPy(const CacheIndex &index) {
+  Ref Convert(const CacheIndex &index) {
     Ref kw(Check(PyDict_New(), "dict"));
     SetItem(kw.get(), "cluster_id", UInt(index.cluster_id));
     SetItem(kw.get(), "cache_id", Int(index.cache_id));
@@ -349,7 +378,7 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     return Make("CacheIndex", kw.get());
   }
 
-  Ref ToPy(const KvCacheExtParam &param) {
+  Ref Convert(const KvCacheExtParam &param) {
     Ref kw(Check(PyDict_New(), "dict"));
     Ref src(Check(PyTuple_New(2), "tuple"));
     Ref dst(Check(PyTuple_New(2), "tuple"));
@@ -407,7 +436,7 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     Ref data_type = GetAttr(desc.get(), "data_type");
     Ref shape = GetAttr(desc.get(), "shape");
     Ref placement = GetAttr(desc.get(), "placement");
-    Cache out;
+    Cache out{};
     out.cache_id = AsInt64(cache_id.get(), "Cache.cache_id");
     Ref addr_list(Check(PySequence_List(addrs.get()), "Cache.tensor_addrs"));
     for (Py_ssize_t i = 0; i < PyList_Size(addr_list.get()); ++i) {
@@ -442,231 +471,222 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
     return static_cast<int>(v);
   }
 
-  Ref &engine() { return engine_; }
+  std::string LastErrorDetail() override {
+    Gil gil;
+    Ref detail(PyObject_CallMethod(engine_.get(), "last_error_detail", nullptr));
+    if (detail.get() == nullptr) {
+      PyErr_Clear();
+      return "";
+    }
+    return detail.get() == Py_None ? std::string() : PyText(detail.get());
+  }
+
+  int32_t DeviceId() override {
+    Gil gil;
+    Ref id(PyObject_GetAttrString(engine_.get(), "device_id"));
+    if (id.get() == nullptr) {
+      PyErr_Clear();
+      return 0;
+    }
+    long v = PyLong_AsLong(id.get());
+    if (v == -1 && PyErr_Occurred() != nullptr) {
+      PyErr_Clear();
+      return 0;
+    }
+    return static_cast<int32_t>(v);
+  }
+
+  // ---- the LlmDataDist methods ----------------------------------------------------------------
+
+  Status Initialize(const Options &options) override {
+    Gil gil;
+    Ref opts = OptionsDict(options);
+    return CallStatus("initialize", Call("initialize", opts));
+  }
+
+  void Finalize() override {
+    Gil gil;
+    Ref result = Call("finalize");
+    (void)result;
+  }
+
+  Status SetRole(LlmRole role, const Options &options) override {
+    Gil gil;
+    Ref r = Int(static_cast<int32_t>(role));
+    Ref opts = OptionsDict(options);
+    return CallStatus("set_role", Call("set_role", r, opts));
+  }
+
+  Status LinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                         int32_t timeout_in_millis) override {
+    Gil gil;
+    Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return ToPy(c); });
+    Ref timeout = Int(timeout_in_millis);
+    return CallWithRets("link_llm_clusters", Call("link_llm_clusters", py_clusters, timeout),
+                        rets);
+  }
+
+  Status UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                           int32_t timeout_in_millis, bool force_flag) override {
+    Gil gil;
+    Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return ToPy(c); });
+    Ref timeout = Int(timeout_in_millis);
+    Ref force(Check(PyBool_FromLong(force_flag ? 1 : 0), "bool"));
+    return CallWithRets("unlink_llm_clusters",
+                        Call("unlink_llm_clusters", py_clusters, timeout, force), rets);
+  }
+
+  Status AllocateCache(const CacheDesc &cache_desc, Cache &cache) override {
+    Gil gil;
+    Ref desc = ToPy(cache_desc);
+    auto out = StatusAndOutput(Call("allocate_cache", desc), "SimBackend.allocate_cache");
+    if (out.first == llm_datadist::LLM_SUCCESS && out.second.get() != Py_None) {
+      FillCache(out.second.get(), cache);  // the output is written only on success
+    }
+    return out.first;
+  }
+
+  Status DeallocateCache(int64_t cache_id) override {
+    Gil gil;
+    Ref id = Int(cache_id);
+    return CallStatus("deallocate_cache", Call("deallocate_cache", id));
+  }
+
+  Status PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                     uint32_t batch_index, int64_t size, const KvCacheExtParam &ext_param) override {
+    Gil gil;
+    Ref index = ToPy(src_cache_index);
+    Ref cache = ToPy(dst_cache);
+    Ref batch = UInt(batch_index);
+    Ref sz = Int(size);
+    Ref ext = ToPy(ext_param);
+    return CallStatus("pull_kv_cache", Call("pull_kv_cache", index, cache, batch, sz, ext));
+  }
+
+  Status PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                      const std::vector<uint64_t> &src_blocks,
+                      const std::vector<uint64_t> &dst_blocks,
+                      const KvCacheExtParam &ext_param) override {
+    Gil gil;
+    Ref index = ToPy(src_cache_index);
+    Ref cache = ToPy(dst_cache);
+    Ref src = Blocks(src_blocks);
+    Ref dst = Blocks(dst_blocks);
+    Ref ext = ToPy(ext_param);
+    return CallStatus("pull_kv_blocks", Call("pull_kv_blocks", index, cache, src, dst, ext));
+  }
+
+  Status CopyKvCache(const Cache &src_cache, const Cache &dst_cache, uint32_t src_batch_index,
+                     uint32_t dst_batch_index, uint64_t offset, int64_t size) override {
+    Gil gil;
+    Ref src = ToPy(src_cache);
+    Ref dst = ToPy(dst_cache);
+    Ref src_batch = UInt(src_batch_index);
+    Ref dst_batch = UInt(dst_batch_index);
+    Ref off = UInt(offset);
+    Ref sz = Int(size);
+    return CallStatus("copy_kv_cache",
+                      Call("copy_kv_cache", src, dst, src_batch, dst_batch, off, sz));
+  }
+
+  Status CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
+                      const std::vector<uint64_t> &src_blocks,
+                      const std::vector<std::vector<uint64_t>> &dst_blocks_list) override {
+    Gil gil;
+    Ref src = ToPy(src_cache);
+    Ref dst = ToPy(dst_cache);
+    Ref src_b = Blocks(src_blocks);
+    Ref dst_list = List(dst_blocks_list, [](const std::vector<uint64_t> &b) { return Blocks(b); });
+    return CallStatus("copy_kv_blocks", Call("copy_kv_blocks", src, dst, src_b, dst_list));
+  }
+
+  Status PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                     uint32_t src_batch_index, int64_t size,
+                     const KvCacheExtParam &ext_param) override {
+    Gil gil;
+    Ref cache = ToPy(src_cache);
+    Ref index = ToPy(dst_cache_index);
+    Ref batch = UInt(src_batch_index);
+    Ref sz = Int(size);
+    Ref ext = ToPy(ext_param);
+    return CallStatus("push_kv_cache", Call("push_kv_cache", cache, index, batch, sz, ext));
+  }
+
+  Status PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                      const std::vector<uint64_t> &src_blocks,
+                      const std::vector<uint64_t> &dst_blocks,
+                      const KvCacheExtParam &ext_param) override {
+    Gil gil;
+    Ref cache = ToPy(src_cache);
+    Ref index = ToPy(dst_cache_index);
+    Ref src = Blocks(src_blocks);
+    Ref dst = Blocks(dst_blocks);
+    Ref ext = ToPy(ext_param);
+    return CallStatus("push_kv_blocks", Call("push_kv_blocks", cache, index, src, dst, ext));
+  }
+
+  Status RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
+                         const RegisterCfg &cfg, int64_t &cache_id) override {
+    Gil gil;
+    Ref desc = ToPy(cache_desc);
+    Ref py_addrs = Blocks(addrs);
+    Ref py_cfg = ToPy(cfg);
+    auto out = StatusAndOutput(Call("register_kv_cache", desc, py_addrs, py_cfg),
+                               "SimBackend.register_kv_cache");
+    if (out.first == llm_datadist::LLM_SUCCESS) {  // the output is written only on success
+      cache_id = AsInt64(out.second.get(), "cache id");
+    }
+    return out.first;
+  }
+
+  Status UnregisterKvCache(int64_t cache_id) override {
+    Gil gil;
+    Ref id = Int(cache_id);
+    return CallStatus("unregister_kv_cache", Call("unregister_kv_cache", id));
+  }
 
  private:
-  uint64_t cluster_id_;
   Ref types_;
   Ref engine_;
+  std::map<std::vector<int64_t>, Ref> memo_;
 };
 
-namespace {
-// Instances alive in this process, for kvdd_testdouble_listen_port (the class layout is the
-// vendor's, so the implementation pointer is private; this registry is the double's own).
-std::mutex g_registry_mutex;
-std::unordered_map<const void *, ListenPortSource *> *g_registry = nullptr;
 }  // namespace
+}  // namespace kvdd_cann
 
-LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role)
-    : impl_(new LlmDataDistImpl(cluster_id, role)) {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  if (g_registry == nullptr) {
-    g_registry = new std::unordered_map<const void *, ListenPortSource *>();
-  }
-  (*g_registry)[this] = impl_.get();
-}
-
-LlmDataDist::~LlmDataDist() {
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    if (g_registry != nullptr) {
-      g_registry->erase(this);
-    }
-  }
-  impl_.reset();
-}
-
-Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &options) {
-  MaybeThrowInjected(impl_->cluster_id(), "Initialize");
-  Gil gil;
-  Ref opts = LlmDataDistImpl::Options(options);
-  return impl_->CallStatus("initialize", impl_->Call("initialize", opts));
-}
-
-void LlmDataDist::Finalize() {
-  Gil gil;
-  Ref result = impl_->Call("finalize");
-  (void)result;
-}
-
-Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
-  MaybeThrowInjected(impl_->cluster_id(), "SetRole");
-  Gil gil;
-  Ref r = Int(static_cast<int32_t>(role));
-  Ref opts = LlmDataDistImpl::Options(options);
-  return impl_->CallStatus("set_role", impl_->Call("set_role", r, opts));
-}
-
-Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters,
-                                    std::vector<Status> &rets, int32_t timeout_in_millis) {
-  MaybeThrowInjected(impl_->cluster_id(), "LinkLlmClusters");
-  Gil gil;
-  Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return impl_->ToPy(c); });
-  Ref timeout = Int(timeout_in_millis);
-  return impl_->CallWithRets("link_llm_clusters",
-                             impl_->Call("link_llm_clusters", py_clusters, timeout), rets);
-}
-
-Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters,
-                                      std::vector<Status> &rets, int32_t timeout_in_millis,
-                                      bool force_flag) {
-  MaybeThrowInjected(impl_->cluster_id(), "UnlinkLlmClusters");
-  Gil gil;
-  Ref py_clusters = List(clusters, [this](const ClusterInfo &c) { return impl_->ToPy(c); });
-  Ref timeout = Int(timeout_in_millis);
-  Ref force(Check(PyBool_FromLong(force_flag ? 1 : 0), "bool"));
-  return impl_->CallWithRets("unlink_llm_clusters",
-                             impl_->Call("unlink_llm_clusters", py_clusters, timeout, force), rets);
-}
-
-Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
-  MaybeThrowInjected(impl_->cluster_id(), "AllocateCache");
-  Gil gil;
-  Ref desc = impl_->ToPy(cache_desc);
-  auto out = StatusAndOutput(impl_->Call("allocate_cache", desc), "SimBackend.allocate_cache");
-  if (out.first == LLM_SUCCESS && out.second.get() != Py_None) {
-    impl_->FillCache(out.second.get(), cache);
-  }
-  return out.first;
-}
-
-Status LlmDataDist::DeallocateCache(int64_t cache_id) {
-  MaybeThrowInjected(impl_->cluster_id(), "DeallocateCache");
-  Gil gil;
-  Ref id = Int(cache_id);
-  return impl_->CallStatus("deallocate_cache", impl_->Call("deallocate_cache", id));
-}
-
-Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache,
-                                uint32_t batch_index, int64_t size,
-                                const KvCacheExtParam &ext_param) {
-  MaybeThrowInjected(impl_->cluster_id(), "PullKvCache");
-  Gil gil;
-  Ref index = impl_->ToPy(src_cache_index);
-  Ref cache = impl_->ToPy(dst_cache);
-  Ref batch = UInt(batch_index);
-  Ref sz = Int(size);
-  Ref ext = impl_->ToPy(ext_param);
-  return impl_->CallStatus("pull_kv_cache",
-                           impl_->Call("pull_kv_cache", index, cache, batch, sz, ext));
-}
-
-Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
-                                 const std::vector<uint64_t> &src_blocks,
-                                 const std::vector<uint64_t> &dst_blocks,
-                                 const KvCacheExtParam &ext_param) {
-  MaybeThrowInjected(impl_->cluster_id(), "PullKvBlocks");
-  Gil gil;
-  Ref index = impl_->ToPy(src_cache_index);
-  Ref cache = impl_->ToPy(dst_cache);
-  Ref src = LlmDataDistImpl::Blocks(src_blocks);
-  Ref dst = LlmDataDistImpl::Blocks(dst_blocks);
-  Ref ext = impl_->ToPy(ext_param);
-  return impl_->CallStatus("pull_kv_blocks",
-                           impl_->Call("pull_kv_blocks", index, cache, src, dst, ext));
-}
-
-Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache,
-                                uint32_t src_batch_index, uint32_t dst_batch_index,
-                                uint64_t offset, int64_t size) {
-  MaybeThrowInjected(impl_->cluster_id(), "CopyKvCache");
-  Gil gil;
-  Ref src = impl_->ToPy(src_cache);
-  Ref dst = impl_->ToPy(dst_cache);
-  Ref src_batch = UInt(src_batch_index);
-  Ref dst_batch = UInt(dst_batch_index);
-  Ref off = UInt(offset);
-  Ref sz = Int(size);
-  return impl_->CallStatus(
-      "copy_kv_cache", impl_->Call("copy_kv_cache", src, dst, src_batch, dst_batch, off, sz));
-}
-
-Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
-                                 const std::vector<uint64_t> &src_blocks,
-                                 const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
-  MaybeThrowInjected(impl_->cluster_id(), "CopyKvBlocks");
-  Gil gil;
-  Ref src = impl_->ToPy(src_cache);
-  Ref dst = impl_->ToPy(dst_cache);
-  Ref src_b = LlmDataDistImpl::Blocks(src_blocks);
-  Ref dst_list = List(dst_blocks_list, [](const std::vector<uint64_t> &b) { return LlmDataDistImpl::Blocks(b); });
-  return impl_->CallStatus("copy_kv_blocks",
-                           impl_->Call("copy_kv_blocks", src, dst, src_b, dst_list));
-}
-
-Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index,
-                                uint32_t src_batch_index, int64_t size,
-                                const KvCacheExtParam &ext_param) {
-  MaybeThrowInjected(impl_->cluster_id(), "PushKvCache");
-  Gil gil;
-  Ref cache = impl_->ToPy(src_cache);
-  Ref index = impl_->ToPy(dst_cache_index);
-  Ref batch = UInt(src_batch_index);
-  Ref sz = Int(size);
-  Ref ext = impl_->ToPy(ext_param);
-  return impl_->CallStatus("push_kv_cache",
-                           impl_->Call("push_kv_cache", cache, index, batch, sz, ext));
-}
-
-Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
-                                 const std::vector<uint64_t> &src_blocks,
-                                 const std::vector<uint64_t> &dst_blocks,
-                                 const KvCacheExtParam &ext_param) {
-  MaybeThrowInjected(impl_->cluster_id(), "PushKvBlocks");
-  Gil gil;
-  Ref cache = impl_->ToPy(src_cache);
-  Ref index = impl_->ToPy(dst_cache_index);
-  Ref src = LlmDataDistImpl::Blocks(src_blocks);
-  Ref dst = LlmDataDistImpl::Blocks(dst_blocks);
-  Ref ext = impl_->ToPy(ext_param);
-  return impl_->CallStatus("push_kv_blocks",
-                           impl_->Call("push_kv_blocks", cache, index, src, dst, ext));
-}
-
-Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
-                                    const RegisterCfg &cfg, int64_t &cache_id) {
-  MaybeThrowInjected(impl_->cluster_id(), "RegisterKvCache");
-  Gil gil;
-  Ref desc = impl_->ToPy(cache_desc);
-  Ref py_addrs = LlmDataDistImpl::Blocks(addrs);
-  Ref py_cfg = impl_->ToPy(cfg);
-  auto out = StatusAndOutput(impl_->Call("register_kv_cache", desc, py_addrs, py_cfg),
-                             "SimBackend.register_kv_cache");
-  if (out.first == LLM_SUCCESS) {  // the output is written only on success
-    cache_id = AsInt64(out.second.get(), "cache id");
-  }
-  return out.first;
-}
-
-Status LlmDataDist::UnregisterKvCache(int64_t cache_id) {
-  MaybeThrowInjected(impl_->cluster_id(), "UnregisterKvCache");
-  Gil gil;
-  Ref id = Int(cache_id);
-  return impl_->CallStatus("unregister_kv_cache", impl_->Call("unregister_kv_cache", id));
-}
-
-}  // namespace llm_datadist
-
-extern "C" __attribute__((visibility("default"))) int kvdd_testdouble_listen_port(void *dd) {
-  llm_datadist::ListenPortSource *impl = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(llm_datadist::g_registry_mutex);
-    if (llm_datadist::g_registry == nullptr) {
-      return -2;
-    }
-    auto it = llm_datadist::g_registry->find(dd);
-    if (it == llm_datadist::g_registry->end()) {
-      return -2;
-    }
-    impl = it->second;
-  }
+extern "C" __attribute__((visibility("default"))) int kvdd_bridge_check_root(const char *root,
+                                                                             char *error,
+                                                                             size_t error_size) {
+  using namespace kvdd_cann;
+  std::string why;
   try {
-    return impl->ListenPort();
-  } catch (...) {
-    return -2;
+    Gil gil;
+    Ref module(Check(PyImport_ImportModule("kvdd.cann"), "import kvdd.cann"));
+    Ref fn = GetAttr(module.get(), "root_problem");
+    Ref arg(Check(PyUnicode_DecodeFSDefault(root), "root path"));
+    Ref result(Check(PyObject_CallFunctionObjArgs(fn.get(), arg.get(), nullptr),
+                     "kvdd.cann.root_problem"));
+    if (result.get() != Py_None) {
+      why = PyText(result.get());
+    }
+  } catch (const std::exception &exc) {
+    why = exc.what();
   }
+  if (why.empty()) {
+    return 0;
+  }
+  std::snprintf(error, error_size, "%s", why.c_str());
+  return -1;
 }
 
-extern "C" __attribute__((visibility("default"))) int kvdd_testdouble_cxx11_abi(void) {
-  return _GLIBCXX_USE_CXX11_ABI;
+extern "C" __attribute__((visibility("default"))) kvdd_cann::Engine *kvdd_bridge_create(
+    uint64_t cluster_id, int32_t role, char *error, size_t error_size) {
+  try {
+    return new kvdd_cann::SimEngine(cluster_id, role);
+  } catch (const std::exception &exc) {
+    std::snprintf(error, error_size, "%s", exc.what());
+  } catch (...) {
+    std::snprintf(error, error_size, "unknown C++ exception while creating the simulator engine");
+  }
+  return nullptr;
 }
