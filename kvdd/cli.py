@@ -120,6 +120,13 @@ def _doctor_fabric_secret() -> str:
     return describe_secret()  # where it comes from, never the secret; whether auth is off
 
 
+def _doctor_samehost() -> str:
+    from .sim.fabric.samehost import availability
+
+    ok, why = availability()
+    return f"{'one-sided' if ok else 'TCP'}: {why}"
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
@@ -130,6 +137,7 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
+    ("same-host links", _doctor_samehost),
 ]
 
 
