@@ -218,8 +218,6 @@ class DecodeSide:
             self._verify(r, self._blocks_expect(req, dst))
 
 
-
-
 def run_decode(opts: DemoOptions, prefill: Address, control: Address, log: Progress | None = None,
                mode: str = "decode") -> DemoReport:
     """The decode side: connect, register, link, run and verify the five transfers, unlink.
