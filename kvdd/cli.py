@@ -112,6 +112,14 @@ def _doctor_cann_root() -> str:
     return "; ".join(lines) or "none in use"
 
 
+def _doctor_fabric_secret() -> str:
+    try:
+        from .sim.fabric.auth import describe_secret
+    except ImportError as exc:
+        return f"unavailable ({exc})"
+    return describe_secret()  # where it comes from, never the secret; whether auth is off
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
@@ -121,6 +129,7 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("simulated CANN root", _doctor_cann_root),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
+    ("fabric secret", _doctor_fabric_secret),
 ]
 
 
@@ -131,6 +140,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 # ---- demo and bench --------------------------------------------------------------------------
+
+def _fabric_secret(args: argparse.Namespace) -> int:
+    from .sim.fabric.auth import generate_secret
+
+    print(generate_secret())
+    return 0
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_from_args
@@ -190,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="which backends are built and usable here, and why not",
         description="Say which kvdd backends this installation has and can use here, and why not.")
     doctor.set_defaults(func=_doctor)
+    secret = sub.add_parser(
+        "fabric-secret", help="print a new secret for KVDD_FABRIC_SECRET (links across hosts)",
+        description="Print 32 random bytes as hex for KVDD_FABRIC_SECRET, or for a file (mode 0600) "
+                    "named by KVDD_FABRIC_SECRET_FILE, on every host whose instances link "
+                    "(docs/security.md).")
+    secret.set_defaults(func=_fabric_secret)
     _add_job(
         sub, "demo", "kvdd.demo",
         help="prefill and decode move a real model's KV cache, verified byte for byte",

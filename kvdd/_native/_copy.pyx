@@ -27,9 +27,10 @@ How a call is executed
   second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
   latency of starting the helper and ``cost`` the measured one-thread time per byte of this
   process's own calls (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
-  helper is a detached pthread created per call (nothing survives a fork) and pinned away from the
-  caller's CPU; both threads claim work items from a shared counter, so a helper that starts late
-  only does less.
+  helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
+  spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
+  concurrent caller gets a helper created for its call). Both threads claim work items from a shared
+  counter, so a helper that starts late only does less.
 
 Measurements are in docs/benchmarks.md (``kvdd bench`` and ``python -m benchmarks.kernels``).
 """

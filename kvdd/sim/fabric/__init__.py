@@ -41,7 +41,7 @@ peer that vanished without saying so gives LLM_TIMEOUT.
 from __future__ import annotations
 
 from . import wire
-from .channel import close_channels, close_endpoint, take_endpoint
+from .channel import Channel, close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
                    default_secret_path, describe_secret, generate_secret, load_secret)
@@ -70,6 +70,7 @@ __all__ = [
     "connect",
     "lookup_listener",
     "close_endpoint",
+    "Channel",
     "take_endpoint",
     "close_channels",
     "in_process_peer",

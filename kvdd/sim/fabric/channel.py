@@ -18,6 +18,7 @@ earlier.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -401,6 +402,16 @@ class Channel:
             self._leases[lease.lease_id] = lease
         ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
         lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
+        if not entry.add_drain(revoke):  # unregistered meanwhile
+            revoke()
+        else:
+            with lease.lock:
+                keep = not lease.dropped
+                if keep:
+                    lease.unwatch = functools.partial(entry.remove_drain, revoke)
+            if not keep:  # dropped meanwhile (released, expired, connection died)
+                entry.remove_drain(revoke)
         return struct.pack("<IQ", S_OK, lease.lease_id)
 
     def _serve_read(self, req: int, payload: bytes | bytearray) -> None:
