@@ -11,7 +11,7 @@ from kvdd.cli import DOCTOR_LINES, build_parser, main
 
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--help"], ["demo", "--help"], ["bench", "--help"], ["doctor", "--help"],
-                 ["cann-root", "--help"]):
+                 ["cann-root", "--help"], ["fabric-secret", "--help"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 0
