@@ -24,8 +24,9 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
-    "cann-root (a simulated CANN root for C++ programs). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
+    "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
+    "root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
