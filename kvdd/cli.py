@@ -82,6 +82,11 @@ def _doctor_ascend_node() -> str:
     from .backend import looks_like_ascend_node
 
     if not looks_like_ascend_node():
+        from .cann import is_simulated_root
+
+        home = os.environ.get("ASCEND_HOME_PATH")
+        if home and is_simulated_root(home):  # kvdd cann-root's set_env.sh was sourced
+            return f"no (ASCEND_HOME_PATH={home} is kvdd's simulated CANN root, no /dev/davinci*)"
         return "no (ASCEND_HOME_PATH unset, no /dev/davinci*)"
     home = os.environ.get("ASCEND_HOME_PATH")
     return f"yes (ASCEND_HOME_PATH={home})" if home else "yes (/dev/davinci* present)"
