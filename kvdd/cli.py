@@ -24,8 +24,9 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
-    "cann-root (a simulated CANN root for C++ programs). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
+    "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
+    "root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -81,6 +82,11 @@ def _doctor_ascend_node() -> str:
     from .backend import looks_like_ascend_node
 
     if not looks_like_ascend_node():
+        from .cann import is_simulated_root
+
+        home = os.environ.get("ASCEND_HOME_PATH")
+        if home and is_simulated_root(home):  # kvdd cann-root's set_env.sh was sourced
+            return f"no (ASCEND_HOME_PATH={home} is kvdd's simulated CANN root, no /dev/davinci*)"
         return "no (ASCEND_HOME_PATH unset, no /dev/davinci*)"
     home = os.environ.get("ASCEND_HOME_PATH")
     return f"yes (ASCEND_HOME_PATH={home})" if home else "yes (/dev/davinci* present)"
@@ -112,6 +118,21 @@ def _doctor_cann_root() -> str:
     return "; ".join(lines) or "none in use"
 
 
+def _doctor_fabric_secret() -> str:
+    try:
+        from .sim.fabric.auth import describe_secret
+    except ImportError as exc:
+        return f"unavailable ({exc})"
+    return describe_secret()  # where it comes from, never the secret; whether auth is off
+
+
+def _doctor_samehost() -> str:
+    from .sim.fabric.samehost import availability
+
+    ok, why = availability()
+    return f"{'one-sided' if ok else 'TCP'}: {why}"
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
@@ -121,6 +142,8 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("simulated CANN root", _doctor_cann_root),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
+    ("fabric secret", _doctor_fabric_secret),
+    ("same-host links", _doctor_samehost),
 ]
 
 
@@ -131,6 +154,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 # ---- demo and bench --------------------------------------------------------------------------
+
+def _fabric_secret(args: argparse.Namespace) -> int:
+    from .sim.fabric.auth import generate_secret
+
+    print(generate_secret())
+    return 0
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_from_args
@@ -190,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="which backends are built and usable here, and why not",
         description="Say which kvdd backends this installation has and can use here, and why not.")
     doctor.set_defaults(func=_doctor)
+    secret = sub.add_parser(
+        "fabric-secret", help="print a new secret for KVDD_FABRIC_SECRET (links across hosts)",
+        description="Print 32 random bytes as hex for KVDD_FABRIC_SECRET, or for a file (mode 0600) "
+                    "named by KVDD_FABRIC_SECRET_FILE, on every host whose instances link "
+                    "(docs/security.md).")
+    secret.set_defaults(func=_fabric_secret)
     _add_job(
         sub, "demo", "kvdd.demo",
         help="prefill and decode move a real model's KV cache, verified byte for byte",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 
 from ..options import is_ipv4_literal
-from ..status import Status
+from ..status import PARAM_INVALID, Status
 from ..types import ClusterInfo, KvCacheExtParam
 
 if TYPE_CHECKING:
@@ -27,8 +27,6 @@ __all__ = [
     "require_inside_remote", "require_clusters",
 ]
 
-S_OK = Status.LLM_SUCCESS
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 #: §3.7 step 10: the serialized cache table must fit 1 MiB.
 CACHE_TABLE_LIMIT = 1 << 20

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
-from ..status import Status
+from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
 from .checks import (
@@ -41,10 +41,6 @@ from .options import (
 
 __all__ = ["SimBackend", "CacheEntry", "Entity", "CACHE_TABLE_LIMIT", "REQUEST_LIMIT"]
 
-S_OK = Status.LLM_SUCCESS
-FAILED = Status.LLM_FAILED
-PARAM_INVALID = Status.LLM_PARAM_INVALID
-
 
 class SimBackend:
     """The simulator backend: one LLM-DataDist instance on host memory.
@@ -57,6 +53,7 @@ class SimBackend:
         self.role = int(role)
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._finalizing: threading.Event | None = None
         self._reset()
 
     # -- state ------------------------------------------------------------------------------
@@ -78,6 +75,8 @@ class SimBackend:
         # hixl (§3.5): every open connection by remote "ip:port", including those of entities a
         # re-link re-pointed their cluster id away from (kept open until Finalize)
         self.hixl_addrs: dict[tuple[str, int], Entity] = {}
+        self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
+        self.closing: dict[int, Entity] = {}  # entities being closed (later callers wait too)
 
     def _fail(self, status: int, detail: str) -> int:
         self._local.detail = detail
@@ -156,15 +155,27 @@ class SimBackend:
     def finalize(self) -> None:
         with self._lock:
             if not self.initialized:
+                busy = self._finalizing
+                if busy is not None:  # another thread is finalizing: return when it does (§10 rule 5)
+                    busy.wait()
                 return
             self.initialized = False
             self._stop_listening()
-            # hixl: also the connections of re-pointed entities (§3.5), each closed once
-            entities = list({id(e): e for e in (*self.entities.values(),
+            # hixl: also the connections of re-pointed entities (§3.5), and entities being closed
+            # by another thread, each closed once
+            entities = list({id(e): e for e in (*self.entities.values(), *self.closing.values(),
                                                 *self.hixl_addrs.values())}.values())
-            caches = list(self.caches.values())
+            caches = list(self.caches.values()) + list(self.retiring.values())
             channels = fabric.take_endpoint(self)  # connections to peers in other processes
             self._reset()
+            done = self._finalizing = threading.Event()
+        try:
+            self._finalize_wait(entities, caches, channels)
+        finally:
+            done.set()
+
+    def _finalize_wait(self, entities: list[Entity], caches: list[CacheEntry],
+                       channels: list[fabric.Channel]) -> None:
         for entity in entities:
             with entity.lock:  # wait for an in-flight transfer over this link
                 entity.peer.close()
@@ -338,11 +349,22 @@ class SimBackend:
             entity.peer.close()
 
     def _destroy_entity(self, key: int) -> bool:
-        entity = self._pop_entity(key)
+        """Unlink ``key``: return once no transfer over it runs, also when another thread is
+        unlinking it right now (§10 rule 5)."""
+        with self._lock:
+            entity = self._pop_entity(key)
+            popped = entity is not None
+            if entity is None:
+                entity = self.closing.get(key)
+            else:
+                self.closing[key] = entity
         if entity is None:
             return False
         self._close_entity(entity)
-        return True
+        with self._lock:
+            if self.closing.get(key) is entity:
+                del self.closing[key]
+        return popped
 
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int,
                             force: bool) -> tuple[int, list[int]]:
@@ -450,10 +472,16 @@ class SimBackend:
             if not self.initialized:
                 return self._fail(FAILED, "not initialized")
             entry = self.caches.pop(cache_id, None)
-            if entry is not None:
+            if entry is None:  # another thread is unregistering it: wait as it does (§10 rule 5)
+                entry = self.retiring.get(cache_id)
+            else:
+                self.retiring[cache_id] = entry
                 self._publish()
         if entry is not None:
             entry.retire()
+            with self._lock:
+                if self.retiring.get(cache_id) is entry:
+                    del self.retiring[cache_id]
         return S_OK
 
     # -- §3.9 --------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ class CacheEntry:
         self.registered = True
         self._drains: list[Callable[[], None]] = []  # one-sided readers' lease tables (fabric)
 
+    @property
+    def inflight(self) -> int:
+        """Transfers holding this cache right now (local and remote leases)."""
+        return self._inflight
+
     def remote_view(self) -> RemoteCache:
         return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, self)
 
@@ -68,18 +73,21 @@ class CacheEntry:
                 self._drains.remove(fn)
 
     def retire(self, timeout: float | None = None) -> bool:
-        """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5).
+        """Unregister: refuse new leases, then wait for in-flight transfers (§10 rule 5).  Any
+        number of callers may wait (a second unregister of the id waits as the first does).
 
         Returns False when ``timeout`` (seconds) passed with leases still held."""
         with self._lock:
             self.registered = False
-            drained = None
-            if self._inflight:
-                drained = self._drained = threading.Event()
+            if self._drained is None:
+                self._drained = threading.Event()
+            if self._inflight == 0:
+                self._drained.set()
+            drained = self._drained
             drains, self._drains = self._drains, []
-        for fn in drains:  # one-sided copies: no new one starts, running ones end (bounded)
+        for fn in drains:  # one-sided copies and idle remote leases: no new copy starts (bounded)
             fn()
-        if drained is not None and not drained.wait(timeout):
+        if not drained.wait(timeout):
             return False
         self.regions = []
         return True

@@ -31,6 +31,7 @@ from kvdd.sim.fabric import load_secret, wire
 from kvdd.sim.fabric.auth import ENV_AUTH, ENV_SECRET
 from kvdd.sim.fabric.auth import mac as auth_mac
 from kvdd.sim.fabric.handshake import transcript_of
+from kvdd.sim.fabric.leases import REVOKE_GRACE_S
 
 from conformance.harness import (
     CacheHandle,
@@ -369,3 +370,22 @@ def test_never_reading_peer_is_cut_off(victim: Victim,
         assert _closed(s, 10.0)  # then the attacker's data and EOF
         victim.serve_d(world)
     p.unregister(big.cache_id)
+def test_lease_hog_cannot_block_unregister(victim: Victim,
+                                           victim_proc: PeerProcess) -> None:
+    """A linked peer announcing SyncKvCacheWaitTime = 2^32-1 takes a lease and sits on it: the
+    owner's unregister revokes the idle lease after REVOKE_GRACE_S and returns; the peer's READ under it then
+    gets LLM_KV_CACHE_NOT_EXIST and no data."""
+    p, port = victim.p, victim.port
+    extra = register(p, Spec())
+    s, _snap = rawpeer.link(port, 4444, wait_ms=0xFFFFFFFF)
+    with s:
+        status, lease_id = rawpeer.lease(s, extra.cache_id)
+        assert status == S
+        t0 = time.monotonic()
+        p.unregister(extra.cache_id)
+        assert time.monotonic() - t0 < REVOKE_GRACE_S + 2.0  # not the 60 s lease lifetime
+        req = wire.encode_request(lease_id, [0], np.zeros(1, np.int64), np.array([64], np.int64))
+        s.sendall(rawpeer.frame(wire.F_READ, req, 7))
+        ftype, rreq, body = rawpeer.read_frame(s)
+        assert (ftype, rreq) == (wire.F_DONE, 7)
+        assert struct.unpack("<I", body)[0] == Status.LLM_KV_CACHE_NOT_EXIST

@@ -487,7 +487,7 @@ class _Hold:
 
 def _inflight(d: Node, h: CacheHandle) -> int:
     entry = d.dd.backend.caches[h.cache_id]  # type: ignore[attr-defined]
-    n: int = entry._inflight
+    n: int = entry.inflight
     return n
 
 
@@ -617,6 +617,68 @@ def test_unregister_waits_for_a_remote_reader(world: World, proc: PeerProcess) -
     world.assert_memory(expected, "after a pull that raced an unregister: ")
     with world.rejects(KV_CACHE_NOT_EXIST):
         p.pull_kv_cache(dh.index(), ph.cache())
+
+
+def test_second_unregister_waits_too(world: World, proc: PeerProcess) -> None:
+    """Rule 5, any number of callers: while P's pull holds a lease on D's cache, two threads of D
+    unregister it; neither returns before the pull finished (it used to return at once)."""
+    d, p, dh, ph = _reader_setup(world, "30000")
+    proc.root("hold", 500)
+    try:
+        n0 = len(proc.root("released"))
+        call = p.start("pull_kv_cache", dh.index(), ph.cache())
+        _wait_for(lambda: _inflight(d, dh) > 0)
+        returned: list[float] = []
+
+        def unregister() -> None:
+            d.unregister(dh.cache_id)
+            returned.append(time.monotonic())
+
+        threads = [threading.Thread(target=unregister) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # the second call comes while the first waits
+        for t in threads:
+            t.join(30)
+        call.result()
+        released = proc.root("released")[n0:]
+    finally:
+        proc.root("hold", 0)
+    assert len(returned) == 2 and len(released) == 1
+    assert min(returned) >= released[0], "an unregister returned while the pull still held the cache"
+
+
+def test_pull_racing_its_unlink(world: World) -> None:
+    """A pull racing a local unlink of its own link either completes (the unlink waits for it)
+    or returns LLM_NOT_YET_LINK; never LLM_TIMEOUT from a living peer."""
+    d, p, dh, ph = _setup(world)
+    for _trial in range(3):
+        assert link(d, p) == [S]
+        results: dict[str, int] = {}
+
+        def pull(name: str) -> None:
+            try:
+                d.dd.pull_kv_cache(ph.index(), dh.cache())
+                results[name] = S
+            except kvdd.LLMError as exc:
+                results[name] = exc.status
+
+        with _Hold(0.3) as hold:
+            first = threading.Thread(target=pull, args=("first",))
+            first.start()
+            assert hold.leased.wait(10)
+            second = threading.Thread(target=pull, args=("second",))
+            second.start()
+            time.sleep(0.05)  # the second pull waits for the link behind the first
+            t0 = time.monotonic()
+            assert unlink(d, p, force=True) == [S]
+            waited = time.monotonic() - t0
+            first.join(10)
+            second.join(10)
+        assert results["first"] == S and waited > 0.1  # the unlink waited for the first pull
+        assert results["second"] in (S, NOT_YET_LINK), hex(results["second"])
+    assert link(d, p) == [S]
+    pull_cache_checked(world, d, ph, dh)
 
 
 def test_dead_reader_releases_its_lease(own_world: World, own_proc: PeerProcess) -> None:

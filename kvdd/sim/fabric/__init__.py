@@ -41,7 +41,7 @@ peer that vanished without saying so gives LLM_TIMEOUT.
 from __future__ import annotations
 
 from . import wire
-from .channel import close_channels, close_endpoint, take_endpoint
+from .channel import Channel, close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
                    default_secret_path, describe_secret, generate_secret, load_secret)
@@ -70,6 +70,7 @@ __all__ = [
     "connect",
     "lookup_listener",
     "close_endpoint",
+    "Channel",
     "take_endpoint",
     "close_channels",
     "in_process_peer",
@@ -91,5 +92,7 @@ __all__ = [
     "ENV_SECRET_FILE",
 ]
 
-#: Environment variable selecting the same-host data path: ``auto`` (default) or ``tcp``.
-ENV_XPROC = "KVDD_SIM_XPROC"
+from .samehost import ENV_XPROC  # noqa: E402  (``auto`` (default) or ``tcp``)
+from .samehost_link import install as _install_samehost  # noqa: E402
+
+_install_samehost()  # the "samehost" extension: one-sided same-host links

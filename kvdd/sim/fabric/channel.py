@@ -18,6 +18,7 @@ earlier.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -30,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .. import faults
 from .protocol import LinkOwner, ServedCache
 from .leases import Lease
@@ -46,9 +47,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "Pending", "take_endpoint", "close_channels", "close_endpoint"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 MAX_REVOKED = 256  # revoked lease ids remembered per connection
@@ -404,6 +402,16 @@ class Channel:
             self._leases[lease.lease_id] = lease
         ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
         lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
+        if not entry.add_drain(revoke):  # unregistered meanwhile
+            revoke()
+        else:
+            with lease.lock:
+                keep = not lease.dropped
+                if keep:
+                    lease.unwatch = functools.partial(entry.remove_drain, revoke)
+            if not keep:  # dropped meanwhile (released, expired, connection died)
+                entry.remove_drain(revoke)
         return struct.pack("<IQ", S_OK, lease.lease_id)
 
     def _serve_read(self, req: int, payload: bytes | bytearray) -> None:

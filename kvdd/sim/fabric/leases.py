@@ -15,7 +15,10 @@ from typing import Protocol
 from .protocol import ServedCache
 from .watchdog import WATCHDOG, Timer
 
-__all__ = ["Lease", "LeaseHolder"]
+__all__ = ["Lease", "LeaseHolder", "REVOKE_GRACE_S"]
+
+#: How long an unregistered cache's idle leases live on (a copy that starts in time completes).
+REVOKE_GRACE_S = 1.0
 
 
 class LeaseHolder(Protocol):
@@ -73,6 +76,14 @@ class Lease:
             unwatch()
         if fin:
             self.entry.release()
+
+    def revoke_soon(self) -> None:
+        """The owner unregisters the cache: revoke this lease after REVOKE_GRACE_S (a reader
+        that got its lease just before starts its copy within that time and is waited for)."""
+        with self.lock:
+            if self.dropped:
+                return
+        WATCHDOG.schedule(REVOKE_GRACE_S, self.revoke)
 
     def revoke(self) -> None:
         """The owner unregisters the cache: no new copy starts under this lease (the peer's
