@@ -334,7 +334,8 @@ def test_request_bomb_is_refused_without_work(
 def test_oversize_snapshots_are_refused(victim: Victim,
                                         victim_proc: PeerProcess) -> None:
     """A hello announcing 400k caches (16 MiB) is refused on its header; one of 40,000 caches
-    in 1.7 MB is refused on its count; neither leaves an entity or memory behind."""
+    in 1.7 MB is refused on its count, so are 9 extensions or 4 KiB of them; none leaves an
+    entity or memory behind."""
     p, port = victim.p, victim.port
     keys = set(p.entity_keys())
     with rawpeer.connect(port) as s:
@@ -347,6 +348,13 @@ def test_oversize_snapshots_are_refused(victim: Victim,
         rawpeer.authenticate(s)
         s.sendall(rawpeer.frame(wire.F_HELLO_LINK, body))
         assert _closed(s)
+    too_many = {f"x{i}": b"" for i in range(wire.MAX_EXTENSIONS + 1)}
+    too_big = {"x": bytes(wire.MAX_EXTENSION_BYTES)}
+    for exts in (too_many, too_big):  # hello extensions beyond their bounds
+        with rawpeer.connect(port) as s:
+            rawpeer.authenticate(s)
+            s.sendall(rawpeer.frame(wire.F_HELLO_LINK, rawpeer.hello_link(5556, extensions=exts)))
+            assert _closed(s)
     assert set(p.entity_keys()) == keys
 
 

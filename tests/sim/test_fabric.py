@@ -1041,3 +1041,99 @@ def test_two_hosts_over_a_veth_pair(netns: tuple[str, str, str],
             for node in reversed(world.nodes):
                 node.close()
             cleanup()
+
+
+# ---- handshake extensions (the interface of the same-host data path) -----------------------------
+
+
+class _FakePath:
+    """A DataPath that takes nothing over (acquire -> None: TCP), recording what it saw."""
+
+    name = "fake"
+
+    def __init__(self, session: fabric.Session, value: bytes) -> None:
+        self.session = session
+        self.value = value
+        self.asked = 0
+        self.closed = False
+
+    def acquire(self, rc: fabric.RemoteCache, addrs: tuple[int, ...],
+                timeout_ms: int) -> tuple[int, object] | None:
+        self.asked += 1
+        return None
+
+    def release(self, lease: object) -> None:
+        raise AssertionError("never leased")
+
+    def read(self, lease: object, tensors: Any, src_off: np.ndarray, dst: Any,
+             dst_off: np.ndarray, length: np.ndarray, timeout_ms: int) -> int:
+        raise AssertionError("never leased")
+
+    def write(self, lease: object, tensors: Any, src: Any, src_off: np.ndarray,
+              dst_off: np.ndarray, length: np.ndarray, timeout_ms: int) -> int:
+        raise AssertionError("never leased")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_extensions_and_sessions_over_a_real_connection() -> None:
+    """Two instances of this process linked over a real TCP connection (RemoteConnection on the
+    listener's port): each side's offer reaches the other's accept with a session whose key and
+    transcript both sides share, the accepted DataPath becomes the link's data path, a transfer
+    it declines goes over TCP with the right bytes, and unlinking closes it."""
+    from kvdd.sim.engine import SimBackend
+    from kvdd.sim.entries import Entity
+    from kvdd.types import Cache, CacheDesc, CacheIndex, KvCacheExtParam, RegisterCfg
+
+    seen: list[_FakePath] = []
+
+    def offer(session: fabric.Session, owner: fabric.LinkOwner) -> bytes:
+        return f"{'I' if session.initiator else 'A'}{owner.cluster_id}".encode()
+
+    def accept(session: fabric.Session, value: bytes) -> object:
+        path = _FakePath(session, value)
+        seen.append(path)
+        return path
+
+    fabric.register_extension("fake", offer, accept)
+    a, b = SimBackend(71, 1), SimBackend(72, 2)
+    try:
+        assert a.initialize({"llm.DeviceId": "0", "llm.ListenIpInfo": "127.0.0.1:0"}) == S
+        assert b.initialize({"llm.DeviceId": "0", "llm.ListenIpInfo": "127.0.0.1:0"}) == S
+        src = np.arange(256, dtype=np.uint8)
+        dst = np.zeros(256, dtype=np.uint8)
+        desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(4, 64))
+        st, a_cache = a.register_kv_cache(desc, kvdd.tensor_addrs([src]), RegisterCfg())
+        assert st == S
+        st, b_cache = b.register_kv_cache(desc, kvdd.tensor_addrs([dst]), RegisterCfg())
+        assert st == S
+        port = a.listen_port
+        assert port
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        conn = fabric.RemoteConnection(sock, time.monotonic() + 5)
+        res = conn.link(b, True)
+        conn.close()
+        assert res.status == S and isinstance(res.handle, fabric.RemotePeer)
+        assert res.handle.data_path == "fake"
+        mine = res.handle.session
+        assert mine.initiator and mine.local_cluster_id == 72 and mine.peer_cluster_id == 71
+        theirs = a.entities[72].peer
+        assert isinstance(theirs, fabric.RemotePeer)
+        assert not theirs.session.initiator and theirs.session.peer_cluster_id == 72
+        assert theirs.session.key == mine.key and len(mine.key) == 32
+        assert theirs.session.transcript == mine.transcript
+        assert sorted(p.value for p in seen) == [b"A71", b"I72"]
+        b.entities[71] = Entity(res.handle, ("127.0.0.1", port))  # what LinkLlmClusters keeps
+        idx = CacheIndex(cluster_id=71, cache_id=a_cache, batch_index=1)
+        cache = Cache(cache_id=b_cache, cache_desc=desc, tensor_addrs=[int(dst.ctypes.data)])
+        assert b.pull_kv_cache(idx, cache, 2, -1, KvCacheExtParam()) == S
+        assert (dst[128:192] == src[64:128]).all() and not dst[:128].any() and not dst[192:].any()
+        path = next(p for p in seen if p.session.initiator)
+        assert path.asked == 1  # asked first, declined: the bytes went over TCP
+        res.handle.close()
+        assert path.closed
+    finally:
+        fabric.unregister_extension("fake")
+        b.finalize()
+        a.finalize()

@@ -270,8 +270,8 @@ class Listener:
         if not hmac.compare_digest(proof, expected):
             self._refuse(state, auth_refusal(
                 Status.LLM_LINK_FAILED,
-                "authentication failed: the peer does not hold this process's fabric secret; set "
-                "the same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
+                "authentication failed: the two sides hold different fabric secrets; set the "
+                "same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
                 "(`kvdd fabric-secret` makes one)"), "wrong secret")
             return
         t1 = hashlib.sha256(state.t0 + proof).digest()
