@@ -8,7 +8,9 @@
 #      (.ci/run's, where it is already installed), else into a new WORKDIR/native-venv;
 #   2. writes the simulated CANN root with that installation: kvdd cann-root WORKDIR/cann-root;
 #   3. re-installs kvdd against it (-Dascend-home=<root> -Dnative=enabled) and checks the build;
-#   4. runs tests/conformance and tests/native with KVDD_BACKEND=native;
+#   4. runs tests/conformance and tests/native with KVDD_BACKEND=native, then tests/conformance
+#      again with native peers in other processes (KVDD_PEER=process, see README "On an Atlas
+#      node");
 #   5. runs mypy.stubtest on the compiled modules (installed stubs);
 #   6. builds examples/cpp with -Wall -Wextra -Werror after `source <root>/set_env.sh` and runs
 #      each pair as two processes on loopback, on both transfer backends.
@@ -99,8 +101,14 @@ fi
 KVDD_BACKEND=native run_pytest "$PY" -m pytest -q -p no:cacheprovider -c "$SRC/pyproject.toml" \
   --rootdir "$SRC" "${extra[@]}" "$SRC/tests/conformance" "$SRC/tests/native"
 
-# (issue 13) The conformance suite with native peers in other processes goes here:
-#   KVDD_BACKEND=native KVDD_PEER=process run_pytest ... "$SRC/tests/conformance"
+step "pytest tests/conformance as on an Atlas node: native peers in other processes, ACL memory"
+# Peers of the backend under test in their own processes (one instance each, NPU ids from
+# KVDD_TEST_DEVICE_IDS), every cache in aclrtMalloc memory of the root's libascendcl.so, listen
+# ports chosen beforehand (the port-0 hook of the root is switched off), and the root refusing
+# structs with non-zero reserved bytes.
+KVDD_BACKEND=native KVDD_PEER=process KVDD_TESTDOUBLE_PORT_HOOK=0 KVDD_CANN_STRICT_RESERVED=1 \
+  run_pytest "$PY" -m pytest -q -p no:cacheprovider -c "$SRC/pyproject.toml" --rootdir "$SRC" \
+  -rs "${extra[@]}" "$SRC/tests/conformance"
 
 step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc"
 "$PY" -m mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc

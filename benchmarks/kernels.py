@@ -2,17 +2,19 @@
 
 For each total size (1 MiB .. 256 MiB) and run size (16/64/128/256 KiB) it copies ``total / run``
 runs at random, non-contiguous block offsets (like PullKvBlocks with random block ids, one tensor) and
-compares with the best plain ``memcpy`` of the same number of bytes, contiguous, between the same
-buffers, measured interleaved in the same run. Also reports the per-call overhead of a 64-byte copy.
+compares with the limit of the same number of bytes, contiguous, measured interleaved in the same run:
+the best of ``numpy.copyto`` on 1 and 2 threads and glibc ``memcpy`` forced to streaming stores on 1
+and 2 threads (:class:`kvdd.bench.baselines.Limits`). Also reports the per-call overhead of a 64-byte
+copy.
 
     python -m benchmarks.kernels            # full table (about 1-2 minutes on 2 cores)
     python -m benchmarks.kernels --quick    # under 30 s
     python -m benchmarks.kernels --json     # machine-readable
     python -m benchmarks.kernels --modes auto,regular,stream --threads 1,2   # threshold tuning
 
-Columns: ``ratio`` = memcpy time / copy_runs time (min over repeats; >1 is faster than memcpy),
-``ratio_median`` the same from medians, ``ratio_stream`` against one contiguous streaming copy
-(``stream_bench``), ``path`` = what copy_runs planned (``S`` streaming / ``R`` regular stores, then
+Columns: ``ratio`` = limit time / copy_runs time (min over repeats; >1 is faster than the limit;
+``limit`` names the fastest), ``ratio_median`` the same from medians, ``ratio_stream`` against one
+contiguous streaming copy of kvdd's own kernel (``stream_bench``), ``path`` = what copy_runs planned (``S`` streaming / ``R`` regular stores, then
 the thread count; with threads=0 the plan is taken once, automatic mode may change it per call).
 The header line reports how busy the machine was with other work while measuring: on a shared
 2-core machine only runs with ~0% other load are comparable.
@@ -31,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvdd._native import _copy
+from kvdd.bench.baselines import Limits, limit_columns
 
 from .harness import (LoadMonitor, compare, dump_json, environment, interleaved, per_call_overhead, print_table,
                       repeats_for)
@@ -47,7 +50,7 @@ QUICK_RUNS = (16 * KiB, 128 * KiB)
 #: streaming threshold per mode: auto = the module default (None), regular = never, stream = always
 MODES: dict[str, int | None] = {"auto": None, "regular": 1 << 62, "stream": 0}
 
-COLUMNS = ("case", "total", "run", "runs", "threads", "mode", "path", "min_ms", "median_ms", "gbps",
+COLUMNS = ("case", "total", "run", "runs", "threads", "mode", "path", "min_ms", "median_ms", "gbps", "limit",
            "limit_gbps", "ratio", "ratio_median", "ratio_stream")
 
 
@@ -96,41 +99,50 @@ def measure_runs(totals: Sequence[int] = TOTALS, run_sizes: Sequence[int] = RUNS
     (total, run size, threads, mode). `repeats` None: chosen per size from `budget_s`."""
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
-    for total in totals:
-        cap = 2 * total  # blocks are drawn from twice as many as copied: gaps between runs
-        _src, rs = _buffer(cap, 0x5A)
-        _dst, rd = _buffer(cap, 0xA5)
-        for run in run_sizes:
-            n = max(1, total // run)
-            nbytes = n * run
-            blocks = cap // run
-            so = rng.choice(blocks, n, replace=False).astype(np.int64) * run
-            do = rng.choice(blocks, n, replace=False).astype(np.int64) * run
-            ln = np.full(n, run, dtype=np.int64)
-            fns: dict[str, Callable[[], object]] = {
-                "memcpy": functools.partial(_copy.memcpy_bench, rd, rs, nbytes),
-                "stream": functools.partial(_copy.stream_bench, rd, rs, nbytes),
-            }
-            paths: dict[str, str] = {}
-            for mode in modes:
-                thr = MODES[mode]
-                for t in threads:
-                    key = f"{mode}/{t}"
-                    call = functools.partial(_copy.copy_runs, [rs], [rd], so, do, ln, threads=t)
-                    fns[key] = _with_mode(call, thr)
-                    with tuning(streaming_threshold=thr):
-                        p = _copy.plan_runs([rs], [rd], so, do, ln, threads=t)
-                    paths[key] = ("S" if p.streaming else "R") + str(p.threads)
-            reps = repeats if repeats is not None else repeats_for(nbytes, budget_s)
-            res = interleaved(fns, reps)
-            for key, path in paths.items():
-                mode, nthreads = key.split("/")
-                row = compare("random runs", nbytes, res[key], res["memcpy"], total=total, run=run, runs=n,
-                              threads=int(nthreads), mode=mode, path=path)
-                row["ratio_stream"] = res["stream"]["min_s"] / res[key]["min_s"]
-                row["stream_gbps"] = nbytes / res["stream"]["min_s"] / 1e9
-                rows.append(row)
-        del _src, _dst, rs, rd
+    with Limits(max(totals)) as limits:
+        for total in totals:
+            rows += _measure_total(total, run_sizes, threads, modes, repeats, rng, budget_s, limits)
+    return rows
+
+
+def _measure_total(total: int, run_sizes: Sequence[int], threads: Sequence[int], modes: Sequence[str],
+                   repeats: int | None, rng: np.random.Generator, budget_s: float,
+                   limits: Limits) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    cap = 2 * total  # blocks are drawn from twice as many as copied: gaps between runs
+    _src, rs = _buffer(cap, 0x5A)
+    _dst, rd = _buffer(cap, 0xA5)
+    for run in run_sizes:
+        n = max(1, total // run)
+        nbytes = n * run
+        blocks = cap // run
+        so = rng.choice(blocks, n, replace=False).astype(np.int64) * run
+        do = rng.choice(blocks, n, replace=False).astype(np.int64) * run
+        ln = np.full(n, run, dtype=np.int64)
+        fns: dict[str, Callable[[], object]] = {"stream": functools.partial(_copy.stream_bench, rd, rs, nbytes)}
+        fns.update(limits.fns(_dst, _src, nbytes))
+        paths: dict[str, str] = {}
+        for mode in modes:
+            thr = MODES[mode]
+            for t in threads:
+                key = f"{mode}/{t}"
+                call = functools.partial(_copy.copy_runs, [rs], [rd], so, do, ln, threads=t)
+                fns[key] = _with_mode(call, thr)
+                with tuning(streaming_threshold=thr):
+                    p = _copy.plan_runs([rs], [rd], so, do, ln, threads=t)
+                paths[key] = ("S" if p.streaming else "R") + str(p.threads)
+        reps = repeats if repeats is not None else repeats_for(nbytes, budget_s)
+        res = interleaved(fns, reps)
+        best = str(limit_columns(res, nbytes, candidate="stream")["limit"])
+        for key, path in paths.items():
+            mode, nthreads = key.split("/")
+            row = compare("random runs", nbytes, res[key], res[best], total=total, run=run, runs=n,
+                          threads=int(nthreads), mode=mode, path=path)
+            row["limit"] = best
+            row["ratio_stream"] = res["stream"]["min_s"] / res[key]["min_s"]
+            row["stream_gbps"] = nbytes / res["stream"]["min_s"] / 1e9
+            rows.append(row)
+    del _src, _dst, rs, rd
     return rows
 
 
@@ -201,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         busy = env.get("other_busy")
         print(f"# {env.get('cpu', env['machine'])}, {env['cpus']} CPUs, Python {env['python']}; "
               f"isa={config['isa']} streaming>={config['streaming_threshold']} B "
-              f"auto-2-threads>={config['threads_threshold']} B")
+              f"auto-2-threads>={config['threads_threshold'] if config['threads_threshold'] is not None else 'measured'}"
+              f" ({_copy.threads_model()})")
         if busy is not None:
             print(f"# other load while measuring: {busy:.0%} of all CPUs"
                   + ("  (numbers not representative: machine busy)" if busy > 0.1 else ""))

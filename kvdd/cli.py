@@ -24,8 +24,9 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
-    "cann-root (a simulated CANN root for C++ programs). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
+    "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
+    "root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -81,6 +82,11 @@ def _doctor_ascend_node() -> str:
     from .backend import looks_like_ascend_node
 
     if not looks_like_ascend_node():
+        from .cann import is_simulated_root
+
+        home = os.environ.get("ASCEND_HOME_PATH")
+        if home and is_simulated_root(home):  # kvdd cann-root's set_env.sh was sourced
+            return f"no (ASCEND_HOME_PATH={home} is kvdd's simulated CANN root, no /dev/davinci*)"
         return "no (ASCEND_HOME_PATH unset, no /dev/davinci*)"
     home = os.environ.get("ASCEND_HOME_PATH")
     return f"yes (ASCEND_HOME_PATH={home})" if home else "yes (/dev/davinci* present)"
@@ -120,6 +126,13 @@ def _doctor_fabric_secret() -> str:
     return describe_secret()  # where it comes from, never the secret; whether auth is off
 
 
+def _doctor_samehost() -> str:
+    from .sim.fabric.samehost import availability
+
+    ok, why = availability()
+    return f"{'one-sided' if ok else 'TCP'}: {why}"
+
+
 DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
@@ -130,6 +143,7 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
+    ("same-host links", _doctor_samehost),
 ]
 
 

@@ -27,9 +27,10 @@ How a call is executed
   second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
   latency of starting the helper and ``cost`` the measured one-thread time per byte of this
   process's own calls (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
-  helper is a detached pthread created per call (nothing survives a fork) and pinned away from the
-  caller's CPU; both threads claim work items from a shared counter, so a helper that starts late
-  only does less.
+  helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
+  spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
+  concurrent caller gets a helper created for its call). Both threads claim work items from a shared
+  counter, so a helper that starts late only does less.
 
 Measurements are in docs/benchmarks.md (``kvdd bench`` and ``python -m benchmarks.kernels``).
 """
@@ -82,6 +83,7 @@ cdef extern from "_copy_impl.h" nogil:
     uint64_t kvdd_threads_min_bytes()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
+    uint64_t kvdd_llc_bytes()
 
 # ---- tuning (process-wide; read once per call) -----------------------------------------------------
 
@@ -486,6 +488,12 @@ def cpu_features():
     """CPU features checked at run time (``{"avx2": True, ...}``), for ``kvdd doctor``."""
     return {kvdd_cpu_feature_name(i).decode(): bool(kvdd_cpu_feature_value(i))
             for i in range(kvdd_cpu_feature_count())}
+
+
+def cache_sizes():
+    """The cache sizes the thresholds are derived from: ``{"l2": bytes per core, "llc": bytes}``
+    (0: unknown), from Linux sysfs, else sysconf."""
+    return {"l2": kvdd_l2_bytes(), "llc": kvdd_llc_bytes()}
 
 
 def thread_stats():

@@ -10,6 +10,7 @@
 #include "_copy_impl.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -57,6 +58,42 @@ static int cpuid_leaf7_bit(int reg, int bit) {
 }
 #endif
 
+/* Size in bytes of cpu0's unified or data cache of `level` from /sys (0: unknown). */
+static uint64_t sysfs_cache_bytes(int level) {
+#if defined(__linux__)
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) break;
+        ssize_t n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || atoi((buf[n] = 0, buf)) != level) continue;
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || buf[0] == 'I') continue; /* an instruction cache */
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0) continue;
+        buf[n] = 0;
+        char *end;
+        unsigned long long v = strtoull(buf, &end, 10);
+        if (*end == 'K') v <<= 10;
+        else if (*end == 'M') v <<= 20;
+        return (uint64_t)v;
+    }
+#else
+    (void)level;
+#endif
+    return 0;
+}
+
 static void detect_features(void) {
     online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
 #if KVDD_X86
@@ -79,14 +116,14 @@ static void detect_features(void) {
     features[6] = 1;
     isa_mask |= 1u << KVDD_ISA_NEON;
 #endif
-    long llc = 0, l2 = 0;
+    /* Cache sizes: Linux sysfs (what the kernel was told, also in VMs), else sysconf. */
+    uint64_t l2 = sysfs_cache_bytes(2), llc = sysfs_cache_bytes(3);
 #if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (llc <= 0) llc = l2;
+    if (!l2 && sysconf(_SC_LEVEL2_CACHE_SIZE) > 0) l2 = (uint64_t)sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (!llc && sysconf(_SC_LEVEL3_CACHE_SIZE) > 0) llc = (uint64_t)sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    llc_bytes = llc > 0 ? (uint64_t)llc : 0;
-    l2_bytes = l2 > 0 ? (uint64_t)l2 : 0;
+    llc_bytes = llc ? llc : l2;
+    l2_bytes = l2;
     isa_best = KVDD_ISA_MEMCPY;
     for (int i = KVDD_ISA_COUNT - 1; i >= 0; i--) {
         if (isa_mask & (1u << i)) { isa_best = i; break; }
@@ -650,37 +687,155 @@ uint64_t kvdd_threads_min_bytes(void) {
     return n < KVDD_CHUNK_MIN ? KVDD_CHUNK_MIN : n;
 }
 
-static void *helper_main(void *arg) {
-    shared_state *st = arg;
+static void run_helper_share(shared_state *st) {
     atomic_store_explicit(&st->helper_start_ns, now_ns(), memory_order_relaxed);
     uint64_t mine = work(st);
     atomic_fetch_add_explicit(&stat_helper_chunks, mine, memory_order_relaxed);
     release_state(st);
+}
+
+static void *helper_main(void *arg) {
+    run_helper_share(arg);
     return NULL;
 }
 
-/* Start the helper on another CPU than the caller's: left to itself the scheduler may queue a new
- * thread behind its parent on a 2-CPU machine and migrate it only at the next balancing tick
- * (milliseconds later), by which time the caller has done all the work alone. */
+static inline void cpu_relax(void) {
+#if KVDD_X86
+    _mm_pause();
+#elif KVDD_NEON
+    __asm__ volatile("yield");
+#endif
+}
+
+/* Exclude the caller's CPU from `cpus` (1 when that leaves another CPU). */
+static int other_cpus(cpu_set_t *cpus) {
+#if defined(__GLIBC__)
+    int me = sched_getcpu();
+    if (me >= 0 && me < CPU_SETSIZE && sched_getaffinity(0, sizeof(*cpus), cpus) == 0 &&
+        CPU_ISSET((size_t)me, cpus) && CPU_COUNT(cpus) > 1) {
+        CPU_CLR((size_t)me, cpus);
+        return 1;
+    }
+#else
+    (void)cpus;
+#endif
+    return 0;
+}
+
+/* A helper started for one call: a detached thread on another CPU than the caller's (left to itself
+ * the scheduler may queue a new thread behind its parent on a 2-CPU machine and migrate it only at
+ * the next balancing tick, milliseconds later, by which time the caller has done all the work). */
 static int start_helper(shared_state *st) {
     pthread_t th;
     pthread_attr_t attr;
     int started = 0;
     if (pthread_attr_init(&attr) != 0) return 0;
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 64 * 1024);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
 #if defined(__GLIBC__)
     cpu_set_t cpus;
-    int me = sched_getcpu();
-    if (me >= 0 && me < CPU_SETSIZE && sched_getaffinity(0, sizeof(cpus), &cpus) == 0 &&
-        CPU_ISSET((size_t)me, &cpus) && CPU_COUNT(&cpus) > 1) {
-        CPU_CLR((size_t)me, &cpus);
-        pthread_attr_setaffinity_np(&attr, sizeof(cpus), &cpus);
-    }
+    if (other_cpus(&cpus)) pthread_attr_setaffinity_np(&attr, sizeof(cpus), &cpus);
 #endif
     started = pthread_create(&th, &attr, helper_main, st) == 0;
     pthread_attr_destroy(&attr);
     return started;
+}
+
+/* The resident helper: started at the first 2-thread call and kept, so later calls do not pay for a
+ * thread start (~20-30 us). After each share of work it spins for KVDD_HELPER_SPIN_NS waiting for
+ * the next post (per-layer pulls post every 100-200 us), then sleeps on a condition variable. Only
+ * one post at a time: a caller that finds the helper taken starts a per-call helper instead. After
+ * fork() the child has no helper thread (pthread_atfork resets the state; the next call starts one). */
+static pthread_mutex_t res_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t res_cv = PTHREAD_COND_INITIALIZER;
+static shared_state *_Atomic res_post;  /* posted and not yet taken */
+static _Atomic int res_busy;            /* 1 from a post until the helper is idle again */
+static int res_running, res_sleeping;    /* under res_mu */
+static pthread_t res_thread;
+static int res_cpu = -1;                 /* the caller CPU the helper's affinity excludes */
+static pthread_once_t res_once = PTHREAD_ONCE_INIT;
+
+static void res_after_fork(void) {
+    pthread_mutex_init(&res_mu, NULL);
+    pthread_cond_init(&res_cv, NULL);
+    atomic_store_explicit(&res_post, NULL, memory_order_relaxed);
+    atomic_store_explicit(&res_busy, 0, memory_order_relaxed);
+    res_running = res_sleeping = 0;
+    res_cpu = -1;
+}
+
+static void res_init(void) { pthread_atfork(NULL, NULL, res_after_fork); }
+
+static void *res_main(void *arg) {
+    (void)arg;
+    for (;;) {
+        shared_state *st = NULL;
+        int64_t until = now_ns() + KVDD_HELPER_SPIN_NS;
+        while ((st = atomic_exchange_explicit(&res_post, NULL, memory_order_acquire)) == NULL) {
+            if (now_ns() < until) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&res_mu);
+            res_sleeping = 1;
+            while ((st = atomic_exchange_explicit(&res_post, NULL, memory_order_acquire)) == NULL)
+                pthread_cond_wait(&res_cv, &res_mu);
+            res_sleeping = 0;
+            pthread_mutex_unlock(&res_mu);
+            break;
+        }
+        run_helper_share(st);
+        atomic_store_explicit(&res_busy, 0, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Post `st` to the resident helper (starting it if needed); 0 when it is taken or cannot start. */
+static int post_resident(shared_state *st) {
+    int idle = 0;
+    if (!atomic_compare_exchange_strong_explicit(&res_busy, &idle, 1, memory_order_acq_rel,
+                                                 memory_order_relaxed))
+        return 0;
+    pthread_once(&res_once, res_init);
+    pthread_mutex_lock(&res_mu);
+    if (!res_running) {
+        pthread_attr_t attr;
+        if (pthread_attr_init(&attr) == 0) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&attr, 256 * 1024);
+            res_running = pthread_create(&res_thread, &attr, res_main, NULL) == 0;
+            pthread_attr_destroy(&attr);
+        }
+        res_cpu = -1;
+    }
+    if (!res_running) {
+        pthread_mutex_unlock(&res_mu);
+        atomic_store_explicit(&res_busy, 0, memory_order_release);
+        return 0;
+    }
+#if defined(__GLIBC__)
+    int me = sched_getcpu();
+    if (me != res_cpu) { /* keep the helper off the caller's CPU (one syscall when the caller moved) */
+        cpu_set_t cpus;
+        if (other_cpus(&cpus)) pthread_setaffinity_np(res_thread, sizeof(cpus), &cpus);
+        res_cpu = me;
+    }
+#endif
+    atomic_store_explicit(&res_post, st, memory_order_release);
+    if (res_sleeping) pthread_cond_signal(&res_cv);
+    pthread_mutex_unlock(&res_mu);
+    return 1;
+}
+
+/* After the caller's work: take the post back if the helper never took it (then it is not busy). */
+static int retract_resident(shared_state *st) {
+    shared_state *expected = st;
+    if (atomic_compare_exchange_strong_explicit(&res_post, &expected, NULL, memory_order_acq_rel,
+                                                memory_order_relaxed)) {
+        atomic_store_explicit(&res_busy, 0, memory_order_release);
+        return 1;
+    }
+    return 0;
 }
 
 static uint64_t run_two(const kvdd_job *job) {
@@ -710,7 +865,8 @@ static uint64_t run_two(const kvdd_job *job) {
     atomic_init(&st->helper_start_ns, 0);
 
     int64_t created = now_ns();
-    if (!start_helper(st)) atomic_store_explicit(&st->refs, 1, memory_order_relaxed);
+    int resident = post_resident(st);
+    if (!resident && !start_helper(st)) atomic_store_explicit(&st->refs, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&stat_calls, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&stat_chunks, st->nchunks, memory_order_relaxed);
 
@@ -729,6 +885,7 @@ static uint64_t run_two(const kvdd_job *job) {
         }
     }
     int64_t t2 = now_ns();
+    if (resident && retract_resident(st)) release_state(st); /* the helper's reference, never taken */
     int64_t began = atomic_load_explicit(&st->helper_start_ns, memory_order_relaxed);
     model_update(&model_start_ns, (began ? began : t2) - created);
     /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) or that

@@ -75,6 +75,8 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 /* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these. */
 #define KVDD_CHUNK_MIN ((uint64_t)256 << 10)
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
+/* The resident helper thread spins this long for the next call before it sleeps. */
+#define KVDD_HELPER_SPIN_NS ((int64_t)200000)
 /* The runnable-task count of /proc/loadavg is re-read at most this often. */
 #define KVDD_LOADAVG_NS ((int64_t)10000000)
 /* After a 2-thread call stalled, automatic mode uses one thread for this long. */

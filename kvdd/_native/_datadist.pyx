@@ -18,6 +18,7 @@ for the calls in flight and holds new ones back while it runs, because upstream'
 must not run concurrently with other calls (VENDOR.md).
 """
 
+import os
 import threading
 from collections.abc import Mapping
 
@@ -109,6 +110,17 @@ cdef extern from *:
         fn_t fn = (fn_t)kvdd_test_double_symbol("kvdd_testdouble_listen_port");
         return fn == NULL ? -3 : fn(dd);
     }
+    /* The library's explanation of the calling thread's last failed call, NULL when it has none:
+       the simulated root's kvdd_testdouble_last_error, else ACL's aclGetRecentErrMsg (CANN's
+       libascendcl.so, where the runtime records its errors) when it is loaded. */
+    static const char *kvdd_library_message(void) {
+        typedef const char *(*fn_t)(void);
+        fn_t fn = (fn_t)kvdd_test_double_symbol("kvdd_testdouble_last_error");
+        if (fn == NULL) {
+            fn = (fn_t)dlsym(RTLD_DEFAULT, "aclGetRecentErrMsg");
+        }
+        return fn == NULL ? NULL : fn();
+    }
     /* Test double only: its _GLIBCXX_USE_CXX11_ABI; -1 when unknown. */
     static int kvdd_td_cxx11_abi(void) {
         typedef int (*fn_t)(void);
@@ -133,6 +145,7 @@ cdef extern from *:
     """
     int kvdd_td_listen_port(void* dd) nogil
     int kvdd_td_cxx11_abi() nogil
+    const char* kvdd_library_message() nogil
     int kvdd_cxx11_abi() nogil
     int kvdd_built_against_test_double() nogil
     string_t kvdd_library_path "kvdd_library_path"() except +
@@ -424,6 +437,7 @@ cdef class NativeBackend:
         if self._dd == NULL:
             raise RuntimeError("NativeBackend.__init__ was not called")
         self._local.detail = None   # a new call: forget the previous explanation
+        self._local.fresh = True
         return self._dd
 
     cdef Status _cxx_failed(self, str call, object exc):
@@ -436,11 +450,21 @@ cdef class NativeBackend:
         """The explanation of this thread's last non-success status, or None (API.md, Backend
         protocol).
 
-        Set when the library threw a C++ exception (its message); the real library explains its
-        status codes only in its own log, so a plain status has no detail.  Reading it clears it.
+        The message of a C++ exception the library threw (the call returned LLM_FAILED); else the
+        library's own explanation of the failed call when it offers one (the simulated CANN root
+        always does; on CANN, ACL's ``aclGetRecentErrMsg``), else None.  Meaningful right after
+        the failed call, on its thread; reading it clears it.
         """
-        detail = getattr(self._local, "detail", None)
+        cdef const char* text
+        if not getattr(self._local, "fresh", False):
+            return None
+        self._local.fresh = False
+        detail = self._local.detail
         self._local.detail = None
+        if detail is None:
+            text = kvdd_library_message()
+            if text != NULL and text[0] != 0:
+                detail = text.decode("utf-8", "replace")
         return detail
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -526,11 +550,14 @@ cdef class NativeBackend:
         The real library has no call for it: the port comes from the ``llm.ListenIpInfo``
         accepted by ``Initialize``/``SetRole`` (low 16 bits).  When port 0 was asked, the test
         double reports the port it bound; on a real CANN install the binding cannot learn it and
-        reports 0 (choose a fixed port there).
+        reports 0 (choose a fixed port there).  ``KVDD_TESTDOUBLE_PORT_HOOK=0`` makes a test-double
+        build behave like a real install here (the conformance run "as on an Atlas node" sets it,
+        so nothing in it relies on the hook).
         """
         if self._listen < 0:
             return None
-        if self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double():
+        if (self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double()
+                and os.environ.get("KVDD_TESTDOUBLE_PORT_HOOK", "1") != "0"):
             port = kvdd_td_listen_port(<void*>self._dd)
             if port >= 0:
                 return port

@@ -12,35 +12,34 @@ status once.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from ..options import (
-    OPTION_GLOBAL_RESOURCE_CONFIG,
-    OPTION_LISTEN_IP_INFO,
-    OPTION_LOCAL_COMM_RES,
-    OPTION_TRANSFER_BACKEND,
-    OptionError,
-    is_ipv4_literal,
-    parse_device_id,
-    parse_listen_ip_info,
-    parse_sync_wait_time,
-)
-from ..status import Status
+from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
+from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
-from .checks import CACHE_TABLE_LIMIT, REQUEST_LIMIT, Rejected, reject, require_initialized
+from .checks import (
+    CACHE_TABLE_LIMIT,
+    REQUEST_LIMIT,
+    Rejected,
+    reject,
+    require_clusters,
+    require_initialized,
+)
 from .entries import CacheEntry, Entity
 from .fabric import LinkOffer, PeerHandle, RemoteCache
 from .memory import first_inaccessible
-from .options import check_comm_options, check_mem_pool_config, port_text, valid_comm_res
+from .options import (
+    cache_engine_options,
+    check_link_comm_res,
+    comm_switch_listen,
+    hixl_switch_engine,
+    plan_initialize,
+    switch_options,
+)
 
 __all__ = ["SimBackend", "CacheEntry", "Entity", "CACHE_TABLE_LIMIT", "REQUEST_LIMIT"]
-
-S_OK = Status.LLM_SUCCESS
-FAILED = Status.LLM_FAILED
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 
 class SimBackend:
@@ -64,13 +63,18 @@ class SimBackend:
         self.device_id = 0
         self.sync_wait_ms = 1000
         self.listener: fabric.Listener | None = None
-        self.listen_text: str | None = None  # the raw llm.ListenIpInfo value
+        self.listen_port_text: str | None = None  # comm: llm.ListenPort while listening (§3.4)
+        self.local_engine: str | None = None  # hixl: "ip:port" of Initialize (§3.4 step 5)
         self.has_comm_res = False
-        self.comm_res_text: str | None = None
+        self.comm_res_text: str | None = None  # comm: a non-empty llm.LocalCommRes
         self.next_cache_id = 1
         self.caches: dict[int, CacheEntry] = {}
+        # §3.7 step 10: the cache table peers read, i.e. the last one that fit 1 MiB
+        self.published: dict[int, CacheEntry] = {}
         self.entities: dict[int, Entity] = {}
-        self.hixl_addrs: dict[tuple[str, int], int] = {}  # ip:port -> entity key (hixl)
+        # hixl (§3.5): every open connection by remote "ip:port", including those of entities a
+        # re-link re-pointed their cluster id away from (kept open until Finalize)
+        self.hixl_addrs: dict[tuple[str, int], Entity] = {}
         self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
         self.closing: dict[int, Entity] = {}  # entities being closed (later callers wait too)
 
@@ -101,6 +105,8 @@ class SimBackend:
         return None if entity is None else str(getattr(entity.peer, "data_path", "in_process"))
 
     def _start_listening(self, ip: str, port: int) -> None:
+        if not (is_ipv4_literal(ip) or is_ipv6_literal(ip)):  # kvdd: never resolves a name
+            reject(FAILED, f"cannot listen on {ip!r}: not an IP address literal")
         try:
             self.listener = fabric.Listener(self, ip, port)
         except OSError as exc:
@@ -125,47 +131,23 @@ class SimBackend:
         if self.role not in (1, 2, 3):  # step 2
             reject(PARAM_INVALID, f"role {self.role} is not PROMPT(1), DECODER(2) or MIX(3)")
         try:
-            device_id = parse_device_id(options)  # step 3
-            listen: tuple[str, int] | None = None
-            listen_text = options.get(OPTION_LISTEN_IP_INFO)
-            if listen_text is not None:  # step 4
-                listen = parse_listen_ip_info(listen_text)
-            backend_opt = options.get(OPTION_TRANSFER_BACKEND)  # step 6
-            if backend_opt is None:
-                backend = "comm"
-            elif backend_opt == "hixl":
-                backend = "hixl"
-            else:
-                raise OptionError(f"{OPTION_TRANSFER_BACKEND}={backend_opt!r}: only 'hixl' is supported")
-            if backend == "comm":  # step 8, comm engine options
-                check_comm_options(options)
-            else:
-                if listen is None:
-                    raise OptionError(f"the hixl transfer backend needs {OPTION_LISTEN_IP_INFO}")
-                grc = options.get(OPTION_GLOBAL_RESOURCE_CONFIG)
-                if grc is not None:
-                    try:
-                        json.loads(grc)
-                    except ValueError:
-                        raise OptionError(f"{OPTION_GLOBAL_RESOURCE_CONFIG} is not valid JSON") from None
+            plan = plan_initialize(options)  # steps 3-8 up to listening (kvdd.sim.options)
         except OptionError as exc:
             reject(exc.status, str(exc))
-        self.transfer_backend = backend
-        self.device_id = device_id
-        self.comm_res_text = options.get(OPTION_LOCAL_COMM_RES)
-        if listen is not None:  # step 8: start listening (bind failure -> FAILED)
-            self._start_listening(*listen)  # step 10: a failure leaves it uninitialized
+        if plan.listen is not None:  # step 8: start listening (bind failure -> FAILED)
+            self._start_listening(*plan.listen)  # step 10: a failure leaves it uninitialized
         try:
-            self.sync_wait_ms = parse_sync_wait_time(options)  # step 9
-            for key in ("llm.MemPoolConfig", "llm.HostMemPoolConfig"):
-                if key in options:
-                    check_mem_pool_config(key, options[key])
+            sync_wait_ms = cache_engine_options(options)  # step 9
         except OptionError as exc:
             self._stop_listening()
             reject(exc.status, str(exc))
-        # a listen address lets upstream generate the local comm resource at Initialize
-        self.has_comm_res = self.comm_res_text is not None or listen is not None
-        self.listen_text = listen_text if listen is not None else None
+        self.transfer_backend = plan.backend
+        self.device_id = plan.device_id
+        self.sync_wait_ms = sync_wait_ms
+        self.comm_res_text = plan.comm_res_text
+        self.has_comm_res = plan.has_comm_res
+        self.listen_port_text = plan.listen_port_text
+        self.local_engine = plan.local_engine
         self.initialized = True
         return S_OK
 
@@ -179,7 +161,10 @@ class SimBackend:
                 return
             self.initialized = False
             self._stop_listening()
-            entities = list(self.entities.values()) + list(self.closing.values())
+            # hixl: also the connections of re-pointed entities (§3.5), and entities being closed
+            # by another thread, each closed once
+            entities = list({id(e): e for e in (*self.entities.values(), *self.closing.values(),
+                                                *self.hixl_addrs.values())}.values())
             caches = list(self.caches.values()) + list(self.retiring.values())
             channels = fabric.take_endpoint(self)  # connections to peers in other processes
             self._reset()
@@ -210,54 +195,40 @@ class SimBackend:
                 return self._rejected(exc)
 
     def _set_role(self, role: int, options: Mapping[str, str]) -> int:
-        require_initialized(self.initialized)
-        if role not in (1, 2, 3):
+        require_initialized(self.initialized)  # 1
+        if role not in (1, 2, 3):  # 2
             reject(PARAM_INVALID, f"role {role} is not PROMPT(1), DECODER(2) or MIX(3)")
-        listen_text = options.get(OPTION_LISTEN_IP_INFO)
-        listen = None
-        if listen_text is not None:
-            try:
-                listen = parse_listen_ip_info(listen_text)
-            except OptionError as exc:
-                reject(exc.status, str(exc))
-        if self.transfer_backend == "comm":
-            if self.entities:
-                reject(Status.LLM_EXIST_LINK, "unlink all clusters before SetRole")
-            if listen is not None:
-                assert listen_text is not None
-                same_port = (self.listener is not None and self.listen_text is not None
-                             and port_text(self.listen_text) == port_text(listen_text))
-                if not same_port:
-                    self._stop_listening()
-                    self.listen_text = None
-                    self._start_listening(*listen)
-                    self.listen_text = listen_text
-            else:
-                self._stop_listening()
-                self.listen_text = None
-        else:
-            # hixl: no link check; the listen address cannot change (kvdd rule 15: as strings)
-            if listen_text is not None and listen_text != self.listen_text:
-                reject(Status.LLM_FEATURE_NOT_ENABLED, "the hixl backend cannot change its listen address")
-        self.role = role
+        try:
+            m = switch_options(options)  # 3 (and the internal keys, step 7)
+            if self.transfer_backend == "comm":  # 4
+                if self.entities:
+                    reject(Status.LLM_EXIST_LINK, "unlink all clusters before SetRole")
+                self._switch_comm_listener(comm_switch_listen(m))
+            else:  # 5: no link check; the listen address cannot change, it never stops listening
+                engine = hixl_switch_engine(m)
+                if engine is not None and engine != self.local_engine:
+                    reject(Status.LLM_FEATURE_NOT_ENABLED, f"the hixl backend cannot change its "
+                           f"listen address ({self.local_engine} -> {engine})")
+        except OptionError as exc:
+            reject(exc.status, str(exc))
+        self.role = role  # 6
         return S_OK
 
-    # -- §3.5 / §3.6 links --------------------------------------------------------------------
-    @staticmethod
-    def _convert_clusters(initialized: bool, clusters: Sequence[ClusterInfo], timeout_ms: int) -> None:
-        require_initialized(initialized)  # step 1
-        if timeout_ms <= 0:  # step 2
-            reject(PARAM_INVALID, f"timeout {timeout_ms} ms must be > 0")
-        for i, cluster in enumerate(clusters):  # step 3
-            for info in (*cluster.remote_ip_infos, *cluster.local_ip_infos):
-                if info.ip == "" or not is_ipv4_literal(info.ip):
-                    reject(PARAM_INVALID, f"clusters[{i}]: IP {info.ip!r} is not an IPv4 literal")
-        if not clusters:  # step 4
-            reject(PARAM_INVALID, "clusters is empty")
+    def _switch_comm_listener(self, listen: tuple[str, int, str] | None) -> None:
+        """§3.4 step 4: same port text -> nothing; another -> move; none -> stop listening."""
+        if listen is not None and self.listen_port_text is not None:
+            if self.listen_port_text == listen[2]:
+                return
+        self._stop_listening()
+        self.listen_port_text = None
+        if listen is not None:
+            self._start_listening(listen[0], listen[1])
+            self.listen_port_text = listen[2]
 
+    # -- §3.5 / §3.6 links --------------------------------------------------------------------
     def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int) -> tuple[int, list[int]]:
         try:
-            self._convert_clusters(self.initialized, clusters, timeout_ms)
+            require_clusters(self.initialized, clusters, timeout_ms)  # steps 1-4
         except Rejected as exc:
             return self._rejected(exc), []
         status: int = S_OK
@@ -276,10 +247,10 @@ class SimBackend:
     def _link_one(self, cluster: ClusterInfo, timeout_ms: int) -> tuple[int, str]:
         if len(cluster.remote_ip_infos) != 1:
             return PARAM_INVALID, "exactly one remote_ip_infos entry is required"
-        if self.transfer_backend == "comm" and not self.has_comm_res and self.listener is None:
+        if self.transfer_backend == "comm" and not self.has_comm_res:
             if len(cluster.local_ip_infos) != 1:
-                return PARAM_INVALID, ("without llm.LocalCommRes or a listen address, exactly one "
-                                       "local_ip_infos entry is required")
+                return PARAM_INVALID, ("without llm.LocalCommRes or a listen address at Initialize, "
+                                       "exactly one local_ip_infos entry is required")
             self.has_comm_res = True  # generated once from local_ip_infos[0]
         remote = cluster.remote_ip_infos[0]
         address = (remote.ip, remote.port)
@@ -300,14 +271,14 @@ class SimBackend:
                 return res.status, res.detail or "the peer refused the link"
             handle = res.handle
             if self.transfer_backend == "hixl":
-                with self._lock:  # one-way: keyed by the user-supplied id, overwriting (§2.3)
-                    old = self.entities.get(cluster.remote_cluster_id)
-                    if old is not None:
-                        self.hixl_addrs.pop(old.address, None)
-                    self.entities[cluster.remote_cluster_id] = Entity(handle, address)
-                    self.hixl_addrs[address] = cluster.remote_cluster_id
-                if old is not None:
-                    self._close_entity(old)
+                with self._lock:  # one-way: keyed by the user-supplied id (§2.3)
+                    if address in self.hixl_addrs:  # connected meanwhile by another thread
+                        handle.close()
+                        return Status.LLM_ALREADY_LINK, f"already connected to {remote.ip}:{remote.port}"
+                    # re-points the id: an entity it named stays open under its address (§3.5)
+                    entity = Entity(handle, address)
+                    self.entities[cluster.remote_cluster_id] = entity
+                    self.hixl_addrs[address] = entity
                 return S_OK, ""
             # comm backend: both sides accept (peer first), each keyed by the other's real id
             st, old = self._accept_link(res.offer, force_link, lambda: handle, address)
@@ -352,10 +323,11 @@ class SimBackend:
         with self._lock:
             if not self.initialized:
                 return Status.LLM_LINK_FAILED, None
-            if self.comm_res_text is not None and not valid_comm_res(self.comm_res_text):
-                return self._fail(PARAM_INVALID, "llm.LocalCommRes is not valid JSON with version 1.0 or 1.2"), None
-            if peer.comm_res_text is not None and not valid_comm_res(peer.comm_res_text):
-                return self._fail(PARAM_INVALID, "the peer's llm.LocalCommRes is invalid"), None
+            for whose, text in (("our", self.comm_res_text), ("the peer's", peer.comm_res_text)):
+                try:
+                    check_link_comm_res(text)
+                except OptionError as exc:
+                    return self._fail(exc.status, f"{whose} {exc}"), None
             key = peer.cluster_id
             if force_link and key in self.entities:
                 old = self._pop_entity(key)
@@ -367,8 +339,8 @@ class SimBackend:
     def _pop_entity(self, key: int) -> Entity | None:
         with self._lock:
             entity = self.entities.pop(key, None)
-            if entity is not None and self.transfer_backend == "hixl":
-                self.hixl_addrs.pop(entity.address, None)
+            if entity is not None and self.hixl_addrs.get(entity.address) is entity:
+                del self.hixl_addrs[entity.address]  # hixl: this connection closes
             return entity
 
     @staticmethod
@@ -397,7 +369,7 @@ class SimBackend:
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int,
                             force: bool) -> tuple[int, list[int]]:
         try:
-            self._convert_clusters(self.initialized, clusters, timeout_ms)
+            require_clusters(self.initialized, clusters, timeout_ms)  # steps 1-4
         except Rejected as exc:
             return self._rejected(exc), []
         status: int = S_OK
@@ -481,11 +453,19 @@ class SimBackend:
         entry = CacheEntry(cache_id, len(addrs), T, shape[0] & 0xFFFFFFFF,
                            int(cache_desc.placement), addrs, owners)
         self.caches[cache_id] = entry  # 10
-        table = 24 + sum(64 + 8 * e.n for e in self.caches.values())
+        table = self._publish()
         if table > CACHE_TABLE_LIMIT:
-            reject(PARAM_INVALID, f"cache table would be {table} bytes (> 1 MiB); "
-                   "the cache stays registered as upstream")
+            reject(PARAM_INVALID, f"cache table would be {table} bytes (> 1 MiB); the cache stays "
+                   "registered as upstream, but peers keep reading the last table that fit")
         return cache_id
+
+    def _publish(self) -> int:
+        """§3.7 step 10: re-serialize the cache table; peers read it only when it fits 1 MiB
+        (else they keep the last one that fit).  Returns its size in bytes."""
+        table = 24 + sum(64 + 8 * e.n for e in self.caches.values())
+        if table <= CACHE_TABLE_LIMIT:
+            self.published = dict(self.caches)
+        return table
 
     def unregister_kv_cache(self, cache_id: int) -> int:
         with self._lock:
@@ -496,6 +476,7 @@ class SimBackend:
                 entry = self.retiring.get(cache_id)
             else:
                 self.retiring[cache_id] = entry
+                self._publish()
         if entry is not None:
             entry.retire()
             with self._lock:
@@ -549,7 +530,8 @@ class SimBackend:
 
     # -- introspection for tests and the cross-process fabric -----------------------------
     def snapshot_for_link(self) -> tuple[dict[int, RemoteCache], dict[int, CacheEntry]]:
-        """The caches a peer linking now may use (registered before the link, §10 rule 3)."""
+        """The caches a peer linking now may use: registered before the link (§10 rule 3), in the
+        last cache table that fit 1 MiB (§3.7 step 10)."""
         with self._lock:
-            entries = dict(self.caches)
+            entries = dict(self.published)  # the last table that fit (§3.7 step 10)
         return {cid: e.remote_view() for cid, e in entries.items()}, entries

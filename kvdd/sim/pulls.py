@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..status import Status
+from ..status import PARAM_INVALID, S_OK
 from ..types import Cache, CacheIndex, KvCacheExtParam
 from . import faults
 from .checks import (
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["pull_kv_cache", "pull_kv_blocks"]
 
-S_OK = Status.LLM_SUCCESS
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 _I64 = np.int64
 

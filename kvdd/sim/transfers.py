@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..status import Status
+from ..status import NOT_EXIST, S_OK, TIMEOUT
 from .checks import reject
 
 if TYPE_CHECKING:
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
     from .fabric import RemoteCache
 
 __all__ = ["lookup_remote", "run"]
-
-S_OK = Status.LLM_SUCCESS
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
-TIMEOUT = Status.LLM_TIMEOUT
 
 
 def lookup_remote(entity: Entity, cache_id: int) -> RemoteCache:

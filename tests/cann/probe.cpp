@@ -6,6 +6,7 @@
 //   probe broken    the simulator cannot start: construction works, every call is LLM_FAILED
 //
 // Prints one line per check; exit status 0 when all passed, 1 otherwise.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -226,6 +227,12 @@ int Acl() {
   Expect(aclrtMallocHost(&h, 100) == ACL_SUCCESS && aclrtFreeHost(h) == ACL_SUCCESS,
          "aclrtMallocHost / aclrtFreeHost");
   Expect(aclrtResetDevice(3) == ACL_SUCCESS, "aclrtResetDevice");
+  for (int i = 0; i < 20; ++i) {
+    (void)aclrtFree(nullptr);
+  }
+  const std::string stacked = RecentMessage();
+  Expect(std::count(stacked.begin(), stacked.end(), '|') == 7,
+         "unread messages stack up to the newest 8");
   Expect(aclInit(nullptr) == ACL_SUCCESS && aclInit(nullptr) == ACL_ERROR_REPEAT_INITIALIZE &&
              aclFinalize() == ACL_SUCCESS, "aclInit / aclFinalize");
   return g_failures == 0 ? 0 : 1;

@@ -12,9 +12,14 @@ at run time.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+
+from .native_support import skip_unless_test_double
 
 _NATIVE = Path(__file__).resolve().parents[2] / "kvdd" / "_native"
 PXD = _NATIVE / "_cdatadist.pxd"
@@ -83,3 +88,51 @@ def test_the_check_catches_a_default_initialized_struct() -> None:
     found = _struct_locals(sample)
     assert [(t, n, i) for t, n, i in found if i != t] == [("CacheDesc", "desc", None),
                                                          ("Cache", "other", "CacheDesc")]
+
+
+# ---- run time: the simulated CANN root refuses non-zero reserved bytes in strict mode ----------
+
+def _strict_calls() -> list[tuple[str, Callable[[Any, Any], object]]]:
+    from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, RegisterCfg
+
+    desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(4, 16))
+    far = ClusterInfo(remote_cluster_id=9, remote_ip_infos=(IpInfo("127.0.0.1", 1),),
+                      local_ip_infos=(IpInfo("127.0.0.1", 0),))
+    index = CacheIndex(9, 1, 0)
+    return [
+        ("RegisterKvCache", lambda nb, a: nb.register_kv_cache(desc, [a], RegisterCfg())),
+        ("LinkLlmClusters", lambda nb, a: nb.link_llm_clusters([far], 100)),
+        ("UnlinkLlmClusters", lambda nb, a: nb.unlink_llm_clusters([far], 100, True)),
+        ("AllocateCache", lambda nb, a: nb.allocate_cache(desc)),
+        ("PullKvCache", lambda nb, a: nb.pull_kv_cache(index, Cache(1, (a,), desc), 0, -1, None)),
+        ("PullKvBlocks", lambda nb, a: nb.pull_kv_blocks(index, Cache(1, (a,), desc), [0], [0],
+                                                         None)),
+        ("PushKvCache", lambda nb, a: nb.push_kv_cache(Cache(1, (a,), desc), index, 0, -1, None)),
+        ("PushKvBlocks", lambda nb, a: nb.push_kv_blocks(Cache(1, (a,), desc), index, [0], [0],
+                                                         None)),
+        ("CopyKvCache", lambda nb, a: nb.copy_kv_cache(Cache(1), Cache(1), 0, 0, 0, -1)),
+        ("CopyKvBlocks", lambda nb, a: nb.copy_kv_blocks(Cache(1), Cache(1), [0], [[0]])),
+    ]
+
+
+@pytest.mark.parametrize(("method", "call"), _strict_calls(), ids=[m for m, _ in _strict_calls()])
+def test_strict_reserved_mode_accepts_every_struct_the_binding_passes(
+        method: str, call: Callable[[Any, Any], object], monkeypatch: pytest.MonkeyPatch) -> None:
+    # KVDD_CANN_STRICT_RESERVED=1: the simulated root returns LLM_FAILED, saying so, for a struct
+    # argument with a non-zero reserved byte (what a default-initialized struct carries on CANN).
+    skip_unless_test_double()
+    from kvdd import OPTION_DEVICE_ID, Status
+    from kvdd._native._datadist import NativeBackend
+
+    monkeypatch.setenv("KVDD_CANN_STRICT_RESERVED", "1")
+    memory = np.zeros(64, dtype=np.uint8)
+    nb = NativeBackend(5, 2)
+    try:
+        assert nb.initialize({OPTION_DEVICE_ID: "0"}) == Status.LLM_SUCCESS
+        result = call(nb, int(memory.ctypes.data))
+        status = result[0] if isinstance(result, tuple) else result
+        detail = nb.last_error_detail() or ""
+        assert "reserved" not in detail, detail
+        assert status != Status.LLM_FAILED, detail  # refused before the simulator saw it
+    finally:
+        nb.finalize()

@@ -64,12 +64,24 @@ void EnsureState() {
   }
 }
 
+// Messages stack up (newest on top) until aclGetRecentErrMsg reads them; a thread that never reads
+// them (kvdd's Python binding) keeps only the newest kMaxPendingMessages.
+constexpr int kMaxPendingMessages = 8;
+
 void Record(const std::string &message) {
   if (t_pending_error.empty()) {
     t_pending_error = message;
-  } else {
-    t_pending_error = message + "\n" + t_pending_error;  // newest on top
+    return;
   }
+  std::string stacked = message + "\n" + t_pending_error;
+  size_t pos = 0;
+  for (int kept = 0; kept < kMaxPendingMessages && pos != std::string::npos; ++kept) {
+    pos = stacked.find('\n', pos == 0 ? 0 : pos + 1);
+  }
+  if (pos != std::string::npos) {
+    stacked.resize(pos);
+  }
+  t_pending_error.swap(stacked);
 }
 
 aclError Fail(aclError code, const std::string &message) {

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .. import faults
 from .protocol import LinkOwner, ServedCache
 from .leases import Lease
@@ -49,9 +49,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "Pending", "take_endpoint", "close_channels", "close_endpoint"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 MAX_REVOKED = 256  # revoked lease ids remembered per connection

@@ -23,7 +23,8 @@ import time
 from collections import OrderedDict
 
 from ...status import Status
-from .auth import NONCE_BYTES, SecretError, Session, load_secret, mac, session_key
+from .auth import (NONCE_BYTES, SecretError, Session, channel_binding, load_secret, mac,
+                   session_key)
 from .handshake import auth_refusal, mode_mismatch, serve_session, transcript_of
 from .logutil import warn_limited
 from .protocol import LinkOwner
@@ -281,7 +282,8 @@ class Listener:
             raise ProtocolError("the peer does not read")
         transcript = hashlib.sha256(t1 + answer).digest()
         session = Session(session_key(state.key, state.nonce_i, state.nonce_a, transcript),
-                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off)
+                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off,
+                          channel_binding(state.sock, initiator=False))
         conn = state.sock
         self._pre.pop(conn, None)
         self._sel.unregister(conn)

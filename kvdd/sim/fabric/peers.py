@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK, TIMEOUT, Status
 from ..memory import Region, copy_runs
 from .channel import Channel
 from .auth import Session
@@ -26,12 +26,6 @@ from .wire import F_LEASE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS, encode_request
 logger = logging.getLogger(__name__)
 
 __all__ = ["InProcessPeer", "RemotePeer", "ClientLease", "PathLease", "in_process_peer"]
-
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
-NOT_YET_LINK = Status.LLM_NOT_YET_LINK
-PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 
 class InProcessPeer:

@@ -26,6 +26,7 @@ refuse copies; it cannot make either side touch memory outside the registered ca
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...status import Status
-from .samehost import SameHostLink, SameHostRefused, check_table_fd, seal_table_fd
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
+from .samehost import SameHostLink, SameHostRefused
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -50,11 +51,8 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
-           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd"]
+           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
 
 #: State words (0: open).  Slot: the cache was unregistered.  Link: the owner finalized / closed.
 STATE_UNREGISTERED = 1
@@ -63,6 +61,26 @@ STATE_CLOSED = 3
 DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
 MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
+
+
+def seal_table_fd(fd: int) -> None:
+    """Seal a lease table's memfd so neither side can resize it under the other (no SIGBUS)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+
+
+def check_table_fd(fd: int, slots: int, size: int) -> None:
+    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
+    for ``slots`` slots; raises SameHostRefused otherwise."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
+        raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
+                              f"not sealed or not {size} bytes for {slots} slots")
 
 
 def new_table_fd(slots: int) -> int:

@@ -156,9 +156,14 @@ def frame(ftype: int, req: int, payload: bytes | bytearray = b"") -> bytes:
     return HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, req & 0xFFFFFFFF, len(payload)) + payload
 
 
+#: Bytes asked of one recv_into: big rows arrive in pieces the socket buffer holds (a single
+#: huge recv_into makes the kernel copy in step with the sender instead of draining its queue).
+RECV_CHUNK = 1 << 20
+
+
 def recv_into(sock: socket.socket, mv: memoryview) -> None:
     while len(mv):
-        n = sock.recv_into(mv)
+        n = sock.recv_into(mv[:RECV_CHUNK] if len(mv) > RECV_CHUNK else mv)
         if n == 0:
             raise ConnectionError("connection closed by the peer")
         mv = mv[n:]
