@@ -222,10 +222,9 @@ def test_other_protocol_version_gets_a_clear_refusal(
 # ---- resources before authentication -------------------------------------------------------------
 
 
-def test_idle_and_slowloris_do_not_starve_links(
-        victim: Victim) -> None:
+def test_idle_and_slowloris_do_not_starve_links(victim: Victim, world: World) -> None:
     """500 idle and 80 slowloris connections (each dripping an authentication hello, reconnecting
-    when dropped) are open; 40 of 40 legitimate links succeed, each within 1 s."""
+    when dropped) are open; 40 of 40 legitimate links succeed, each within 1 s, and D is served."""
     port = victim.port
     n_idle, n_slow, n_legit = (2000, 300, 200) if LONG else (500, 80, 40)
     idle = [rawpeer.connect(port) for _ in range(n_idle)]
@@ -262,6 +261,7 @@ def test_idle_and_slowloris_do_not_starve_links(
             times.append(time.monotonic() - t0)
             assert snap  # the victim's cache is visible to an authenticated link
             s.close()
+        victim.serve_d(world)  # and the linked peer is served meanwhile
     finally:
         stop.set()
         dripper.join()
