@@ -397,3 +397,38 @@ def test_lease_hog_cannot_block_unregister(victim: Victim,
         ftype, rreq, body = rawpeer.read_frame(s)
         assert (ftype, rreq) == (wire.F_DONE, 7)
         assert struct.unpack("<I", body)[0] == Status.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_fake_acceptor_learns_nothing(victim: Victim, world: World) -> None:
+    """A listener without the secret posing as a peer: the initiator's link fails with
+    LLM_LINK_FAILED saying the peer did not prove it holds the secret, and it never sends its
+    hello (its cluster id, cache table and addresses) to that listener."""
+    d = victim.d
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received: list[bytes] = []
+
+    def fake() -> None:
+        conn, _addr = server.accept()
+        with conn:
+            conn.settimeout(5)
+            _t, _r, hello = rawpeer.read_frame(conn)
+            conn.sendall(rawpeer.frame(wire.F_AUTH_CHALLENGE, os.urandom(32) + hello[32:33]))
+            rawpeer.read_frame(conn)  # the initiator's proof (useless without the secret)
+            conn.sendall(rawpeer.frame(wire.F_AUTH_OK, os.urandom(32)))
+            try:
+                while chunk := conn.recv(65536):
+                    received.append(chunk)
+            except OSError:
+                pass  # reset by the initiator: what we expect
+
+    t = threading.Thread(target=fake)
+    t.start()
+    try:
+        with pytest.raises(kvdd.LLMError, match="did not prove") as info:
+            d.link(port, 9)
+        assert info.value.status == Status.LLM_LINK_FAILED
+    finally:
+        t.join(10)
+        server.close()
+    assert received == []
