@@ -181,10 +181,11 @@ def test_replayed_and_reflected_handshakes(victim: Victim) -> None:
 
 
 def test_other_secret_or_auth_off_is_refused_with_a_reason(
-        victim: Victim,
-        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        victim: Victim, world: World, victim_proc: PeerProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A real instance with another secret, or with KVDD_FABRIC_AUTH=off, gets LLM_LINK_FAILED
-    whose message says what to set; the victim keeps no state of it."""
+    whose message says what to set; the victim keeps no state of it.  With KVDD_FABRIC_AUTH=off
+    on both sides the link is made."""
     p, port = victim.p, victim.port
     e = world.dut(3, LlmRole.DECODER)
     e.initialize()
@@ -198,8 +199,14 @@ def test_other_secret_or_auth_off_is_refused_with_a_reason(
     with pytest.raises(kvdd.LLMError, match=f"{ENV_AUTH}") as info:
         e.link(port, p.cluster_id)
     assert info.value.status == Status.LLM_LINK_FAILED
-    monkeypatch.delenv(ENV_AUTH)
     assert set(p.entity_keys()) == keys
+    victim_proc.root("setenv", ENV_AUTH, "off")  # off on both sides: links (trusted networks)
+    try:
+        assert e.link(port, p.cluster_id) == [S]
+    finally:
+        victim_proc.root("setenv", ENV_AUTH, None)
+    monkeypatch.delenv(ENV_AUTH)
+    assert e.unlink(port, p.cluster_id) == [S]  # authenticated again: unlinks
     assert e.link(port, p.cluster_id) == [S]  # the same instance with the right secret links
 
 

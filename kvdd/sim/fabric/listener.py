@@ -244,8 +244,8 @@ class Listener:
         try:
             secret = load_secret()
         except SecretError as exc:
-            logger.error("kvdd fabric: cannot authenticate links to %s:%d: %s", self.ip,
-                         self.port, exc)
+            warn_limited(logger, "secret", "kvdd fabric: cannot authenticate links to %s:%d: %s",
+                         self.ip, self.port, exc)
             self._refuse(state, auth_refusal(Status.LLM_LINK_FAILED,
                                              "the peer has no usable fabric secret (see its log)"),
                          str(exc))
