@@ -24,8 +24,9 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
-    "cann-root (a simulated CANN root for C++ programs). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
+    "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
+    "root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -81,6 +82,11 @@ def _doctor_ascend_node() -> str:
     from .backend import looks_like_ascend_node
 
     if not looks_like_ascend_node():
+        from .cann import is_simulated_root
+
+        home = os.environ.get("ASCEND_HOME_PATH")
+        if home and is_simulated_root(home):  # kvdd cann-root's set_env.sh was sourced
+            return f"no (ASCEND_HOME_PATH={home} is kvdd's simulated CANN root, no /dev/davinci*)"
         return "no (ASCEND_HOME_PATH unset, no /dev/davinci*)"
     home = os.environ.get("ASCEND_HOME_PATH")
     return f"yes (ASCEND_HOME_PATH={home})" if home else "yes (/dev/davinci* present)"

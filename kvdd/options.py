@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from . import option_json
-from .status import Status
+from .status import PARAM_INVALID, Status
 
 __all__ = [
     "OPTION_LISTEN_IP_INFO",
@@ -73,8 +73,6 @@ OPTION_HOST_MEM_POOL_CONFIG = "llm.HostMemPoolConfig"
 #: Environment fallbacks of the hixl backend for an absent or empty RDMA option (§3.2 step 8).
 ENV_RDMA_TRAFFIC_CLASS = "HCCL_RDMA_TC"
 ENV_RDMA_SERVICE_LEVEL = "HCCL_RDMA_SL"
-
-_PARAM_INVALID = Status.LLM_PARAM_INVALID
 
 
 class OptionError(Exception):
@@ -255,7 +253,7 @@ class OptionRule:
     accepts: str
     empty: str
     env: str | None = None
-    status: int = _PARAM_INVALID
+    status: int = PARAM_INVALID
 
 
 _R = OptionRule

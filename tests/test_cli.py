@@ -10,7 +10,8 @@ from kvdd.cli import DOCTOR_LINES, build_parser, main
 
 
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--help"], ["demo", "--help"], ["bench", "--help"], ["doctor", "--help"]):
+    for argv in (["--help"], ["demo", "--help"], ["bench", "--help"], ["doctor", "--help"],
+                 ["cann-root", "--help"], ["fabric-secret", "--help"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 0

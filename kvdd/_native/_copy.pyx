@@ -83,6 +83,7 @@ cdef extern from "_copy_impl.h" nogil:
     uint64_t kvdd_threads_min_bytes()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
+    uint64_t kvdd_llc_bytes()
 
 # ---- tuning (process-wide; read once per call) -----------------------------------------------------
 
@@ -487,6 +488,12 @@ def cpu_features():
     """CPU features checked at run time (``{"avx2": True, ...}``), for ``kvdd doctor``."""
     return {kvdd_cpu_feature_name(i).decode(): bool(kvdd_cpu_feature_value(i))
             for i in range(kvdd_cpu_feature_count())}
+
+
+def cache_sizes():
+    """The cache sizes the thresholds are derived from: ``{"l2": bytes per core, "llc": bytes}``
+    (0: unknown), from Linux sysfs, else sysconf."""
+    return {"l2": kvdd_l2_bytes(), "llc": kvdd_llc_bytes()}
 
 
 def thread_stats():

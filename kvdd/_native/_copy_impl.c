@@ -10,6 +10,7 @@
 #include "_copy_impl.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -57,6 +58,42 @@ static int cpuid_leaf7_bit(int reg, int bit) {
 }
 #endif
 
+/* Size in bytes of cpu0's unified or data cache of `level` from /sys (0: unknown). */
+static uint64_t sysfs_cache_bytes(int level) {
+#if defined(__linux__)
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) break;
+        ssize_t n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || atoi((buf[n] = 0, buf)) != level) continue;
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || buf[0] == 'I') continue; /* an instruction cache */
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0) continue;
+        buf[n] = 0;
+        char *end;
+        unsigned long long v = strtoull(buf, &end, 10);
+        if (*end == 'K') v <<= 10;
+        else if (*end == 'M') v <<= 20;
+        return (uint64_t)v;
+    }
+#else
+    (void)level;
+#endif
+    return 0;
+}
+
 static void detect_features(void) {
     online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
 #if KVDD_X86
@@ -79,14 +116,14 @@ static void detect_features(void) {
     features[6] = 1;
     isa_mask |= 1u << KVDD_ISA_NEON;
 #endif
-    long llc = 0, l2 = 0;
+    /* Cache sizes: Linux sysfs (what the kernel was told, also in VMs), else sysconf. */
+    uint64_t l2 = sysfs_cache_bytes(2), llc = sysfs_cache_bytes(3);
 #if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (llc <= 0) llc = l2;
+    if (!l2 && sysconf(_SC_LEVEL2_CACHE_SIZE) > 0) l2 = (uint64_t)sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (!llc && sysconf(_SC_LEVEL3_CACHE_SIZE) > 0) llc = (uint64_t)sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    llc_bytes = llc > 0 ? (uint64_t)llc : 0;
-    l2_bytes = l2 > 0 ? (uint64_t)l2 : 0;
+    llc_bytes = llc ? llc : l2;
+    l2_bytes = l2;
     isa_best = KVDD_ISA_MEMCPY;
     for (int i = KVDD_ISA_COUNT - 1; i >= 0; i--) {
         if (isa_mask & (1u << i)) { isa_best = i; break; }

@@ -161,7 +161,8 @@ def test_doctor_reports_the_root(root: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("ASCEND_HOME_PATH", str(root))
     assert kvdd_main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert f"simulated CANN root (ASCEND_HOME_PATH): {root}" in out and "current" in out
+    assert f"(ASCEND_HOME_PATH): {root}, kvdd {__version__}" in out and "current" in out
+    assert "is kvdd's simulated CANN root" in out
 
 
 # ---- a plain C++ process --------------------------------------------------------------------------

@@ -277,7 +277,7 @@ def test_hixl_internal_listen_keys_satisfy_the_mandatory_address(world: World) -
 
 @pytest.mark.parametrize("transfer_opts", [{}, HIXL])
 def test_listen_ip_must_be_a_literal(world: World, transfer_opts: dict[str, str]) -> None:
-    # kvdd addition (SEMANTICS.md §3.4 step 7 note): a name is never resolved -> LLM_FAILED.
+    # kvdd addition (SEMANTICS.md §3.2.1 notes): a name is never resolved -> LLM_FAILED.
     _init_fails(world.dut(), {**DEV, **transfer_opts, IP: "localhost", PORT: "0"}, FAILED)
 
 
