@@ -275,3 +275,11 @@ def test_pid_reuse_is_guarded_by_the_pidfd(pair: Pair) -> None:
         assert st == Status.LLM_TIMEOUT  # certain death of the attested process
     assert np.array_equal(dst, before) and np.array_equal(pair.entries[0].arena, src_before)
     reused.close()
+
+
+def test_a_closed_table_sends_the_reader_to_tcp(pair: Pair) -> None:
+    """The owner drops a link's table (unlink, eviction, a stuck reader): no new one-sided copy;
+    the reader's acquire answers None (use TCP) instead of failing the transfer."""
+    assert _pull(pair, 3, _arena(1)) == Status.LLM_SUCCESS
+    pair.served.close()
+    assert _pull(pair, 3, _arena(2)) == -1 and _pull(pair, 5, _arena(3)) == -1
