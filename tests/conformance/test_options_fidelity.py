@@ -254,6 +254,7 @@ def test_mem_pool_config_rejected(world: World, key: str, value: str) -> None:
 # -- §3.4 step 7: the internal keys at Initialize -------------------------------------------------
 
 
+@pytest.mark.needs_bound_port
 def test_comm_internal_listen_keys_listen(world: World) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, IP: LOCALHOST, PORT: "0"})
@@ -270,6 +271,7 @@ def test_comm_internal_listen_keys_rejected(world: World, opts: dict[str, str]) 
     _init_fails(world.dut(), {**DEV, **opts})
 
 
+@pytest.mark.needs_bound_port
 def test_listen_ip_info_overrides_the_internal_keys(world: World, transfer: str) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, **LISTEN0, **({} if transfer == "comm" else HIXL), IP: "bogus", PORT: "x"})
@@ -287,6 +289,7 @@ def test_comm_lone_listen_ip_generates_the_comm_resource(world: World) -> None:
     assert d.link(port, 1, local_ip=False) == [S]
 
 
+@pytest.mark.needs_bound_port
 def test_comm_listener_started_by_set_role_generates_no_comm_resource(world: World) -> None:
     # §3.5 b: only Initialize's listen IP (or llm.LocalCommRes) provides the comm resource.
     d, p = pair(world)
@@ -305,6 +308,7 @@ def test_hixl_listen_address_needs_both_internal_keys(world: World, opts: dict[s
     _init_fails(world.dut(), {**DEV, **HIXL, **opts})
 
 
+@pytest.mark.needs_bound_port
 def test_hixl_internal_listen_keys_satisfy_the_mandatory_address(world: World) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, **HIXL, IP: LOCALHOST, PORT: "0"})
@@ -359,6 +363,7 @@ def test_comm_local_comm_res_at_link(world: World, text: str, ok: bool) -> None:
 # -- §3.4 steps 4-5: SetRole compares -------------------------------------------------------------
 
 
+@pytest.mark.needs_bound_port
 @pytest.mark.parametrize("same", [f"{LOCALHOST}:00", f"{LOCALHOST}:+0", f"{LOCALHOST}: 0",
                                   f"[{LOCALHOST}]:0", "127.0.0.2:0"])
 def test_comm_set_role_compares_the_normalized_port(world: World, same: str) -> None:
@@ -370,6 +375,7 @@ def test_comm_set_role_compares_the_normalized_port(world: World, same: str) -> 
     assert d.listen_port == port
 
 
+@pytest.mark.needs_bound_port
 def test_comm_set_role_compares_raw_internal_port_text(world: World) -> None:
     # §3.4 step 7: a user's llm.ListenPort is stored and compared as given (not normalized).
     d = world.dut()
@@ -387,6 +393,7 @@ def test_comm_set_role_compares_raw_internal_port_text(world: World) -> None:
     assert d.listen_port == third
 
 
+@pytest.mark.needs_bound_port
 def test_comm_set_role_internal_keys(world: World) -> None:
     d = world.dut()
     d.initialize()
@@ -401,6 +408,7 @@ def test_comm_set_role_internal_keys(world: World) -> None:
     assert d.listen_port is None
 
 
+@pytest.mark.needs_bound_port
 @pytest.mark.parametrize("same", [f"[{LOCALHOST}]:0", f"{LOCALHOST}:+0", f"{LOCALHOST}:00",
                                   f"{LOCALHOST}: 0"])
 def test_hixl_set_role_compares_the_parsed_address(world: World, same: str) -> None:
@@ -411,6 +419,7 @@ def test_hixl_set_role_compares_the_parsed_address(world: World, same: str) -> N
     assert d.listen_port == port
 
 
+@pytest.mark.needs_bound_port
 def test_hixl_set_role_internal_keys(world: World) -> None:
     d = world.dut()
     d.initialize(transfer="hixl")
