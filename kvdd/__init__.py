@@ -1,8 +1,9 @@
 """kvdd: a typed Python SDK for Huawei LLM-DataDist (KV-cache transfer between prefill and decode).
 
-The public API mirrors the C++ ``llm_datadist::LlmDataDist`` V2 class (see API.md in the project's
-spec).  Two backends implement it: ``"native"`` (the real library on an Atlas node) and ``"sim"``
-(a byte-exact simulator on host memory that runs anywhere).
+The public API mirrors the C++ ``llm_datadist::LlmDataDist`` V2 class (docs/spec/API.md; the
+behaviour of every call is docs/spec/SEMANTICS.md).  Two backends implement it: ``"native"`` (the
+real library on an Atlas node) and ``"sim"`` (a byte-exact simulator on host memory that runs
+anywhere).
 """
 
 from __future__ import annotations

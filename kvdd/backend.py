@@ -36,11 +36,25 @@ class Backend(Protocol):
 
     Argument names and order are those of :class:`kvdd.LlmDataDist`; outputs come back with the
     status (``(status, rets)`` for link/unlink, ``(status, cache_id)`` for registration,
-    ``(status, cache | None)`` for allocate_cache).
+    ``(status, cache | None)`` for allocate_cache).  A backend never raises for an LLM status: it
+    returns it and explains it through :meth:`last_error_detail`, and the facade turns both into
+    an exception in one place (:func:`kvdd.status.raise_for_status`).
     """
 
     @property
     def listen_port(self) -> int | None: ...
+
+    def last_error_detail(self) -> str | None:
+        """The backend's explanation of the calling thread's last non-success status.
+
+        Returns
+        -------
+        str or None
+            None when it has none (and after it was read once).  The simulator says which check
+            of SEMANTICS.md failed; the native backend gives the message of a C++ exception the
+            library threw (the call then returned ``LLM_FAILED``).
+        """
+        ...
 
     def initialize(self, options: Mapping[str, str]) -> int: ...
 
@@ -135,8 +149,15 @@ def available_backends() -> tuple[str, ...]:
 
 
 def looks_like_ascend_node() -> bool:
-    """True when ``ASCEND_HOME_PATH`` is set or ``/dev/davinci*`` devices exist."""
-    return bool(os.environ.get("ASCEND_HOME_PATH")) or bool(glob.glob("/dev/davinci*"))
+    """True when ``ASCEND_HOME_PATH`` is set or ``/dev/davinci*`` devices exist.
+
+    An ``ASCEND_HOME_PATH`` that points at kvdd's simulated CANN root (``kvdd cann-root``) does not
+    count: sourcing its ``set_env.sh`` leaves backend selection as it was.
+    """
+    from .cann import is_simulated_root
+
+    home = os.environ.get("ASCEND_HOME_PATH")
+    return (bool(home) and not is_simulated_root(str(home))) or bool(glob.glob("/dev/davinci*"))
 
 
 def resolve_backend_name(backend: str | None) -> str:
@@ -159,7 +180,8 @@ def resolve_backend_name(backend: str | None) -> str:
     if problem is None and not test_double:
         return "native"
     if looks_like_ascend_node():
-        why = problem or "the native backend was built against kvdd's CI test double"
+        why = problem or ("the native backend was built against kvdd's simulated CANN root (a "
+                          "test double, not a real CANN install)")
         raise BackendUnavailableError(
             "this machine looks like an Ascend node (ASCEND_HOME_PATH or /dev/davinci*) but "
             f"{why}. Build the native backend, or choose the simulator explicitly with "

@@ -1,4 +1,16 @@
-"""The ``LlmDataDist`` facade: one instance of the C++ ``llm_datadist::LlmDataDist`` on a backend."""
+"""The ``LlmDataDist`` facade: one instance of the C++ ``llm_datadist::LlmDataDist`` on a backend.
+
+Every method checks its Python arguments (``TypeError``/``ValueError`` for values the C++ types cannot
+hold), calls the backend and turns a non-success status into the :class:`kvdd.LLMError` subclass of
+that status (docs/spec/API.md "Status and errors"); the behaviour of each call is
+docs/spec/SEMANTICS.md §3.
+
+Terms used below (docs/spec/SEMANTICS.md §2.1): a cache is ``num_tensors`` tensors of one shape
+``[B, ...]``; T is the bytes of one tensor; a *row* (batch row) and a *block* are the same unit, one
+index of the first dimension (``B = shape[0]`` of them); the *stride* S = T // B is the bytes of one
+row or block of one tensor.  Sizes and offsets of transfers are in bytes of the **local** (caller's)
+stride.
+"""
 
 from __future__ import annotations
 
@@ -82,13 +94,23 @@ class LlmDataDist:
         This instance's cluster id (uint64); peers address it in ``CacheIndex.cluster_id``.
     role : int
         An :class:`LlmRole` (any int32 is accepted here; Initialize rejects values outside 1..3 with
-        LLM_PARAM_INVALID).
+        LLM_PARAM_INVALID, docs/spec/SEMANTICS.md §3.2).
     backend : {"sim", "native"} or None
-        ``None`` picks ``$KVDD_BACKEND``, else a real native build, else the simulator (API.md).
+        ``None`` picks ``$KVDD_BACKEND``, else a real native build, else the simulator
+        (docs/spec/API.md "Backends").
 
+    Raises
+    ------
+    TypeError, ValueError
+        ``cluster_id`` or ``role`` does not fit its C++ type; an unknown backend name.
+    BackendUnavailableError
+        The backend is not built or cannot load here.
+
+    Notes
+    -----
     Every method raises the :class:`LLMError` subclass of the status the C++ call returns
-    (SEMANTICS.md §3), ``TypeError``/``ValueError`` for arguments that do not fit the C++ types.
-    Use as a context manager: leaving the block calls :meth:`finalize`.
+    (docs/spec/SEMANTICS.md §3), ``TypeError``/``ValueError`` for arguments that do not fit the C++
+    types.  Use as a context manager: leaving the block calls :meth:`finalize`.
     """
 
     def __init__(self, cluster_id: int, role: int, *, backend: str | None = None) -> None:
@@ -105,17 +127,17 @@ class LlmDataDist:
     # -- properties -------------------------------------------------------------------------
     @property
     def backend_name(self) -> str:
-        """``"sim"`` or ``"native"``."""
+        """``"sim"`` or ``"native"``: the backend this instance runs on."""
         return self._backend_name
 
     @property
     def backend(self) -> Backend:
-        """The backend object (statuses as ints, no exceptions)."""
+        """The :class:`kvdd.Backend` object (statuses as ints, no exceptions; docs/spec/API.md)."""
         return self._backend
 
     @property
     def cluster_id(self) -> int:
-        """The cluster id given to the constructor."""
+        """The cluster id given to the constructor (uint64)."""
         return self._cluster_id
 
     @property
@@ -177,25 +199,57 @@ class LlmDataDist:
 
     # -- lifecycle --------------------------------------------------------------------------
     def initialize(self, options: Mapping[str, str]) -> None:
-        """Initialize with string options (``kvdd.OPTION_*``) [Initialize, SEMANTICS.md §3.2].
+        """Initialize with string options [Initialize, docs/spec/SEMANTICS.md §3.2].
 
-        Raises LLMParamInvalidError for invalid options or role, LLMError(LLM_FAILED) when the
-        listen address cannot be bound.  A second call on an initialized instance succeeds and
-        ignores its options.
+        Parameters
+        ----------
+        options : Mapping[str, str]
+            ``kvdd.OPTION_*`` keys (C++ names such as ``"llm.ListenIpInfo"``) to string values;
+            ``llm.SyncKvCacheWaitTime`` is in milliseconds.
+
+        Raises
+        ------
+        TypeError
+            ``options`` is not a mapping of str to str.
+        LLMParamInvalidError
+            An invalid option value or role (§3.2, in upstream's check order).
+        LLMError
+            LLM_FAILED when the listen address cannot be bound.
+
+        Notes
+        -----
+        A second call on an initialized instance succeeds and ignores its options.
         """
         opts = check_options(options)
         self._check(self._backend.initialize(opts), "Initialize")
 
     def finalize(self) -> None:
-        """Tear down links, forget caches, stop listening [Finalize, §3.3].  Safe to call twice."""
+        """Tear down links, forget caches, stop listening [Finalize, docs/spec/SEMANTICS.md §3.3].
+
+        Safe to call twice; never raises for a status (upstream's Finalize returns none).
+        """
         self._backend.finalize()
 
     def set_role(self, role: int, options: Mapping[str, str] | None = None) -> None:
-        """Change the role and listen address [SetRole, §3.4].
+        """Change the role and listen address [SetRole, docs/spec/SEMANTICS.md §3.4].
 
-        Raises LLMExistLinkError while links exist (default backend), LLMParamInvalidError for a
-        role outside 1..3 or a malformed listen address, LLMFeatureNotEnabledError for a listen
-        change on the hixl backend, LLMError(LLM_FAILED) when not initialized.
+        Parameters
+        ----------
+        role : int
+            An :class:`LlmRole` (int32).
+        options : Mapping[str, str] or None
+            ``llm.ListenIpInfo`` to change the listen address; None means none.
+
+        Raises
+        ------
+        LLMExistLinkError
+            Links exist (default transfer backend).
+        LLMParamInvalidError
+            A role outside 1..3 or a malformed listen address.
+        LLMFeatureNotEnabledError
+            A listen change on the hixl transfer backend.
+        LLMError
+            LLM_FAILED when not initialized.
         """
         role = check_int("role", role, INT32)
         opts = check_options(options)
@@ -203,12 +257,26 @@ class LlmDataDist:
 
     # -- links ------------------------------------------------------------------------------
     def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int = 1000) -> list[Status]:
-        """Link to peers [LinkLlmClusters, §3.5].
+        """Link to peers [LinkLlmClusters, docs/spec/SEMANTICS.md §3.5].
 
-        Returns one status per cluster (all LLM_SUCCESS).  On failure raises the error of the
-        overall status (the last failing cluster's) with ``.rets`` holding every cluster's status
-        (``[]`` when the call failed before the per-cluster phase).  ``timeout_ms`` (int32) bounds
-        connecting to each peer.
+        Parameters
+        ----------
+        clusters : Sequence[ClusterInfo]
+            The peers (IPv4 addresses; ``remote_ip_infos[0]`` is the peer's listen address).
+        timeout_ms : int
+            Milliseconds (int32) to connect to each peer (C++ ``timeout_in_millis``).
+
+        Returns
+        -------
+        list[Status]
+            One status per cluster, all LLM_SUCCESS.
+
+        Raises
+        ------
+        LLMError
+            The subclass of the overall status (the last failing cluster's), with ``.rets`` holding
+            every cluster's status (``[]`` when the call failed before the per-cluster phase):
+            LLMLinkFailedError, LLMAlreadyLinkError, LLMParamInvalidError, ...
         """
         cl = _check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
@@ -218,10 +286,28 @@ class LlmDataDist:
 
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int = 1000,
                             force: bool = False) -> list[Status]:
-        """Unlink peers [UnlinkLlmClusters, §3.6]; ``force`` is the C++ ``force_flag`` (local only).
+        """Unlink peers [UnlinkLlmClusters, docs/spec/SEMANTICS.md §3.6].
 
-        Returns and raises like :meth:`link_llm_clusters` (LLMUnlinkFailedError when the peer cannot
-        be reached for a non-force unlink).
+        Parameters
+        ----------
+        clusters : Sequence[ClusterInfo]
+            The peers to unlink.
+        timeout_ms : int
+            Milliseconds (int32) to reach each peer.
+        force : bool
+            The C++ ``force_flag``: unlink locally without telling the peer.
+
+        Returns
+        -------
+        list[Status]
+            One status per cluster, all LLM_SUCCESS.
+
+        Raises
+        ------
+        LLMError
+            Like :meth:`link_llm_clusters`: LLMUnlinkFailedError (or LLMTimeoutError) when the peer
+            cannot be reached for a non-force unlink, LLMParamInvalidError for a non-positive timeout
+            or an empty list.  Unlinking a cluster that was never linked succeeds.
         """
         cl = _check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
@@ -234,15 +320,37 @@ class LlmDataDist:
     # -- registration -----------------------------------------------------------------------
     def register_kv_cache(self, cache_desc: CacheDesc, addrs: Sequence[int],
                           cfg: RegisterCfg | None = None) -> int:
-        """Register ``cache_desc.num_tensors`` tensors at ``addrs`` [RegisterKvCache, §3.7].
+        """Register ``cache_desc.num_tensors`` tensors at ``addrs`` [RegisterKvCache, docs/spec/SEMANTICS.md §3.7].
 
-        ``addrs``: one address (uint64) per tensor, each the start of ``cache_desc.tensor_nbytes``
-        bytes; a :class:`TensorAddrs` from :func:`kvdd.tensor_addrs` keeps its tensors alive while
-        registered; a ``TensorAddrs`` tensor smaller than ``cache_desc.tensor_nbytes`` is a
-        ``ValueError`` (upstream cannot see sizes and would let transfers overrun it).
-        Returns the cache id (1, 2, ... per instance).  Raises LLMParamInvalidError
-        (empty/mismatched/zero addrs, bad shape or dtype), LLMError(LLM_FAILED) when not
-        initialized or (simulator) the memory is not readable and writable.
+        Parameters
+        ----------
+        cache_desc : CacheDesc
+            Number, dtype and shape of the tensors; each tensor is ``cache_desc.tensor_nbytes`` (T)
+            bytes, ``B = shape[0]`` rows/blocks of S = T // B bytes.
+        addrs : Sequence[int]
+            One address (uint64) per tensor, each the start of T bytes.  A :class:`TensorAddrs` from
+            :func:`kvdd.tensor_addrs` keeps its tensors alive while registered.
+        cfg : RegisterCfg or None
+            Reserved (no fields).
+
+        Returns
+        -------
+        int
+            The cache id (1, 2, ... per instance).
+
+        Raises
+        ------
+        ValueError
+            A ``TensorAddrs`` tensor smaller than T (upstream cannot see sizes and would let transfers
+            overrun it; docs/spec/SEMANTICS.md §10).
+        LLMParamInvalidError
+            Empty or mismatched ``addrs``, a zero address, a bad shape or dtype (§3.7, §5).
+        LLMError
+            LLM_FAILED when not initialized or (simulator) the memory is not readable and writable.
+
+        Notes
+        -----
+        Register before linking: a cache registered after a link is invisible over it (§2.4).
         """
         _check_type("cache_desc", cache_desc, CacheDesc)
         checked = check_int_seq("addrs", addrs, UINT64)
@@ -257,12 +365,39 @@ class LlmDataDist:
         return cache_id
 
     def unregister_kv_cache(self, cache_id: int) -> None:
-        """Unregister a cache [UnregisterKvCache, §3.8]; unknown ids succeed."""
+        """Unregister a cache [UnregisterKvCache, docs/spec/SEMANTICS.md §3.8].
+
+        Parameters
+        ----------
+        cache_id : int
+            An id :meth:`register_kv_cache` returned (int64); unknown ids succeed.
+
+        Raises
+        ------
+        LLMError
+            LLM_FAILED when not initialized.
+        """
         cache_id = check_int("cache_id", cache_id, INT64)
         self._check(self._backend.unregister_kv_cache(cache_id), "UnregisterKvCache")
 
     def allocate_cache(self, cache_desc: CacheDesc) -> Cache:
-        """[AllocateCache, §3.9] Not supported by LLM-DataDist V2: raises LLMFeatureNotEnabledError."""
+        """[AllocateCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
+
+        Parameters
+        ----------
+        cache_desc : CacheDesc
+            Ignored.
+
+        Returns
+        -------
+        Cache
+            Never returns.
+
+        Raises
+        ------
+        LLMFeatureNotEnabledError
+            Always (after the argument types are checked).
+        """
         _check_type("cache_desc", cache_desc, CacheDesc)
         status, cache = self._backend.allocate_cache(cache_desc)
         self._check(status, "AllocateCache")
@@ -270,20 +405,55 @@ class LlmDataDist:
         return cache
 
     def deallocate_cache(self, cache_id: int) -> None:
-        """[DeallocateCache, §3.9] Not supported: raises LLMFeatureNotEnabledError."""
+        """[DeallocateCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
+
+        Parameters
+        ----------
+        cache_id : int
+            Ignored (int64).
+
+        Raises
+        ------
+        LLMFeatureNotEnabledError
+            Always.
+        """
         cache_id = check_int("cache_id", cache_id, INT64)
         self._check(self._backend.deallocate_cache(cache_id), "DeallocateCache")
 
     # -- transfers --------------------------------------------------------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
                       size: int = -1, ext_param: KvCacheExtParam | None = None) -> None:
-        """Read a batch row of a peer's cache into ``dst_cache`` [PullKvCache, §3.10].
+        """Read a batch row of a peer's cache into a local row [PullKvCache, docs/spec/SEMANTICS.md §3.10].
 
-        For each tensor k (or the layer range of ``ext_param``): ``size`` bytes (``-1``: the local
-        stride S) from row ``src_cache_index.batch_index`` of the remote tensor into row
-        ``batch_index`` (uint32) of the local tensor; offsets use the local stride.  Only
-        ``dst_cache.cache_id`` is read.  Raises LLMParamInvalidError, LLMKvCacheNotExistError,
-        LLMNotYetLinkError, LLMTimeoutError (``llm.SyncKvCacheWaitTime``), LLMError(LLM_FAILED).
+        For each tensor k (or the tensors of the layer range of ``ext_param``, §2.5): ``size`` bytes
+        from row ``src_cache_index.batch_index`` of the remote tensor into row ``batch_index`` of the
+        local tensor.  Offsets are ``row x S`` with S the **local** stride.
+
+        Parameters
+        ----------
+        src_cache_index : CacheIndex
+            The peer's cluster id, its cache id and the remote row.
+        dst_cache : Cache
+            The local cache; only ``cache_id`` is read.
+        batch_index : int
+            The local row (uint32).
+        size : int
+            Bytes per tensor (int64) from the start of the row; ``-1`` means S.
+        ext_param : KvCacheExtParam or None
+            Layer ranges and tensors per layer; None means all layers, 2 tensors per layer.
+
+        Raises
+        ------
+        LLMParamInvalidError
+            Out-of-range rows or sizes, bad layer ranges (§3.10 in upstream's order).
+        LLMKvCacheNotExistError
+            The remote or local cache is unknown (or was registered after the link).
+        LLMNotYetLinkError
+            No link to ``src_cache_index.cluster_id``.
+        LLMTimeoutError
+            The transfer exceeded ``llm.SyncKvCacheWaitTime`` (ms) or the peer is gone.
+        LLMError
+            LLM_FAILED when not initialized.
         """
         _check_type("src_cache_index", src_cache_index, CacheIndex)
         _check_type("dst_cache", dst_cache, Cache)
@@ -294,10 +464,24 @@ class LlmDataDist:
 
     def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
                        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None) -> None:
-        """Read blocks of a peer's cache into local blocks [PullKvBlocks, §3.11].
+        """Read blocks of a peer's cache into local blocks [PullKvBlocks, docs/spec/SEMANTICS.md §3.11].
 
-        ``src_blocks[i]`` -> ``dst_blocks[i]`` (uint64 block indices; block size = the local stride
-        S bytes).  Raises like :meth:`pull_kv_cache`.
+        Parameters
+        ----------
+        src_cache_index : CacheIndex
+            The peer's cluster id and cache id (``batch_index`` must be 0).
+        dst_cache : Cache
+            The local cache; only ``cache_id`` is read.
+        src_blocks, dst_blocks : Sequence[int]
+            Block indices (uint64): remote block ``src_blocks[i]`` -> local block ``dst_blocks[i]``.  A
+            block is one index of the first dimension, S bytes (the local stride) per tensor.
+        ext_param : KvCacheExtParam or None
+            Layer ranges and tensors per layer (§2.5).
+
+        Raises
+        ------
+        LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
+            As :meth:`pull_kv_cache` (§3.11 gives the order of the checks).
         """
         _check_type("src_cache_index", src_cache_index, CacheIndex)
         _check_type("dst_cache", dst_cache, Cache)
@@ -308,13 +492,30 @@ class LlmDataDist:
 
     def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
                       size: int = -1, ext_param: KvCacheExtParam | None = None) -> None:
-        """Write a local batch row into a peer's cache [PushKvCache, §3.12].
+        """Write a local batch row into a peer's cache [PushKvCache, docs/spec/SEMANTICS.md §3.12].
 
-        Writes the local stride S bytes of row ``src_batch_index`` of each tensor of the planned
-        layers into row ``dst_cache_index.batch_index`` of the remote tensors.  ``size`` must be -1.
-        Reads ``src_cache.cache_id``, ``.cache_desc.placement`` (must be DEVICE) and
-        ``.cache_desc.num_tensors``.  Layers are written one by one: on failure earlier layers stay
-        written (upstream behaviour).  Raises like :meth:`pull_kv_cache`.
+        Writes S (the local stride) bytes of row ``src_batch_index`` of each tensor of the planned
+        layers into row ``dst_cache_index.batch_index`` of the remote tensors.  Layers are written one
+        by one: on failure earlier layers stay written (upstream behaviour).
+
+        Parameters
+        ----------
+        src_cache : Cache
+            The local cache: ``cache_id``, ``cache_desc.placement`` (must be DEVICE) and
+            ``cache_desc.num_tensors`` are read (upstream reads them from this struct).
+        dst_cache_index : CacheIndex
+            The peer's cluster id, cache id and destination row.
+        src_batch_index : int
+            The local row (uint32).
+        size : int
+            Must be -1 (int64).
+        ext_param : KvCacheExtParam or None
+            Layer ranges and tensors per layer (§2.5).
+
+        Raises
+        ------
+        LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
+            As :meth:`pull_kv_cache` (§3.12 gives the order of the checks).
         """
         _check_type("src_cache", src_cache, Cache)
         _check_type("dst_cache_index", dst_cache_index, CacheIndex)
@@ -325,9 +526,24 @@ class LlmDataDist:
 
     def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
                        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None) -> None:
-        """Write local blocks into a peer's cache [PushKvBlocks, §3.13] (block size = local S).
+        """Write local blocks into a peer's cache [PushKvBlocks, docs/spec/SEMANTICS.md §3.13].
 
-        Raises like :meth:`push_kv_cache`.
+        Parameters
+        ----------
+        src_cache : Cache
+            The local cache (read as in :meth:`push_kv_cache`).
+        dst_cache_index : CacheIndex
+            The peer's cluster id and cache id.
+        src_blocks, dst_blocks : Sequence[int]
+            Block indices (uint64): local ``src_blocks[i]`` -> remote ``dst_blocks[i]``; a block is S
+            bytes (the local stride) per tensor.
+        ext_param : KvCacheExtParam or None
+            Layer ranges and tensors per layer (§2.5).
+
+        Raises
+        ------
+        LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
+            As :meth:`push_kv_cache` (§3.13).
         """
         _check_type("src_cache", src_cache, Cache)
         _check_type("dst_cache_index", dst_cache_index, CacheIndex)
@@ -338,7 +554,24 @@ class LlmDataDist:
 
     def copy_kv_cache(self, src_cache: Cache, dst_cache: Cache, src_batch_index: int = 0,
                       dst_batch_index: int = 0, offset: int = 0, size: int = -1) -> None:
-        """[CopyKvCache, §3.9] Not supported by LLM-DataDist V2: raises LLMFeatureNotEnabledError."""
+        """[CopyKvCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
+
+        Parameters
+        ----------
+        src_cache, dst_cache : Cache
+            Checked for type only.
+        src_batch_index, dst_batch_index : int
+            uint32.
+        offset : int
+            uint64 bytes.
+        size : int
+            int64 bytes.
+
+        Raises
+        ------
+        LLMFeatureNotEnabledError
+            Always (after the argument types are checked).
+        """
         _check_type("src_cache", src_cache, Cache)
         _check_type("dst_cache", dst_cache, Cache)
         src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
@@ -350,7 +583,22 @@ class LlmDataDist:
 
     def copy_kv_blocks(self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
                        dst_blocks_list: Sequence[Sequence[int]]) -> None:
-        """[CopyKvBlocks, §3.9] Not supported by LLM-DataDist V2: raises LLMFeatureNotEnabledError."""
+        """[CopyKvBlocks, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
+
+        Parameters
+        ----------
+        src_cache, dst_cache : Cache
+            Checked for type only.
+        src_blocks : Sequence[int]
+            uint64 block indices.
+        dst_blocks_list : Sequence[Sequence[int]]
+            uint64 block indices per destination.
+
+        Raises
+        ------
+        LLMFeatureNotEnabledError
+            Always (after the argument types are checked).
+        """
         _check_type("src_cache", src_cache, Cache)
         _check_type("dst_cache", dst_cache, Cache)
         src = check_int_seq("src_blocks", src_blocks, UINT64)

@@ -1,4 +1,9 @@
-"""Tensor memory for registration: :func:`tensor_addrs` and :class:`TensorAddrs`."""
+"""Tensor memory for registration: :func:`tensor_addrs` and :class:`TensorAddrs` (docs/spec/API.md "Memory").
+
+Addresses are plain integers, as on hardware; a :class:`TensorAddrs` also holds the objects that
+own the memory, so that a registered cache cannot be freed under the library (every backend keeps
+them alive until the cache is unregistered or the instance finalized).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,25 @@ __all__ = ["TensorAddrs", "tensor_addrs"]
 class TensorAddrs(tuple[int, ...]):
     """A tuple of tensor addresses (ints) that also holds the objects owning the memory.
 
-    Pass it to :meth:`kvdd.LlmDataDist.register_kv_cache`: every backend keeps ``owners`` alive
-    until the cache is unregistered or the instance finalized.  ``nbytes[i]`` is the size in bytes
-    of the memory behind ``self[i]`` as its owner reports it.
+    Parameters
+    ----------
+    addrs : Iterable[int]
+        One address per tensor, in cache order.
+    owners : Iterable[object]
+        The objects owning the memory (kept alive while registered).
+    nbytes : Iterable[int]
+        Bytes of memory behind each address, as its owner reports it.
+
+    Attributes
+    ----------
+    owners : tuple of object
+    nbytes : tuple of int
+
+    Notes
+    -----
+    Pass it to :meth:`kvdd.LlmDataDist.register_kv_cache`, which refuses a tensor smaller than
+    ``cache_desc.tensor_nbytes`` (docs/spec/SEMANTICS.md §10).  Pickled copies are plain tuples of
+    addresses: owners do not cross processes.
     """
 
     owners: tuple[object, ...]
@@ -98,10 +119,24 @@ def _one(obj: object, i: int) -> tuple[int, int]:
 def tensor_addrs(tensors: Iterable[object]) -> TensorAddrs:
     """Addresses of ``tensors`` (one per cache tensor, in cache order) for ``register_kv_cache``.
 
-    Accepts C-contiguous numpy arrays (views allowed), objects with ``__array_interface__`` or a
-    CPU ``__dlpack__``, and torch CPU tensors (torch is optional).  Raises ``ValueError`` for
-    non-contiguous, read-only or non-CPU input and ``TypeError`` for anything else.  The result keeps
-    the tensors alive while the cache is registered.
+    Parameters
+    ----------
+    tensors : Iterable[object]
+        C-contiguous numpy arrays (views allowed), objects with ``__array_interface__`` or a CPU
+        ``__dlpack__``, or torch CPU tensors (torch is optional).
+
+    Returns
+    -------
+    TensorAddrs
+        The addresses, with the tensors as owners (kept alive while the cache is registered) and
+        each tensor's size in bytes.
+
+    Raises
+    ------
+    ValueError
+        A tensor that is not C-contiguous, read-only, or not in CPU memory.
+    TypeError
+        ``tensors`` is not an iterable of tensors, or an item is none of the kinds above.
     """
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
         raise TypeError("tensor_addrs() takes an iterable of tensors")

@@ -57,7 +57,7 @@ class Status(enum.IntEnum):
     """Every status code of the LLM-DataDist error table (docs/spec/SEMANTICS.md §1).
 
     ``Status.LLM_PARAM_INVALID == 0x5010B005``.  Hardware can also return raw numbers outside this
-    table (ACL runtime codes, SEMANTICS.md §8): ``Status(code)`` then gives a *pseudo-member*
+    table (ACL runtime codes, docs/spec/SEMANTICS.md §8): ``Status(code)`` then gives a *pseudo-member*
     whose value is the raw number and whose name says it is unknown (``Status(507053).name ==
     'UNKNOWN_0x0007BCAD'``), so ``.name`` and ``int()`` work for every status.  Pseudo-members are
     not listed by iteration or ``Status.__members__``, compare equal to their number and pickle
@@ -119,7 +119,7 @@ class Status(enum.IntEnum):
 
     @property
     def is_known(self) -> bool:
-        """False for a pseudo-member (a code outside the table of SEMANTICS.md §1)."""
+        """False for a pseudo-member (a code outside the table of docs/spec/SEMANTICS.md §1)."""
         return self._name_ in type(self).__members__
 
 
@@ -258,7 +258,7 @@ class LLMLinkError(LLMError):
 
 
 class LLMTimeoutError(LLMError, TimeoutError):
-    """LLM_TIMEOUT, and family base of LLM_WAIT_PROC_TIMEOUT (API.md: class name = status name)."""
+    """LLM_TIMEOUT, and family base of LLM_WAIT_PROC_TIMEOUT (docs/spec/API.md: class name = status name)."""
 
 
 class LLMMemoryError(LLMError, MemoryError):
@@ -266,7 +266,7 @@ class LLMMemoryError(LLMError, MemoryError):
 
 
 class LLMFeatureNotEnabledError(LLMError, NotImplementedError):
-    """LLM_FEATURE_NOT_ENABLED: the call is not supported by this library build (SEMANTICS.md §3.9)."""
+    """LLM_FEATURE_NOT_ENABLED: the call is not supported by this library build (docs/spec/SEMANTICS.md §3.9)."""
 
 
 class LLMKvCacheNotExistError(LLMCacheError):

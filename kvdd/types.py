@@ -1,21 +1,29 @@
 """Value types of the LLM-DataDist C++ API, as immutable validated Python objects.
 
-Each class mirrors the C++ struct or enum of ``llm_datadist/llm_datadist.h`` (see VENDOR.md and
-API.md).  Construction checks Python types (``TypeError``) and the C++ field widths
-(``ValueError``) only; LLM semantics (e.g. ``num_tensors == 0``, a role of 4) are left to the call
-that uses the value, which returns the status SEMANTICS.md gives.
+Each class mirrors the C++ struct or enum of ``llm_datadist/llm_datadist.h`` (docs/spec/VENDOR.md,
+docs/spec/API.md "Value types").  Construction checks Python types (``TypeError``) and the C++ field
+widths (``ValueError``) only; LLM semantics (e.g. ``num_tensors == 0``, a role of 4) are left to the
+call that uses the value, which returns the status docs/spec/SEMANTICS.md gives.
+
+Terms (docs/spec/SEMANTICS.md §2.1): a cache is ``num_tensors`` tensors of one shape; T is the bytes
+of one tensor; B = ``shape[0]`` (as uint32) is the number of *rows* (batch rows) of a contiguous
+cache, which are the *blocks* of a paged one (the same unit); the *stride* S = T // B is the bytes of
+one row or block of one tensor.
 """
 
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex, Union
 
 import numpy as np
 import numpy.typing as npt
+
+# Re-exported: kvdd.types has always offered them (the binding and users import them from here).
+from .dtypes import DataType, element_size, tensor_nbytes
+from .widths import INT32, INT64, UINT8, UINT16, UINT32, UINT64, check_int, check_int_seq
 
 __all__ = [
     "LlmRole",
@@ -28,6 +36,8 @@ __all__ = [
     "CacheIndex",
     "KvCacheExtParam",
     "RegisterCfg",
+    "element_size",
+    "tensor_nbytes",
     "check_int",
     "check_int_seq",
     "INT32",
@@ -38,65 +48,9 @@ __all__ = [
     "UINT64",
 ]
 
-# (min, max) of the C++ integer types used by the API.
-INT32 = (-(2**31), 2**31 - 1)
-UINT8 = (0, 2**8 - 1)
-UINT16 = (0, 2**16 - 1)
-UINT32 = (0, 2**32 - 1)
-INT64 = (-(2**63), 2**63 - 1)
-UINT64 = (0, 2**64 - 1)
-
-_CTYPE_NAMES = {INT32: "int32", UINT8: "uint8", UINT16: "uint16", UINT32: "uint32",
-                INT64: "int64", UINT64: "uint64"}
-
-
-def check_int(name: str, value: object, width: tuple[int, int]) -> int:
-    """Return ``value`` as a Python int if it is an integer (not bool) within ``width``.
-
-    Raises ``TypeError`` for non-integers (``bool`` included) and ``ValueError`` when the value
-    does not fit the C++ field.
-    """
-    if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
-        return value
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        ivalue = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
-    lo, hi = width
-    if not lo <= ivalue <= hi:
-        raise ValueError(
-            f"{name}={ivalue} does not fit the C++ field ({_CTYPE_NAMES.get(width, 'int')}: "
-            f"{lo}..{hi})"
-        )
-    return ivalue
-
-
-def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int, ...]:
-    """Return a sequence of integers (list, tuple, 1-D integer numpy array) as a tuple of ints."""
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        # fast path: plain ints within the width (e.g. thousands of block ids)
-        items_: list[int] | tuple[int, ...] = value
-        if all(type(v) is int for v in items_) and (
-            not items_ or (width[0] <= min(items_) and max(items_) <= width[1])
-        ):
-            return tuple(items_)
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got an array of shape {value.shape}")
-        if value.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        items: Sequence[Any] = value.tolist()
-    elif isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a sequence of integers, not {type(value).__name__}")
-    else:
-        items = value
-    return tuple(check_int(f"{name}[{i}]", v, width) for i, v in enumerate(items))
-
 
 class LlmRole(enum.IntEnum):
-    """``llm_datadist::LlmRole`` (``int32_t``).  Role parameters take any int32 (SEMANTICS.md §3.2)."""
+    """``llm_datadist::LlmRole`` (``int32_t``).  Role parameters take any int32 (docs/spec/SEMANTICS.md §3.2)."""
 
     PROMPT = 1
     DECODER = 2
@@ -108,155 +62,6 @@ class CachePlacement(enum.IntEnum):
 
     HOST = 0
     DEVICE = 1
-
-
-# value -> element size; ints are bytes, ("bits", n) are sub-byte types (SEMANTICS.md §5).
-_DT_TABLE: dict[str, tuple[int, int | tuple[str, int] | None]] = {
-    "DT_FLOAT": (0, 4), "DT_FLOAT16": (1, 2), "DT_INT8": (2, 1), "DT_INT32": (3, 4),
-    "DT_UINT8": (4, 1), "DT_INT16": (6, 2), "DT_UINT16": (7, 2), "DT_UINT32": (8, 4),
-    "DT_INT64": (9, 8), "DT_UINT64": (10, 8), "DT_DOUBLE": (11, 8), "DT_BOOL": (12, 1),
-    "DT_STRING": (13, 16), "DT_DUAL_SUB_INT8": (14, 1), "DT_DUAL_SUB_UINT8": (15, 1),
-    "DT_COMPLEX64": (16, 8), "DT_COMPLEX128": (17, 16), "DT_QINT8": (18, 1), "DT_QINT16": (19, 2),
-    "DT_QINT32": (20, 4), "DT_QUINT8": (21, 1), "DT_QUINT16": (22, 2), "DT_RESOURCE": (23, 8),
-    "DT_STRING_REF": (24, 16), "DT_DUAL": (25, 5), "DT_VARIANT": (26, 8), "DT_BF16": (27, 2),
-    "DT_UNDEFINED": (28, None), "DT_INT4": (29, ("bits", 4)), "DT_UINT1": (30, ("bits", 1)),
-    "DT_INT2": (31, ("bits", 2)), "DT_UINT2": (32, ("bits", 2)), "DT_COMPLEX32": (33, 4),
-    "DT_HIFLOAT8": (34, 1), "DT_FLOAT8_E5M2": (35, 1), "DT_FLOAT8_E4M3FN": (36, 1),
-    "DT_FLOAT8_E8M0": (37, 1), "DT_FLOAT6_E3M2": (38, ("bits", 6)),
-    "DT_FLOAT6_E2M3": (39, ("bits", 6)), "DT_FLOAT4_E2M1": (40, ("bits", 4)),
-    "DT_FLOAT4_E1M2": (41, ("bits", 4)), "DT_HIFLOAT4": (42, ("bits", 4)),
-}
-
-_NUMPY_NAMES: dict[str, str] = {
-    "DT_FLOAT": "float32", "DT_FLOAT16": "float16", "DT_INT8": "int8", "DT_INT32": "int32",
-    "DT_UINT8": "uint8", "DT_INT16": "int16", "DT_UINT16": "uint16", "DT_UINT32": "uint32",
-    "DT_INT64": "int64", "DT_UINT64": "uint64", "DT_DOUBLE": "float64", "DT_BOOL": "bool",
-    "DT_COMPLEX64": "complex64", "DT_COMPLEX128": "complex128",
-}
-_ML_DTYPES_NAMES: dict[str, str] = {
-    "DT_BF16": "bfloat16", "DT_FLOAT8_E5M2": "float8_e5m2", "DT_FLOAT8_E4M3FN": "float8_e4m3fn",
-    "DT_FLOAT8_E8M0": "float8_e8m0fnu",
-}
-
-class DataType(enum.IntEnum):
-    """``ge::DataType``: every value of SEMANTICS.md §5 (``DT_BF16 == 27``, ``DT_UNDEFINED == 28``).
-
-    Reserved value 5, ``DT_UNDEFINED`` and values outside the table are invalid for registration
-    (PARAM_INVALID); dtype fields of the value types still take any int32.
-    """
-
-    DT_FLOAT = 0
-    DT_FLOAT16 = 1
-    DT_INT8 = 2
-    DT_INT32 = 3
-    DT_UINT8 = 4
-    DT_INT16 = 6
-    DT_UINT16 = 7
-    DT_UINT32 = 8
-    DT_INT64 = 9
-    DT_UINT64 = 10
-    DT_DOUBLE = 11
-    DT_BOOL = 12
-    DT_STRING = 13
-    DT_DUAL_SUB_INT8 = 14
-    DT_DUAL_SUB_UINT8 = 15
-    DT_COMPLEX64 = 16
-    DT_COMPLEX128 = 17
-    DT_QINT8 = 18
-    DT_QINT16 = 19
-    DT_QINT32 = 20
-    DT_QUINT8 = 21
-    DT_QUINT16 = 22
-    DT_RESOURCE = 23
-    DT_STRING_REF = 24
-    DT_DUAL = 25
-    DT_VARIANT = 26
-    DT_BF16 = 27
-    DT_UNDEFINED = 28
-    DT_INT4 = 29
-    DT_UINT1 = 30
-    DT_INT2 = 31
-    DT_UINT2 = 32
-    DT_COMPLEX32 = 33
-    DT_HIFLOAT8 = 34
-    DT_FLOAT8_E5M2 = 35
-    DT_FLOAT8_E4M3FN = 36
-    DT_FLOAT8_E8M0 = 37
-    DT_FLOAT6_E3M2 = 38
-    DT_FLOAT6_E2M3 = 39
-    DT_FLOAT4_E2M1 = 40
-    DT_FLOAT4_E1M2 = 41
-    DT_HIFLOAT4 = 42
-
-    @property
-    def itemsize_bits(self) -> int | None:
-        """Element size in bits (16 for DT_BF16, 4 for DT_INT4); None for DT_UNDEFINED."""
-        size = _DT_TABLE[self.name][1]
-        if size is None:
-            return None
-        if isinstance(size, tuple):
-            return size[1]
-        return size * 8
-
-    @property
-    def numpy_dtype(self) -> np.dtype[Any] | None:
-        """The numpy (or ml_dtypes) dtype; None for sub-byte types and types without one."""
-        if self.name in _NUMPY_NAMES:
-            return np.dtype(_NUMPY_NAMES[self.name])
-        if self.name in _ML_DTYPES_NAMES:
-            import ml_dtypes
-
-            attr = getattr(ml_dtypes, _ML_DTYPES_NAMES[self.name], None)
-            return None if attr is None else np.dtype(attr)
-        return None
-
-
-def element_size(data_type: int) -> int | tuple[str, int] | None:
-    """Element size of a raw dtype value: bytes (int), ``("bits", n)`` or None when invalid."""
-    try:
-        return _DT_TABLE[DataType(data_type).name][1]
-    except ValueError:
-        return None
-
-
-def _wrap32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - 2**32 if v >= 2**31 else v
-
-
-def tensor_nbytes(shape: Sequence[int], data_type: int) -> int:
-    """T of SEMANTICS.md §2.1 (CalcTensorMemSize): bytes of one tensor.
-
-    Raises ``ValueError`` with the reason when upstream returns PARAM_INVALID (empty shape, a dim
-    <= 0, int64 overflow, invalid dtype).
-    """
-    if not shape:
-        raise ValueError("shape is empty")
-    elements = 1
-    for i, dim in enumerate(shape):
-        if dim <= 0:
-            raise ValueError(f"shape[{i}]={dim} is not positive")
-        elements *= dim
-        if elements > INT64[1]:
-            raise ValueError("element count overflows int64")
-    size = element_size(data_type)
-    if size is None:
-        raise ValueError(f"data_type {data_type} has no element size (invalid or undefined)")
-    if isinstance(size, tuple):
-        # upstream: CeilDiv(int32(elements * bits), 8) — narrowed to int32 first (SEMANTICS.md §5).
-        bits = elements * size[1]
-        if bits > INT64[1]:
-            raise ValueError("bit count overflows int64")
-        # CeilDiv(int32 a, 8) is `a / 8`, plus one when inexact: no `a + 7` that could overflow.
-        narrowed = _wrap32(bits)
-        nbytes = -(-narrowed // 8) if narrowed >= 0 else 0  # negative: T undefined (below)
-        if nbytes <= 0:
-            raise ValueError(f"sub-byte size overflows int32 upstream ({bits} bits)")
-        return nbytes
-    nbytes = elements * size
-    if nbytes > INT64[1]:
-        raise ValueError("byte size overflows int64")
-    return nbytes
 
 
 def _check_str(name: str, value: object) -> str:
@@ -278,7 +83,20 @@ _IntSeq = Union[Sequence[SupportsIndex], npt.NDArray[np.integer[Any]]]
 
 @dataclass(frozen=True, init=False)
 class IpInfo:
-    """``llm_datadist::IpInfo``: ``ip`` (``AscendString``) and ``port`` (``uint16_t``, default 0)."""
+    """``llm_datadist::IpInfo``: an address of a cluster (docs/spec/SEMANTICS.md §3.5).
+
+    Parameters
+    ----------
+    ip : str
+        The IP (``AscendString``); links take IPv4 literals only.
+    port : int
+        ``uint16_t``, default 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``ip`` is not a str; ``port`` is not an integer or outside 0..65535.
+    """
 
     ip: str
     port: int = 0
@@ -304,10 +122,22 @@ def _check_ip_infos(name: str, value: object) -> tuple[IpInfo, ...]:
 
 @dataclass(frozen=True, init=False)
 class ClusterInfo:
-    """``llm_datadist::ClusterInfo``: the peer to link to (SEMANTICS.md §3.5).
+    """``llm_datadist::ClusterInfo``: the peer to link to (docs/spec/SEMANTICS.md §3.5).
 
-    ``remote_cluster_id`` (uint64), ``remote_role_type`` (int32, ignored upstream),
-    ``local_ip_infos`` and ``remote_ip_infos`` (sequences of :class:`IpInfo`, IPv4 only).
+    Parameters
+    ----------
+    remote_cluster_id : int
+        The peer's cluster id (uint64).
+    remote_role_type : int
+        int32, ignored upstream.
+    local_ip_infos, remote_ip_infos : Sequence[IpInfo]
+        This side's and the peer's addresses (IPv4 only); ``remote_ip_infos[0]`` is where the peer
+        listens.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
     """
 
     remote_cluster_id: int = 0
@@ -342,11 +172,26 @@ class ClusterInfo:
 class CacheDesc:
     """``llm_datadist::CacheDesc``: describes the ``num_tensors`` equally shaped tensors of a cache.
 
-    Fields: ``num_tensors`` (uint32, default 0), ``data_type`` (``ge::DataType``, any int32, default
-    ``DT_UNDEFINED``), ``shape`` (int64 dims), ``placement`` (uint32, default ``DEVICE``).
+    Parameters
+    ----------
+    num_tensors : int
+        uint32, default 0.
+    data_type : int
+        ``ge::DataType`` (any int32; a :class:`DataType` member when known), default ``DT_UNDEFINED``.
+    shape : Sequence[int] or numpy integer array
+        int64 dims; the first is B (rows / blocks).
+    placement : int
+        uint32 (a :class:`CachePlacement` member when known), default ``DEVICE``.
 
-    Derived sizes (SEMANTICS.md §2.1) raise ``ValueError`` when upstream would reject the shape or
-    dtype: :attr:`tensor_nbytes` (T), :attr:`batch_size` (B = ``shape[0]`` as uint32) and
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+
+    Notes
+    -----
+    Derived sizes (docs/spec/SEMANTICS.md §2.1) raise ``ValueError`` when upstream would reject the
+    shape or dtype: :attr:`tensor_nbytes` (T), :attr:`batch_size` (B = ``shape[0]`` as uint32) and
     :attr:`stride_nbytes` (S = T // B, bytes per batch row = bytes per block).
     """
 
@@ -386,12 +231,18 @@ class CacheDesc:
 
     @property
     def tensor_nbytes(self) -> int:
-        """T: bytes of each tensor (product of dims x element size; sub-byte types rounded up)."""
+        """T: bytes of each tensor (product of dims x element size; sub-byte types rounded up).
+
+        Raises ``ValueError`` where upstream returns PARAM_INVALID (:func:`tensor_nbytes`).
+        """
         return tensor_nbytes(self.shape, self.data_type)
 
     @property
     def batch_size(self) -> int:
-        """B: ``shape[0]`` truncated to uint32 (also the number of blocks)."""
+        """B: ``shape[0]`` truncated to uint32, the number of rows (= blocks).
+
+        Raises ``ValueError`` for an empty or invalid shape.
+        """
         if not self.shape:
             raise ValueError("shape is empty")
         self.tensor_nbytes  # validates the shape
@@ -399,7 +250,10 @@ class CacheDesc:
 
     @property
     def stride_nbytes(self) -> int:
-        """S: ``T // B`` bytes, the size of one batch row and of one block."""
+        """S: ``T // B`` bytes, the size of one row and of one block of one tensor.
+
+        Raises ``ValueError`` for an invalid shape or B = 0.
+        """
         b = self.batch_size
         if b == 0:
             raise ValueError("batch size (shape[0] as uint32) is 0")
@@ -408,9 +262,23 @@ class CacheDesc:
 
 @dataclass(frozen=True, init=False)
 class Cache:
-    """``llm_datadist::Cache``: ``cache_id`` (int64, default -1), ``tensor_addrs`` (uint64 each),
-    ``cache_desc``.  Pulls read only ``cache_id``; pushes also read ``cache_desc.placement`` and
-    ``cache_desc.num_tensors`` (SEMANTICS.md §3.12)."""
+    """``llm_datadist::Cache``: a local cache as transfers name it (docs/spec/SEMANTICS.md §3.10-3.13).
+
+    Parameters
+    ----------
+    cache_id : int
+        int64, default -1; the id RegisterKvCache returned.
+    tensor_addrs : Sequence[int] or numpy integer array
+        uint64 each (not read by transfers).
+    cache_desc : CacheDesc
+        Pulls ignore it; pushes read ``placement`` (must be DEVICE) and ``num_tensors`` from it
+        (§3.12).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+    """
 
     cache_id: int = -1
     tensor_addrs: tuple[int, ...] = ()
@@ -436,9 +304,22 @@ class Cache:
 
 @dataclass(frozen=True, init=False)
 class CacheIndex:
-    """``llm_datadist::CacheIndex``: a peer's cache: ``cluster_id`` (uint64, the peer's cluster id),
-    ``cache_id`` (int64, the id the peer's RegisterKvCache returned), ``batch_index`` (uint32, the
-    remote batch row; must be 0 for block transfers)."""
+    """``llm_datadist::CacheIndex``: a peer's cache (docs/spec/SEMANTICS.md §3.10-3.13).
+
+    Parameters
+    ----------
+    cluster_id : int
+        The peer's cluster id (uint64).
+    cache_id : int
+        The id the peer's RegisterKvCache returned (int64).
+    batch_index : int
+        The remote row (uint32); must be 0 for block transfers.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or outside its C++ width.
+    """
 
     cluster_id: int
     cache_id: int
@@ -473,12 +354,20 @@ def _check_range(name: str, value: object) -> tuple[int, int]:
 
 @dataclass(frozen=True, init=False)
 class KvCacheExtParam:
-    """``llm_datadist::KvCacheExtParam``: layer ranges of a transfer (SEMANTICS.md §2.5).
+    """``llm_datadist::KvCacheExtParam``: layer ranges of a transfer (docs/spec/SEMANTICS.md §2.5).
 
-    ``src_layer_range`` / ``dst_layer_range`` are **inclusive** ``(first, last)`` int32 pairs as in
-    C++; ``(-1, -1)`` (the default, or any ``first == -1``) means all layers.
-    ``tensor_num_per_layer`` (uint8, default 2: K and V) maps layer L to tensors
-    ``[L*t, (L+1)*t)``.
+    Parameters
+    ----------
+    src_layer_range, dst_layer_range : pair of int
+        **Inclusive** ``(first, last)`` int32 pairs as in C++; ``(-1, -1)`` (the default, or any
+        ``first == -1``) means all layers.
+    tensor_num_per_layer : int
+        uint8, default 2 (K and V): layer L is tensors ``[L*t, (L+1)*t)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a pair of integers, or a value outside its C++ width.
     """
 
     src_layer_range: tuple[int, int] = (-1, -1)
@@ -505,4 +394,5 @@ class KvCacheExtParam:
 
 @dataclass(frozen=True)
 class RegisterCfg:
-    """``llm_datadist::RegisterCfg``: reserved, no fields (ignored by RegisterKvCache)."""
+    """``llm_datadist::RegisterCfg``: reserved, no fields (ignored by RegisterKvCache, §3.7)."""
+

@@ -184,18 +184,23 @@ def test_targets_only(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- the cross-process section ------------------------------------------------------------------
 
 XP_KEYS = {"path", "data_path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps",
-           "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_memcpy", "vs_memcpy_2t", "vs_socket",
-           "limit", "ratio", "ratio_median", "samples", "verified"}
+           "pvm_iov_gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy",
+           "vs_memcpy_2t", "vs_socket", "limit", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb",
+           "peer_cpu_s_per_gb", "samples", "verified"}
 XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks"): 8 * 64 * KiB,
            ("process_vm", "push_blocks"): 8 * 64 * KiB, ("tcp", "pull_row"): 1024 * KiB,
            ("tcp", "pull_blocks"): 8 * 64 * KiB}
+LAT_KEYS = {"path", "data_path", "kind", "bytes", "median_us", "p99_us", "calls", "verified",
+            "in_process_median_us", "in_process_p99_us", "vs_in_process_median", "vs_in_process_p99",
+            "socket_rr_median_us", "socket_rr_p99_us", "vs_socket_rr_median", "vs_socket_rr_p99"}
 
 
 def test_cross_process_rows(doc: dict[str, Any]) -> None:
     xp = doc["cross_process"]
     assert xp is not None and not xp.get("error"), xp
     assert xp["config"] == {"row_bytes": 1024 * KiB, "blocks": 8, "block_bytes": 64 * KiB,
-                            "sync_wait_ms": xp["config"]["sync_wait_ms"]}
+                            "sync_wait_ms": xp["config"]["sync_wait_ms"], "small_bytes": 64, "calls": 50,
+                            "raw_chunk_bytes": 64 * KiB}
     # two peer processes, neither of them this one nor the bench's; the TCP link is really TCP
     peers = {p["path"]: p for p in xp["peers"]}
     assert set(peers) == {"process_vm", "tcp"}
@@ -210,19 +215,39 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
         assert r["bytes"] == XP_ROWS[key], key
         assert r["run_bytes"] == (1024 * KiB if r["kind"] == "pull_row" else 64 * KiB), key
         assert r["samples"] == 2 and r["verified"] is True, key
-        assert r["limit"] == ("socket" if r["path"] == "tcp" else "pvm"), key
+        limit = "socket" if r["path"] == "tcp" else "pvm" if r["kind"] == "pull_row" else "pvm_iov"
+        assert r["limit"] == limit, key
         assert r["min_ms"] <= r["median_ms"]
         measured = ["min_ms", "median_ms", "gbps", "pvm_gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "vs_pvm",
-                    "vs_memcpy", "vs_memcpy_2t", "ratio", "ratio_median"]
-        if r["path"] == "tcp":  # the raw socket limit is measured for TCP pulls only
+                    "vs_memcpy", "vs_memcpy_2t", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb"]
+        if r["data_path"] == "tcp":  # the owner's CPU serves TCP; the one-sided path needs none of it
+            measured.append("peer_cpu_s_per_gb")
+        else:
+            assert r["peer_cpu_s_per_gb"] >= 0.0, key
+        if r["path"] == "tcp" and r["kind"] != "push_blocks":  # the raw socket limit: TCP pulls only
             measured += ["socket_gbps", "vs_socket"]
         else:
             assert r["socket_gbps"] is None and r["vs_socket"] is None, key
+        if r["kind"] != "pull_row":  # the bare scattered process_vm of the same iovecs
+            measured += ["pvm_iov_gbps", "vs_pvm_iov"]
+        else:
+            assert r["pvm_iov_gbps"] is None and r["vs_pvm_iov"] is None, key
         for k in measured:
             assert _positive(r[k]), (key, k, r[k])
         assert math.isclose(r["ratio"], r["vs_" + r["limit"]]), key
+        assert math.isclose(r["cpu_s_per_gb"], r["own_cpu_s_per_gb"] + r["peer_cpu_s_per_gb"]), key
+    lat = {r["path"]: r for r in xp["latency"]}
+    assert set(lat) == {"process_vm", "tcp"}
+    for path, r in lat.items():
+        assert set(r) == LAT_KEYS, path
+        assert r["kind"] == "pull_64B" and r["bytes"] == 64 and r["calls"] == 50 and r["verified"] is True
+        assert r["data_path"] == peers[path]["data_path"]
+        for k in LAT_KEYS - {"path", "data_path", "kind", "bytes", "calls", "verified"}:
+            assert _positive(r[k]), (path, k, r[k])
+        assert r["median_us"] <= r["p99_us"] and r["in_process_median_us"] <= r["in_process_p99_us"]
+        assert math.isclose(r["vs_in_process_median"], r["median_us"] / r["in_process_median_us"])
     targets = xp["targets"]
-    assert len(targets) == 3
+    assert len(targets) == 6
     for t in targets:
         assert _positive(t["ratio"]) and isinstance(t["met"], bool), t
 
@@ -232,6 +257,7 @@ def test_cross_process_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--cross-process", "--repeats", "1", *XP_TINY]) == 0
     out = capsys.readouterr().out
     assert "Cross-process" in out and "vs_pvm" in out and "vs_socket" in out and "# target:" in out
+    assert "Small calls" in out and "vs_in_process_median" in out and "cpu_s_per_gb" in out
     assert "Per-call overhead" not in out and "qwen2.5-7b" not in out
 
 

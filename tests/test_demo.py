@@ -5,14 +5,18 @@ transfers, failure exit codes, and the ``--json`` schema."""
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
+import pty
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from kvdd.demo import (
     DemoReport,
     Geometry,
     Pattern,
+    Progress,
     VerificationError,
     model_from_hf_config,
     resolve_model,
@@ -350,6 +355,81 @@ def test_decode_failing_before_it_connects_does_not_hang(in_process: bool) -> No
     assert time.perf_counter() - t0 < 20
     assert not report.ok and report.error is not None
     assert "Initialize" in report.error.message and report.transfers == []
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens there once closed
+
+
+def test_decode_against_a_closed_port_fails_fast_with_a_progress_line() -> None:
+    # `kvdd demo --role decode --connect HOST:PORT` at an address where nothing listens: the
+    # refused connection is retried briefly (saying so), not for the whole --timeout.
+    port = _closed_port()
+    lines = io.StringIO()
+    t0 = time.perf_counter()
+    opts = replace(quick(), timeout=120.0)
+    report = run_decode(opts, ("127.0.0.1", port), ("127.0.0.1", port),
+                        Progress(True, "decode", lines))
+    assert time.perf_counter() - t0 < 60  # not the 120 s --timeout
+    assert report.error is not None and not report.ok and report.transfers == []
+    assert f"control channel at 127.0.0.1:{port} within 5 s" in report.error.message
+    assert "kvdd demo --role prefill" in report.error.message
+    assert f"kvdd demo [decode] the prefill's control channel at 127.0.0.1:{port} refused the " \
+           "connection; retrying for 5 s" in lines.getvalue().splitlines()
+    assert report.setup_seconds == 0.0  # it gave up before allocating its caches
+
+
+def test_model_config_accepts_a_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "Qwen2.5-7B-Instruct"
+    model_dir.mkdir()
+    write(model_dir, {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                      "hidden_size": 3584, "torch_dtype": "bfloat16"})
+    from_dir = model_from_hf_config(model_dir)
+    assert from_dir == model_from_hf_config(model_dir / "config.json")
+    assert from_dir.source == str(model_dir / "config.json") and from_dir.name == "Qwen2.5-7B-Instruct"
+    assert (from_dir.layers, from_dir.kv_heads, from_dir.head_dim) == (28, 4, 128)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="directory without a config.json"):
+        model_from_hf_config(empty)
+    assert cli_main(["demo", "--model-config", str(empty)]) == 2
+    assert "directory without a config.json" in capsys.readouterr().err
+
+
+def test_one_failed_line_on_a_terminal(corrupt_first_block_pull: list[tuple[int, int, int]],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # stdout and stderr on one terminal (as in an interactive shell): the report's FAILED line
+    # is not repeated on stderr.
+    master, slave = pty.openpty()
+    term = os.fdopen(slave, "w", buffering=1)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(master, chunks), daemon=True)
+    reader.start()
+    try:
+        monkeypatch.setattr(sys, "stdout", term)
+        monkeypatch.setattr(sys, "stderr", term)
+        rc = cli_main(["demo", "--quick", "--in-process", "--no-progress"])
+    finally:
+        term.close()
+        reader.join(10)
+        os.close(master)
+    assert rc == 1
+    text = b"".join(chunks).decode()
+    assert text.count("FAILED: ") == 1, text
+    assert "FAILED: paged block pull" in text
+
+
+def _drain(fd: int, chunks: list[bytes]) -> None:
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO once the slave side is closed
+            return
+        if not data:
+            return
+        chunks.append(data)
 
 
 def test_geometry_disagreement_is_reported() -> None:

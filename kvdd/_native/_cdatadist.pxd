@@ -2,15 +2,17 @@
 # Declarations of the LLM-DataDist C++ API (``llm_datadist/llm_datadist.h``) for Cython.
 #
 # Restated by kvdd from the type and signature tables of VENDOR.md (the vendor header is not copied).
-# Names are the vendor's exactly.  Only what kvdd's binding uses has to exist in the real header:
-# Cython emits code for a declaration only when it is used, so the full lists below (every
-# ``ge::DataType`` value, every status constant of API.md) cost nothing when a CANN release lacks
-# one of them.  The reserved byte arrays that end every struct are not declared: user code does not
-# touch them and the C++ compiler sees the real layout.
+# Names are the vendor's exactly, and only names the real header has are declared (Cython emits
+# code for a declaration only when it is used, so a wrong one would break only the first real
+# build that uses it, while CI against a permissive double stays green).  The reserved byte
+# arrays that end every struct are not declared: user code does not touch them and the C++
+# compiler sees the real layout.  They have no default initializer upstream
+# (except RegisterCfg's): the binding value-initializes every struct it fills (``T()``), which
+# zeroes them; tests/native/test_native_hardening.py checks that.
 #
 # Every ``LlmDataDist`` member is ``except +`` (none is ``noexcept`` upstream) and ``nogil``: kvdd
-# calls them with the GIL released and translates a C++ exception into
-# ``LLMError(LLM_FAILED, <C++ message>)``.
+# calls them with the GIL released; a C++ exception becomes the status ``LLM_FAILED`` with the C++
+# message as the call's ``last_error_detail()``.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cpp_bool
@@ -89,15 +91,14 @@ cdef extern from "llm_datadist/llm_datadist.h" namespace "llm_datadist" nogil:
     const char OPTION_TRANSFER_BACKEND[]
     const char OPTION_GLOBAL_RESOURCE_CONFIG[]
 
-    # Statuses (constexpr Status).
+    # Statuses (constexpr Status): the 18 codes llm_datadist.h defines (VENDOR.md).  The other
+    # twelve codes of kvdd.Status live only as ge::LLM_* in llm_datadist/llm_error_codes.h, which
+    # llm_datadist.h does not include: declaring them here would break a real build on first use.
     const Status LLM_SUCCESS
     const Status LLM_FAILED
     const Status LLM_WAIT_PROC_TIMEOUT
     const Status LLM_KV_CACHE_NOT_EXIST
-    const Status LLM_REPEAT_REQUEST
-    const Status LLM_REQUEST_ALREADY_COMPLETED
     const Status LLM_PARAM_INVALID
-    const Status LLM_ENGINE_FINALIZED
     const Status LLM_NOT_YET_LINK
     const Status LLM_ALREADY_LINK
     const Status LLM_LINK_FAILED
@@ -106,15 +107,6 @@ cdef extern from "llm_datadist/llm_datadist.h" namespace "llm_datadist" nogil:
     const Status LLM_CLUSTER_NUM_EXCEED_LIMIT
     const Status LLM_PROCESSING_LINK
     const Status LLM_DEVICE_OUT_OF_MEMORY
-    const Status LLM_PREFIX_ALREADY_EXIST
-    const Status LLM_PREFIX_NOT_EXIST
-    const Status LLM_SEQ_LEN_OVER_LIMIT
-    const Status LLM_NO_FREE_BLOCK
-    const Status LLM_BLOCKS_OUT_OF_MEMORY
-    const Status LLM_CACHE_INCOMPATIBLE
-    const Status LLM_CACHE_KEY_ALREADY_EXIST
-    const Status LLM_COPY_CACHE_FAILED
-    const Status LLM_CACHE_ID_ALREADY_EXIST
     const Status LLM_EXIST_LINK
     const Status LLM_FEATURE_NOT_ENABLED
     const Status LLM_TIMEOUT

@@ -7,8 +7,10 @@ Built only when meson finds a CANN root (option ``native``; see VENDOR.md).  Eac
 kvdd's value types (:mod:`kvdd.types`) field by field into the C++ structs of
 ``llm_datadist/llm_datadist.h`` (declared in ``_cdatadist.pxd``), calls the C++ member of the
 same name with the GIL released and returns the raw status (an ``int``, never raised).  A C++
-exception thrown by the library becomes ``kvdd.LLMError`` with ``LLM_FAILED`` and the C++
-message (API.md).  Addresses registered from a :class:`kvdd.TensorAddrs` keep its ``owners``
+exception thrown by the library becomes the status ``LLM_FAILED``, and its message the call's
+:meth:`NativeBackend.last_error_detail`, so the facade's ``raise_for_status`` turns it into
+``kvdd.LLMError`` like any other status (API.md).  The constructor and ``Finalize`` have no
+status to return: a C++ exception there is raised through ``raise_for_status`` directly.  Addresses registered from a :class:`kvdd.TensorAddrs` keep its ``owners``
 alive until the cache is unregistered or the instance finalized.
 
 Concurrency: calls may come from several threads at once (as upstream allows); ``finalize`` waits
@@ -16,7 +18,8 @@ for the calls in flight and holds new ones back while it runs, because upstream'
 must not run concurrently with other calls (VENDOR.md).
 """
 
-import operator
+import os
+import threading
 from collections.abc import Mapping
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
@@ -51,6 +54,8 @@ from kvdd._native._cdatadist cimport (
     RegisterCfg,
     Status,
 )
+
+from kvdd.types import check_int
 
 __all__ = ["NativeBackend", "build_info", "header_constants"]
 
@@ -105,6 +110,17 @@ cdef extern from *:
         fn_t fn = (fn_t)kvdd_test_double_symbol("kvdd_testdouble_listen_port");
         return fn == NULL ? -3 : fn(dd);
     }
+    /* The library's explanation of the calling thread's last failed call, NULL when it has none:
+       the simulated root's kvdd_testdouble_last_error, else ACL's aclGetRecentErrMsg (CANN's
+       libascendcl.so, where the runtime records its errors) when it is loaded. */
+    static const char *kvdd_library_message(void) {
+        typedef const char *(*fn_t)(void);
+        fn_t fn = (fn_t)kvdd_test_double_symbol("kvdd_testdouble_last_error");
+        if (fn == NULL) {
+            fn = (fn_t)dlsym(RTLD_DEFAULT, "aclGetRecentErrMsg");
+        }
+        return fn == NULL ? NULL : fn();
+    }
     /* Test double only: its _GLIBCXX_USE_CXX11_ABI; -1 when unknown. */
     static int kvdd_td_cxx11_abi(void) {
         typedef int (*fn_t)(void);
@@ -129,6 +145,7 @@ cdef extern from *:
     """
     int kvdd_td_listen_port(void* dd) nogil
     int kvdd_td_cxx11_abi() nogil
+    const char* kvdd_library_message() nogil
     int kvdd_cxx11_abi() nogil
     int kvdd_built_against_test_double() nogil
     string_t kvdd_library_path "kvdd_library_path"() except +
@@ -146,16 +163,9 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 
 cdef object _as_int(object value, str name, object lo, object hi, str ctype):
     """``value`` as a Python int within [lo, hi]: TypeError for non-integers and bool,
-    ValueError outside the C++ width (API.md "Value types")."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        ivalue = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
-    if not lo <= ivalue <= hi:
-        raise ValueError(f"{name}={ivalue} does not fit the C++ field ({ctype}: {lo}..{hi})")
-    return ivalue
+    ValueError outside the C++ width (API.md "Value types").  The one width check is
+    :func:`kvdd.types.check_int`, which also names ``ctype`` in its message."""
+    return check_int(name, value, (lo, hi))
 
 
 cdef inline uint64_t _u64(object value, str name) except? 0:
@@ -202,7 +212,7 @@ cdef int _fill_options(cpp_map[AscendString, AscendString]& out, object options,
 
 
 cdef int _fill_ip_infos(vector[IpInfo]& out, object infos, str name) except -1:
-    cdef IpInfo info
+    cdef IpInfo info = IpInfo()
     for i, item in enumerate(infos):
         info = IpInfo()
         info.ip = _ascend_string(item.ip, f"{name}[{i}].ip")
@@ -292,15 +302,19 @@ cdef object _cache_to_py(const Cache& cache):
     )
 
 
-cdef object _cxx_error(str call, object exc):
-    """The LLMError for a C++ exception that ``except +`` turned into ``exc``."""
-    from kvdd.status import LLMError, Status as PyStatus
-
+cdef str _cxx_message(str call, object exc):
+    """The explanation of a C++ exception that ``except +`` turned into ``exc``."""
     message = str(exc) or type(exc).__name__
-    return LLMError.from_status(
-        PyStatus.LLM_FAILED,
-        f"llm_datadist::LlmDataDist::{call} threw a C++ exception: {message}",
-    )
+    return f"llm_datadist::LlmDataDist::{call} threw a C++ exception: {message}"
+
+
+cdef object _raise_cxx(str call, object exc):
+    """For the two members without a status to return (constructor, Finalize): raise through
+    kvdd.status.raise_for_status, the one status -> exception function."""
+    from kvdd.status import Status as PyStatus, raise_for_status
+
+    raise_for_status(PyStatus.LLM_FAILED, f"llm_datadist::LlmDataDist::{call}",
+                     None, _cxx_message(call, exc))
 
 
 cdef object _listen_port_of(object value):
@@ -368,9 +382,11 @@ cdef class NativeBackend:
         int32 role (``LlmRole``); out-of-enum values are passed through and rejected by
         ``Initialize`` with PARAM_INVALID (SEMANTICS.md §3.2).
 
-    Every method returns the raw C++ status as an ``int``.  A C++ exception raises
-    ``kvdd.LLMError`` (LLM_FAILED, with the C++ message); a wrong Python type raises TypeError
-    and a value outside the C++ width ValueError, before anything is called.
+    Every method returns the raw C++ status as an ``int``.  A C++ exception returns LLM_FAILED
+    (with empty ``rets``, cache id -1 or no cache where the call has outputs) and keeps the C++
+    message for :meth:`last_error_detail`; only the constructor and ``finalize`` raise
+    ``kvdd.LLMError`` (LLM_FAILED) for one.  A wrong Python type raises TypeError and a value
+    outside the C++ width ValueError, before anything is called.
     """
 
     cdef LlmDataDist* _dd
@@ -380,6 +396,7 @@ cdef class NativeBackend:
     cdef bint _initialized
     cdef bint _hixl
     cdef int _listen         # port parsed from llm.ListenIpInfo, -1 when not listening
+    cdef object _local       # threading.local: .detail = this thread's last failure explanation
 
     def __cinit__(self, *args, **kwargs):
         self._dd = NULL
@@ -389,6 +406,7 @@ cdef class NativeBackend:
         self._initialized = False
         self._hixl = False
         self._listen = -1
+        self._local = threading.local()
 
     def __init__(self, cluster_id, role):
         cdef uint64_t cid = _u64(cluster_id, "cluster_id")
@@ -399,7 +417,7 @@ cdef class NativeBackend:
             with nogil:
                 self._dd = new LlmDataDist(cid, <LlmRole>r)
         except Exception as exc:
-            raise _cxx_error("LlmDataDist", exc) from exc
+            _raise_cxx("LlmDataDist", exc)
 
     def __dealloc__(self):
         # Upstream's destructor tears a still-initialized instance down; owners are released by
@@ -418,7 +436,36 @@ cdef class NativeBackend:
     cdef LlmDataDist* _get(self) except NULL:
         if self._dd == NULL:
             raise RuntimeError("NativeBackend.__init__ was not called")
+        self._local.detail = None   # a new call: forget the previous explanation
+        self._local.fresh = True
         return self._dd
+
+    cdef Status _cxx_failed(self, str call, object exc):
+        """A C++ exception from ``call``: LLM_FAILED, with the C++ message kept as this thread's
+        ``last_error_detail()``."""
+        self._local.detail = _cxx_message(call, exc)
+        return LLM_FAILED
+
+    def last_error_detail(self):
+        """The explanation of this thread's last non-success status, or None (API.md, Backend
+        protocol).
+
+        The message of a C++ exception the library threw (the call returned LLM_FAILED); else the
+        library's own explanation of the failed call when it offers one (the simulated CANN root
+        always does; on CANN, ACL's ``aclGetRecentErrMsg``), else None.  Meaningful right after
+        the failed call, on its thread; reading it clears it.
+        """
+        cdef const char* text
+        if not getattr(self._local, "fresh", False):
+            return None
+        self._local.fresh = False
+        detail = self._local.detail
+        self._local.detail = None
+        if detail is None:
+            text = kvdd_library_message()
+            if text != NULL and text[0] != 0:
+                detail = text.decode("utf-8", "replace")
+        return detail
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -436,7 +483,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("Initialize", exc) from exc
+            st = self._cxx_failed("Initialize", exc)
         if st == LLM_SUCCESS and not self._initialized:
             # An already initialized instance ignores new options (SEMANTICS.md §3.2 step 1).
             self._initialized = True
@@ -470,7 +517,7 @@ cdef class NativeBackend:
             owners.update(self._owners)
             orphans.extend(self._orphans)
             self._owners, self._orphans = owners, orphans
-            raise _cxx_error("Finalize", exc) from exc
+            _raise_cxx("Finalize", exc)
         del owners, orphans   # released here, after the library forgot the memory
 
     def set_role(self, role, options):
@@ -488,7 +535,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("SetRole", exc) from exc
+            st = self._cxx_failed("SetRole", exc)
         if st == LLM_SUCCESS and not self._hixl:
             # comm backend: listen info (re)starts listening, its absence stops it.  The HIXL
             # backend never changes its listener (SEMANTICS.md §3.4 step 5).
@@ -503,11 +550,14 @@ cdef class NativeBackend:
         The real library has no call for it: the port comes from the ``llm.ListenIpInfo``
         accepted by ``Initialize``/``SetRole`` (low 16 bits).  When port 0 was asked, the test
         double reports the port it bound; on a real CANN install the binding cannot learn it and
-        reports 0 (choose a fixed port there).
+        reports 0 (choose a fixed port there).  ``KVDD_TESTDOUBLE_PORT_HOOK=0`` makes a test-double
+        build behave like a real install here (the conformance run "as on an Atlas node" sets it,
+        so nothing in it relies on the hook).
         """
         if self._listen < 0:
             return None
-        if self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double():
+        if (self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double()
+                and os.environ.get("KVDD_TESTDOUBLE_PORT_HOOK", "1") != "0"):
             port = kvdd_td_listen_port(<void*>self._dd)
             if port >= 0:
                 return port
@@ -533,7 +583,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("LinkLlmClusters", exc) from exc
+            return self._cxx_failed("LinkLlmClusters", exc), []
         return st, [r for r in rets]
 
     def unlink_llm_clusters(self, clusters, timeout_ms, force):
@@ -554,7 +604,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("UnlinkLlmClusters", exc) from exc
+            return self._cxx_failed("UnlinkLlmClusters", exc), []
         return st, [r for r in rets]
 
     # ---- registration -----------------------------------------------------------------------
@@ -567,7 +617,7 @@ cdef class NativeBackend:
         unregistered or the instance finalized.
         """
         cdef LlmDataDist* dd = self._get()
-        cdef CacheDesc desc
+        cdef CacheDesc desc = CacheDesc()
         cdef vector[uint64_t] addr_vec
         cdef RegisterCfg reg_cfg = RegisterCfg()   # reserved bytes only (cfg has no fields)
         cdef int64_t cache_id = -1
@@ -585,7 +635,7 @@ cdef class NativeBackend:
         except Exception as exc:
             if owners:
                 self._orphans.append(owners)   # the library's state is unknown
-            raise _cxx_error("RegisterKvCache", exc) from exc
+            return self._cxx_failed("RegisterKvCache", exc), -1
         if st == LLM_SUCCESS:
             if owners:
                 self._owners[cache_id] = owners
@@ -610,7 +660,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("UnregisterKvCache", exc) from exc
+            st = self._cxx_failed("UnregisterKvCache", exc)
         if st == LLM_SUCCESS:
             self._owners.pop(cid, None)
         return st
@@ -619,8 +669,8 @@ cdef class NativeBackend:
         """``AllocateCache(cache_desc, cache)`` -> ``(status, Cache | None)`` (upstream:
         FEATURE_NOT_ENABLED, SEMANTICS.md §3.9)."""
         cdef LlmDataDist* dd = self._get()
-        cdef CacheDesc desc
-        cdef Cache out
+        cdef CacheDesc desc = CacheDesc()
+        cdef Cache out = Cache()
         cdef Status st
         _fill_cache_desc(desc, cache_desc, "cache_desc")
         try:
@@ -631,7 +681,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("AllocateCache", exc) from exc
+            return self._cxx_failed("AllocateCache", exc), None
         if st != LLM_SUCCESS:
             return st, None
         return st, _cache_to_py(out)
@@ -649,7 +699,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("DeallocateCache", exc) from exc
+            st = self._cxx_failed("DeallocateCache", exc)
         return st
 
     # ---- transfers --------------------------------------------------------------------------
@@ -659,10 +709,10 @@ cdef class NativeBackend:
         (SEMANTICS.md §3.10); ``ext_param=None`` is ``KvCacheExtParam{}``."""
         cdef LlmDataDist* dd = self._get()
         cdef CacheIndex index = CacheIndex()
-        cdef Cache cache
+        cdef Cache cache = Cache()
         cdef uint32_t batch = _u32(batch_index, "batch_index")
         cdef int64_t nbytes = _i64(size, "size")
-        cdef KvCacheExtParam ext
+        cdef KvCacheExtParam ext = KvCacheExtParam()
         cdef Status st
         _fill_cache_index(index, src_cache_index, "src_cache_index")
         _fill_cache(cache, dst_cache, "dst_cache")
@@ -675,7 +725,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("PullKvCache", exc) from exc
+            st = self._cxx_failed("PullKvCache", exc)
         return st
 
     def pull_kv_blocks(self, src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param):
@@ -683,10 +733,10 @@ cdef class NativeBackend:
         (SEMANTICS.md §3.11)."""
         cdef LlmDataDist* dd = self._get()
         cdef CacheIndex index = CacheIndex()
-        cdef Cache cache
+        cdef Cache cache = Cache()
         cdef vector[uint64_t] src
         cdef vector[uint64_t] dst
-        cdef KvCacheExtParam ext
+        cdef KvCacheExtParam ext = KvCacheExtParam()
         cdef Status st
         _fill_cache_index(index, src_cache_index, "src_cache_index")
         _fill_cache(cache, dst_cache, "dst_cache")
@@ -701,18 +751,18 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("PullKvBlocks", exc) from exc
+            st = self._cxx_failed("PullKvBlocks", exc)
         return st
 
     def push_kv_cache(self, src_cache, dst_cache_index, src_batch_index, size, ext_param):
         """``PushKvCache(src_cache, dst_cache_index, src_batch_index, size, ext_param)``
         (SEMANTICS.md §3.12)."""
         cdef LlmDataDist* dd = self._get()
-        cdef Cache cache
+        cdef Cache cache = Cache()
         cdef CacheIndex index = CacheIndex()
         cdef uint32_t batch = _u32(src_batch_index, "src_batch_index")
         cdef int64_t nbytes = _i64(size, "size")
-        cdef KvCacheExtParam ext
+        cdef KvCacheExtParam ext = KvCacheExtParam()
         cdef Status st
         _fill_cache(cache, src_cache, "src_cache")
         _fill_cache_index(index, dst_cache_index, "dst_cache_index")
@@ -725,18 +775,18 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("PushKvCache", exc) from exc
+            st = self._cxx_failed("PushKvCache", exc)
         return st
 
     def push_kv_blocks(self, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param):
         """``PushKvBlocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)``
         (SEMANTICS.md §3.13)."""
         cdef LlmDataDist* dd = self._get()
-        cdef Cache cache
+        cdef Cache cache = Cache()
         cdef CacheIndex index = CacheIndex()
         cdef vector[uint64_t] src
         cdef vector[uint64_t] dst
-        cdef KvCacheExtParam ext
+        cdef KvCacheExtParam ext = KvCacheExtParam()
         cdef Status st
         _fill_cache(cache, src_cache, "src_cache")
         _fill_cache_index(index, dst_cache_index, "dst_cache_index")
@@ -751,7 +801,7 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("PushKvBlocks", exc) from exc
+            st = self._cxx_failed("PushKvBlocks", exc)
         return st
 
     def copy_kv_cache(self, src_cache, dst_cache, src_batch_index, dst_batch_index, offset,
@@ -759,8 +809,8 @@ cdef class NativeBackend:
         """``CopyKvCache(src_cache, dst_cache, src_batch_index, dst_batch_index, offset, size)``
         (upstream: FEATURE_NOT_ENABLED, SEMANTICS.md §3.9)."""
         cdef LlmDataDist* dd = self._get()
-        cdef Cache src
-        cdef Cache dst
+        cdef Cache src = Cache()
+        cdef Cache dst = Cache()
         cdef uint32_t src_batch = _u32(src_batch_index, "src_batch_index")
         cdef uint32_t dst_batch = _u32(dst_batch_index, "dst_batch_index")
         cdef uint64_t off = _u64(offset, "offset")
@@ -776,15 +826,15 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("CopyKvCache", exc) from exc
+            st = self._cxx_failed("CopyKvCache", exc)
         return st
 
     def copy_kv_blocks(self, src_cache, dst_cache, src_blocks, dst_blocks_list):
         """``CopyKvBlocks(src_cache, dst_cache, src_blocks, dst_blocks_list)`` (upstream:
         FEATURE_NOT_ENABLED, SEMANTICS.md §3.9)."""
         cdef LlmDataDist* dd = self._get()
-        cdef Cache src
-        cdef Cache dst
+        cdef Cache src = Cache()
+        cdef Cache dst = Cache()
         cdef vector[uint64_t] src_vec
         cdef vector[vector[uint64_t]] dst_list
         cdef Status st
@@ -802,5 +852,5 @@ cdef class NativeBackend:
                 finally:
                     self._mutex.unlock_shared()
         except Exception as exc:
-            raise _cxx_error("CopyKvBlocks", exc) from exc
+            st = self._cxx_failed("CopyKvBlocks", exc)
         return st

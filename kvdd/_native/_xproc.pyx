@@ -13,10 +13,18 @@ size before anything moves.
 Both calls need ptrace access to the peer (``PTRACE_MODE_ATTACH_REALCREDS``): same user and, under
 Yama ``ptrace_scope >= 1``, an ancestor relationship or ``PR_SET_PTRACER``.  When that is refused the
 call raises ``PermissionError`` (EPERM) and the fabric falls back to TCP.
+
+Also here, for the same-host path's identity proof and one-sided leases
+(:mod:`kvdd.sim.fabric.samehost`): :func:`pidfd_open` / :func:`pidfd_alive` (a process handle that
+cannot be confused with a later process reusing the pid), :func:`peer_cred` (``SO_PEERCRED`` of an
+AF_UNIX socket: the kernel's word on who is at the other end) and :class:`LeaseTable`, C11-style
+sequentially consistent 64-bit atomics on a per-link table in shared memory.  The table's contents
+are untrusted: every index is bounds-checked against the size this process mapped, and nothing read
+from it is ever used as an address.
 """
 
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EFAULT, EINTR, errno
+from libc.errno cimport EFAULT, EINTR, ESRCH, errno
 from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -32,6 +40,72 @@ cdef extern from "<sys/uio.h>" nogil:
                              const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
     ssize_t process_vm_writev(pid_t pid, const iovec *local_iov, unsigned long liovcnt,
                               const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    enum: PROT_READ
+    enum: PROT_WRITE
+    enum: MAP_SHARED
+    void *MAP_FAILED
+
+cdef extern from "<sys/socket.h>" nogil:
+    int getsockopt(int sockfd, int level, int optname, void *optval, unsigned int *optlen)
+    enum: SOL_SOCKET
+    enum: SO_PEERCRED
+
+cdef extern from *:
+    """
+    #include <sys/syscall.h>
+    #include <unistd.h>
+    #include <stdint.h>
+    #include <time.h>
+    #ifndef SYS_pidfd_open
+    #define SYS_pidfd_open 434
+    #endif
+    struct kvdd_ucred { int32_t pid; uint32_t uid; uint32_t gid; };
+    #include <sys/prctl.h>
+    #ifndef PR_SET_PTRACER
+    #define PR_SET_PTRACER 0x59616d61
+    #endif
+    static inline long kvdd_pidfd_open(int pid) { return syscall(SYS_pidfd_open, pid, 0); }
+    static inline int kvdd_set_ptracer(unsigned long pid) {
+        return prctl(PR_SET_PTRACER, pid, 0, 0, 0); }
+    /* Sequentially consistent 64-bit atomics on shared memory (the lease table). */
+    static inline uint64_t kvdd_add(uint64_t *p, uint64_t v) {
+        return __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST); }
+    static inline uint64_t kvdd_sub(uint64_t *p, uint64_t v) {
+        return __atomic_sub_fetch(p, v, __ATOMIC_SEQ_CST); }
+    static inline uint64_t kvdd_load(uint64_t *p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    static inline void kvdd_store(uint64_t *p, uint64_t v) {
+        __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+    static inline int kvdd_cas(uint64_t *p, uint64_t expected, uint64_t desired) {
+        return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST); }
+    static inline void kvdd_pause_ns(long ns) {
+        struct timespec ts; ts.tv_sec = ns / 1000000000L; ts.tv_nsec = ns % 1000000000L;
+        nanosleep(&ts, NULL); }
+    """
+    struct kvdd_ucred:
+        int pid
+        unsigned int uid
+        unsigned int gid
+    long kvdd_pidfd_open(int pid) nogil
+    int kvdd_set_ptracer(unsigned long pid) nogil
+    uint64_t kvdd_add(uint64_t *p, uint64_t v) noexcept nogil
+    uint64_t kvdd_sub(uint64_t *p, uint64_t v) noexcept nogil
+    uint64_t kvdd_load(uint64_t *p) noexcept nogil
+    void kvdd_store(uint64_t *p, uint64_t v) noexcept nogil
+    int kvdd_cas(uint64_t *p, uint64_t expected, uint64_t desired) noexcept nogil
+    void kvdd_pause_ns(long ns) noexcept nogil
 
 #: iovec entries per system call (the kernel's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -144,8 +218,27 @@ cdef void _run(_Job *job) noexcept nogil:
             return
 
 
+cdef enum:
+    _SMALL = 16   # tensors / runs handled without any heap allocation
+
+
+cdef inline bint _pidfd_exited(int fd) noexcept nogil:
+    """True when the process behind pidfd ``fd`` has exited (POLLIN), or the fd is unusable."""
+    cdef pollfd p
+    cdef int r
+    p.fd = fd
+    p.events = POLLIN
+    p.revents = 0
+    while True:
+        r = poll(&p, 1, 0)
+        if r < 0 and errno == EINTR:
+            continue
+        return r != 0
+
+
 def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
-             write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK) -> int:
+             write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK,
+             pidfd: int = -1) -> int:
     """Copy runs between this process's regions and another process's memory.
 
     For ``k in range(len(local))``, for ``j in range(len(length))``::
@@ -172,6 +265,11 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         calls; negative: no limit.
     chunk : int, keyword-only
         Bytes per system call (>= 4096).
+    pidfd : int, keyword-only
+        A pidfd of ``pid`` (:func:`pidfd_open`) held by the caller: checked right before and right
+        after the copy (GIL released), so a pid reused by a later process is never trusted:
+        ``ProcessLookupError`` when it has exited (before: nothing moved; after: the bytes are not
+        to be trusted).  Negative: no check.
 
     Returns
     -------
@@ -214,8 +312,16 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
     job.err = 0
     job.timed_out = False
     job.deadline = -1 if timeout_ms < 0 else _now_ns() + <int64_t>timeout_ms * 1000000
-    cdef uintptr_t *addrs = <uintptr_t *>PyMem_RawMalloc(<size_t>(2 * K + 1) * sizeof(uintptr_t))
-    cdef int64_t *runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
+    cdef uintptr_t addrs_small[2 * _SMALL + 1]
+    cdef int64_t runs_small[3 * _SMALL + 1]
+    cdef uintptr_t *addrs = addrs_small
+    cdef int64_t *runs = runs_small
+    cdef int cfd = pidfd
+    cdef bint gone_before = False, gone_after = False
+    if K > _SMALL:
+        addrs = <uintptr_t *>PyMem_RawMalloc(<size_t>(2 * K + 1) * sizeof(uintptr_t))
+    if J > _SMALL:
+        runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
     cdef int64_t lmin = INT64_MAX, n, total = 0
     cdef uintptr_t a
     try:
@@ -253,10 +359,21 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         job.ln = runs + 2 * J
         if total > 0:
             with nogil:
-                _run(&job)
+                if cfd >= 0 and _pidfd_exited(cfd):
+                    gone_before = True
+                else:
+                    _run(&job)
+                    if cfd >= 0 and _pidfd_exited(cfd):
+                        gone_after = True
     finally:
-        PyMem_RawFree(addrs)
-        PyMem_RawFree(runs)
+        if addrs != addrs_small:
+            PyMem_RawFree(addrs)
+        if runs != runs_small:
+            PyMem_RawFree(runs)
+    if gone_before or gone_after:
+        raise ProcessLookupError(ESRCH, f"pvm_copy: process {pid} exited "
+                                 f"({'before' if gone_before else 'during'} the copy, after "
+                                 f"{job.done} bytes)")
     if job.err:
         raise OSError(job.err, f"{'process_vm_writev' if write else 'process_vm_readv'}(pid {pid}): "
                       f"{strerror(job.err).decode(errors='replace')} after {job.done} bytes")
@@ -333,3 +450,355 @@ def pvm_bench(pid: int, local not None, remote: int, nbytes: int, write: bool) -
     if err:
         raise OSError(err, f"pvm_bench(pid {pid}): {strerror(err).decode(errors='replace')}")
     return done
+
+
+def pvm_bench_runs(pid: int, local not None, remote: int, local_off, remote_off, length,
+                   write: bool) -> int:
+    """The bare mechanism for scattered runs: ``process_vm_readv`` / ``writev`` of the runs
+    ``local.addr + local_off[j]`` <-> ``remote + remote_off[j]`` (``length[j]`` bytes), 1024
+    iovecs per call, GIL released, no checks of the remote side (a benchmark limit, not a data
+    path).  Returns the bytes moved; raises OSError on failure."""
+    if type(local) is not Region:
+        raise TypeError("pvm_bench_runs: local must be a Region")
+    cdef Py_ssize_t J = len(length), j, n, i
+    cdef int64_t *runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
+    if runs == NULL:
+        raise MemoryError()
+    cdef iovec liov[_IOV_MAX]
+    cdef iovec riov[_IOV_MAX]
+    cdef pid_t cpid = pid
+    cdef uintptr_t la = local.addr, ra = remote
+    cdef int64_t lsize = local.nbytes
+    cdef ssize_t got = 0
+    cdef size_t done = 0
+    cdef int err = 0
+    cdef bint w = bool(write)
+    try:
+        _gather(local_off, runs, J, "local_off")
+        _gather(remote_off, runs + J, J, "remote_off")
+        _gather(length, runs + 2 * J, J, "length")
+        for j in range(J):
+            if runs[2 * J + j] < 0 or runs[j] < 0 or runs[j] + runs[2 * J + j] > lsize:
+                raise ValueError(f"pvm_bench_runs: run {j} is outside the local region")
+        with nogil:
+            j = 0
+            while j < J and err == 0:
+                n = 0
+                while j < J and n < _IOV_MAX:
+                    liov[n].iov_base = <void *>(la + <uintptr_t>runs[j])
+                    liov[n].iov_len = <size_t>runs[2 * J + j]
+                    riov[n].iov_base = <void *>(ra + <uintptr_t>runs[J + j])
+                    riov[n].iov_len = <size_t>runs[2 * J + j]
+                    n += 1
+                    j += 1
+                i = 0
+                while i < n:
+                    if w:
+                        got = process_vm_writev(cpid, &liov[i], <unsigned long>(n - i), &riov[i],
+                                                <unsigned long>(n - i), 0)
+                    else:
+                        got = process_vm_readv(cpid, &liov[i], <unsigned long>(n - i), &riov[i],
+                                               <unsigned long>(n - i), 0)
+                    if got < 0:
+                        if errno == EINTR:
+                            continue
+                        err = errno
+                        break
+                    if got == 0:
+                        err = EFAULT
+                        break
+                    done += <size_t>got
+                    while got > 0 and i < n:
+                        if <size_t>got >= liov[i].iov_len:
+                            got -= <ssize_t>liov[i].iov_len
+                            i += 1
+                        else:
+                            liov[i].iov_base = <void *>(<uintptr_t>liov[i].iov_base + <uintptr_t>got)
+                            liov[i].iov_len -= <size_t>got
+                            riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>got)
+                            riov[i].iov_len -= <size_t>got
+                            got = 0
+    finally:
+        PyMem_RawFree(runs)
+    if err:
+        raise OSError(err, f"pvm_bench_runs(pid {pid}): {strerror(err).decode(errors='replace')}")
+    return done
+
+
+# ---- process identity ------------------------------------------------------------------------------
+
+
+def pidfd_open(pid: int) -> int:
+    """``pidfd_open(pid, 0)``: a file descriptor that refers to this very process (not to whatever
+    later reuses the pid).  The caller owns it (``os.close``).
+
+    Raises
+    ------
+    ProcessLookupError
+        ESRCH: no such process.
+    OSError
+        ENOSYS (kernel < 5.3), EMFILE, ...
+    """
+    if pid <= 0 or pid > 0x7FFFFFFF:
+        raise ValueError(f"pidfd_open: invalid pid {pid}")
+    cdef long fd
+    cdef int err = 0, cpid = pid
+    with nogil:
+        fd = kvdd_pidfd_open(cpid)
+        if fd < 0:
+            err = errno
+    if fd < 0:
+        raise OSError(err, f"pidfd_open({pid}): {strerror(err).decode(errors='replace')}")
+    return fd
+
+
+def pidfd_alive(fd: int) -> bool:
+    """True while the process behind pidfd ``fd`` has not exited (``poll`` for POLLIN, 0 ms).
+    A zombie counts as exited.  False as well for an fd that is not a pidfd."""
+    if fd < 0:
+        raise ValueError("pidfd_alive: negative fd")
+    cdef int cfd = fd
+    cdef bint gone
+    with nogil:
+        gone = _pidfd_exited(cfd)
+    return not gone
+
+
+def peer_cred(fd: int) -> tuple[int, int, int]:
+    """``SO_PEERCRED`` of a connected AF_UNIX socket: ``(pid, uid, gid)`` of the process at the
+    other end, as the kernel recorded it at ``connect`` / ``listen`` time.
+
+    Raises OSError (ENOTCONN, ENOTSOCK, ...)."""
+    cdef kvdd_ucred cred
+    cdef unsigned int n = sizeof(cred)
+    cdef int cfd = fd, r, err = 0
+    with nogil:
+        r = getsockopt(cfd, SOL_SOCKET, SO_PEERCRED, &cred, &n)
+        if r < 0:
+            err = errno
+    if r < 0:
+        raise OSError(err, f"SO_PEERCRED: {strerror(err).decode(errors='replace')}")
+    if n != sizeof(cred):
+        raise OSError(EFAULT, "SO_PEERCRED: short answer")
+    return cred.pid, cred.uid, cred.gid
+
+
+def set_ptracer(pid: int) -> None:
+    """``prctl(PR_SET_PTRACER, pid)``: under Yama ``ptrace_scope = 1``, let process ``pid`` (and
+    only it: each call replaces the previous one) use ``process_vm_readv/writev`` on this process.
+    ``pid = 0`` clears it.  Never called with PR_SET_PTRACER_ANY.
+
+    Raises OSError (EINVAL: Yama absent or ``pid`` invalid)."""
+    if pid < 0 or pid > 0x7FFFFFFF:
+        raise ValueError(f"set_ptracer: invalid pid {pid}")
+    cdef unsigned long cpid = pid
+    cdef int r, err = 0
+    with nogil:
+        r = kvdd_set_ptracer(cpid)
+        if r < 0:
+            err = errno
+    if r < 0:
+        raise OSError(err, f"PR_SET_PTRACER: {strerror(err).decode(errors='replace')}")
+
+
+# ---- a per-link lease table in shared memory -------------------------------------------------------
+
+cdef enum:
+    _HDR_BYTES = 64
+    _SLOT_BYTES = 64
+    _MAX_SLOTS = 65536
+
+#: Bytes of the table header and of one slot (a cache line each, so slots never share one).
+LEASE_HEADER = _HDR_BYTES
+LEASE_SLOT = _SLOT_BYTES
+#: First word of a table: b"KVDDLEAS" little-endian.
+LEASE_MAGIC = 0x5341454C4444564B
+#: Largest slot count a table may have (one slot per cache visible over the link).
+LEASE_MAX_SLOTS = _MAX_SLOTS
+
+# word indices: header [0] magic, [1] slot count, [2] link state; slot [0] in-flight, [1] state
+cdef enum:
+    _H_MAGIC = 0
+    _H_SLOTS = 1
+    _H_STATE = 2
+    _S_INFLIGHT = 0
+    _S_STATE = 1
+
+
+cdef class LeaseTable:
+    """One link's lease table, mapped from a shared-memory file descriptor (a sealed memfd).
+
+    Layout (64-bit little-endian words): header ``[magic, slots, link_state]`` in the first 64
+    bytes, then one 64-byte slot per cache, ``[in_flight, state]``.  The reader of a one-sided
+    transfer calls :meth:`enter` (in-flight += 1, then reads both states; a nonzero state undoes
+    the increment and is returned), copies, then :meth:`leave`.  The owner calls :meth:`revoke`
+    (state := nonzero, so no new copy starts) and then :meth:`wait_idle` until the in-flight count
+    is zero.  All operations are sequentially consistent, so a reader whose increment the owner
+    did not see must see the owner's state store.
+
+    Both processes can write the table: every value read from it is untrusted (an in-flight count
+    may be garbage; :meth:`wait_idle` then waits until its deadline, never past it).  Slot indices
+    are checked against the slot count this process mapped, never against the header.
+
+    Parameters
+    ----------
+    fd : int
+        The shared memory (``memfd_create``); the mapping keeps its own reference.
+    slots : int
+        Slot count; the mapping is ``LEASE_HEADER + slots * LEASE_SLOT`` bytes and the file must
+        be at least that large (checked by the caller, who also checks the seals).
+    init : bool
+        True for the owner creating the table: writes the header and zeroes the slots.
+    """
+
+    cdef uint64_t *base
+    cdef size_t size
+    cdef readonly Py_ssize_t slots
+
+    def __cinit__(self, int fd, Py_ssize_t slots, bint init=False):
+        self.base = NULL
+        if slots < 0 or slots > _MAX_SLOTS:
+            raise ValueError(f"LeaseTable: {slots} slots (at most {LEASE_MAX_SLOTS})")
+        self.slots = slots
+        self.size = <size_t>(_HDR_BYTES + slots * _SLOT_BYTES)
+        cdef void *p
+        cdef int err = 0
+        with nogil:
+            p = mmap(NULL, self.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            if p == MAP_FAILED:
+                err = errno
+        if p == MAP_FAILED:
+            raise OSError(err, f"LeaseTable: mmap: {strerror(err).decode(errors='replace')}")
+        self.base = <uint64_t *>p
+        cdef Py_ssize_t i
+        if init:
+            for i in range(1, <Py_ssize_t>(self.size // 8)):
+                kvdd_store(&self.base[i], 0)
+            kvdd_store(&self.base[_H_SLOTS], <uint64_t>slots)
+            kvdd_store(&self.base[_H_MAGIC], <uint64_t>0x5341454C4444564B)
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+    def close(self) -> None:
+        """Unmap (further calls raise ValueError).  Not while another thread uses the table."""
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+    cdef inline uint64_t *_slot(self, Py_ssize_t slot) except NULL:
+        if self.base == NULL:
+            raise ValueError("LeaseTable is closed")
+        if slot < 0 or slot >= self.slots:
+            raise IndexError(f"lease slot {slot} out of range [0, {self.slots})")
+        return self.base + (_HDR_BYTES + slot * _SLOT_BYTES) // 8
+
+    def header(self) -> tuple[int, int, int]:
+        """``(magic, slots, link_state)`` as currently stored (untrusted values)."""
+        if self.base == NULL:
+            raise ValueError("LeaseTable is closed")
+        return (kvdd_load(&self.base[_H_MAGIC]), kvdd_load(&self.base[_H_SLOTS]),
+                kvdd_load(&self.base[_H_STATE]))
+
+    def enter(self, Py_ssize_t slot) -> int:
+        """Reader: count one transfer in flight on ``slot``, then check the states.
+
+        Returns 0 (go ahead; call :meth:`leave` afterwards) or the nonzero state that forbids a
+        new copy (the increment is already undone): the slot's state when nonzero, else the
+        link's."""
+        cdef uint64_t *s = self._slot(slot)
+        cdef uint64_t st
+        kvdd_add(&s[_S_INFLIGHT], 1)
+        st = kvdd_load(&s[_S_STATE])
+        if st == 0:
+            st = kvdd_load(&self.base[_H_STATE])
+        if st != 0:
+            kvdd_sub(&s[_S_INFLIGHT], 1)
+        return st
+
+    def leave(self, Py_ssize_t slot) -> None:
+        """Reader: the transfer counted by :meth:`enter` is over."""
+        cdef uint64_t *s = self._slot(slot)
+        kvdd_sub(&s[_S_INFLIGHT], 1)
+
+    def revoke(self, Py_ssize_t slot, uint64_t state=1) -> None:
+        """Owner: no new copy may start on ``slot`` (``slot = -1``: on the whole link)."""
+        if slot == -1:
+            if self.base == NULL:
+                raise ValueError("LeaseTable is closed")
+            kvdd_store(&self.base[_H_STATE], state)
+            return
+        cdef uint64_t *s = self._slot(slot)
+        kvdd_store(&s[_S_STATE], state)
+
+    def state(self, Py_ssize_t slot) -> int:
+        """The state word of ``slot`` (``-1``: the link's)."""
+        if slot == -1:
+            if self.base == NULL:
+                raise ValueError("LeaseTable is closed")
+            return kvdd_load(&self.base[_H_STATE])
+        return kvdd_load(&self._slot(slot)[_S_STATE])
+
+    def inflight(self, Py_ssize_t slot) -> int:
+        """The in-flight count of ``slot`` as stored (a garbage value reads as it is)."""
+        return kvdd_load(&self._slot(slot)[_S_INFLIGHT])
+
+    def compare_exchange(self, Py_ssize_t slot, int word, uint64_t expected,
+                         uint64_t desired) -> bool:
+        """Atomic compare-and-swap of word ``word`` (0..7; 0: in-flight, 1: state) of ``slot``."""
+        if word < 0 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [0, 8)")
+        return bool(kvdd_cas(&self._slot(slot)[word], expected, desired))
+
+    def load(self, Py_ssize_t slot, int word) -> int:
+        """Word ``word`` (0..7) of ``slot`` (2: the cache id the owner labelled it with)."""
+        if word < 0 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [0, 8)")
+        return kvdd_load(&self._slot(slot)[word])
+
+    def store(self, Py_ssize_t slot, int word, uint64_t value) -> None:
+        """Store ``value`` in word ``word`` (2..7: labels; 0 and 1 have their own methods)."""
+        if word < 2 or word >= _SLOT_BYTES // 8:
+            raise ValueError("word must lie in [2, 8)")
+        kvdd_store(&self._slot(slot)[word], value)
+
+    def wait_idle(self, slot, int timeout_ms, int pidfd=-1) -> int:
+        """Owner: wait (GIL released) until no transfer is in flight on ``slot`` (``None``: on
+        any slot).
+
+        Returns 0 when idle, 1 when the reader process (pidfd ``pidfd``) exited (its counts are
+        void), 2 when ``timeout_ms`` passed first.  Polls with a growing pause (1 µs to 1 ms)."""
+        cdef Py_ssize_t lo = 0, hi = self.slots, i
+        if slot is not None:
+            self._slot(slot)
+            lo = slot
+            hi = lo + 1
+        elif self.base == NULL:
+            raise ValueError("LeaseTable is closed")
+        cdef int64_t deadline = _now_ns() + <int64_t>max(timeout_ms, 0) * 1000000
+        cdef long pause = 1000
+        cdef int result = 0
+        cdef bint busy
+        cdef uint64_t *b = self.base
+        with nogil:
+            while True:
+                busy = False
+                for i in range(lo, hi):
+                    if kvdd_load(&b[(_HDR_BYTES + i * _SLOT_BYTES) // 8 + _S_INFLIGHT]) != 0:
+                        busy = True
+                        break
+                if not busy:
+                    result = 0
+                    break
+                if pidfd >= 0 and _pidfd_exited(pidfd):
+                    result = 1
+                    break
+                if _now_ns() >= deadline:
+                    result = 2
+                    break
+                kvdd_pause_ns(pause)
+                if pause < 1000000:
+                    pause *= 2
+        return result

@@ -49,6 +49,7 @@ from ..sim.fabric import ENV_XPROC
 from .baselines import TwoThreadMemcpy, arena, fill_pattern, memcpy_limits
 from .harness import KiB, MiB, Row, Timing, fmt, gbps, interleaved, print_table, repeats_for
 from .transfers import LOCALHOST
+from .xproc_small import LAT_COLUMNS, CpuMeter, latency, xp_targets
 
 __all__ = ["XP_BLOCKS", "XP_BLOCK_BYTES", "XP_COLUMNS", "XP_QUICK_BLOCKS", "XP_QUICK_ROW_BYTES", "XP_ROW_BYTES",
            "measure_cross_process", "print_cross_process"]
@@ -61,7 +62,9 @@ XP_PEER_IDS = {"process_vm": 21, "tcp": 22}
 XP_PATHS = ("process_vm", "tcp")
 XP_WAIT_MS = 60_000  # llm.SyncKvCacheWaitTime of both sides: no slow transfer times out
 XP_START_TIMEOUT_S = 120.0  # the peer must be ready within this (spawn, import, fill, listen)
-XP_TARGET = 0.8
+XP_RAW_CHUNK = 64 * KiB  # the raw socket limit receives in chunks of this
+XP_SMALL = 64  # bytes of the small-call latency pulls
+XP_CALLS = 2000  # timed calls per function for the small-call latency (default)
 _XP_STOP = b"\0" * 8
 
 
@@ -215,7 +218,8 @@ def _xp_data_path(dd: LlmDataDist, peer_cluster_id: int) -> str:
 
 
 class _RawSocket:
-    """The raw loopback limit, bench side: ask for N bytes, recv_into a preallocated buffer."""
+    """The raw loopback limit, bench side: ask for N bytes (a blocking request/response), then
+    recv_into a preallocated buffer in 64 KiB chunks."""
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection((LOCALHOST, port), timeout=60)
@@ -226,7 +230,7 @@ class _RawSocket:
         recv_into = self.sock.recv_into
         got = 0
         while got < nbytes:
-            n = recv_into(buf[got:nbytes])
+            n = recv_into(buf[got:min(nbytes, got + XP_RAW_CHUNK)])
             if n == 0:
                 raise RuntimeError("the raw socket peer closed the connection")
             got += n
@@ -240,7 +244,7 @@ class _RawSocket:
 
 
 def _xp_row(path: str, kind: str, nbytes: int, run_bytes: int, res: dict[str, Timing], verified: bool,
-            limit: str, data_path: str) -> Row:
+            limit: str, data_path: str, cpu: Mapping[str, Any]) -> Row:
     tr = res["transfer"]
 
     def ratio(name: str, key: str) -> float | None:
@@ -261,26 +265,63 @@ def _xp_row(path: str, kind: str, nbytes: int, run_bytes: int, res: dict[str, Ti
         "median_ms": tr["median_s"] * 1e3,
         "gbps": gbps(nbytes, tr["min_s"]),
         "pvm_gbps": rate("pvm"),
+        "pvm_iov_gbps": rate("pvm_iov"),
         "memcpy_1t_gbps": rate("memcpy_1t"),
         "memcpy_2t_gbps": rate("memcpy_2t"),
         "socket_gbps": rate("socket"),
         "vs_pvm": ratio("pvm", "min_s"),
+        "vs_pvm_iov": ratio("pvm_iov", "min_s"),
         "vs_memcpy": ratio("memcpy_1t", "min_s"),
         "vs_memcpy_2t": ratio("memcpy_2t", "min_s"),
         "vs_socket": ratio("socket", "min_s"),
         "limit": limit,
         "ratio": ratio(limit, "min_s"),
         "ratio_median": ratio(limit, "median_s"),
+        "cpu_s_per_gb": cpu["cpu_s_per_gb"],
+        "own_cpu_s_per_gb": cpu["own_cpu_s_per_gb"],
+        "peer_cpu_s_per_gb": cpu["peer_cpu_s_per_gb"],
         "samples": tr["samples"],
         "verified": verified,
     }
     return row
 
 
+def _latency_row(path: str, data_path: str, res: Mapping[str, Mapping[str, float]], verified: bool) -> Row:
+    tr = res["transfer"]
+    row: Row = {"path": path, "data_path": data_path, "kind": f"pull_{XP_SMALL}B", "bytes": XP_SMALL,
+                "median_us": tr["median_us"], "p99_us": tr["p99_us"], "calls": int(tr["calls"]),
+                "verified": verified}
+    for ref in ("in_process", "socket_rr"):
+        r = res[ref]
+        row[f"{ref}_median_us"] = r["median_us"]
+        row[f"{ref}_p99_us"] = r["p99_us"]
+        row[f"vs_{ref}_median"] = tr["median_us"] / r["median_us"]
+        row[f"vs_{ref}_p99"] = tr["p99_us"] / r["p99_us"]
+    return row
+
+
+@contextmanager
+def _in_process_peer(local: LlmDataDist, nbytes: int) -> Iterator[CacheIndex]:
+    """A second instance in this process (the in-process reference of the small-call latency):
+    one ``[1, nbytes]`` cache holding a pattern, linked from ``local``."""
+    mem = arena(nbytes)
+    fill_pattern(mem)
+    with LlmDataDist(XP_LOCAL_ID + 10, LlmRole.PROMPT, backend="sim") as ref:
+        ref.initialize(_xp_options(2))
+        cid = ref.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, nbytes)), tensor_addrs([mem]))
+        info = ClusterInfo(remote_cluster_id=XP_LOCAL_ID + 10,
+                           remote_ip_infos=(IpInfo(LOCALHOST, ref.listening_port),))
+        local.link_llm_clusters([info], 10_000)
+        try:
+            yield CacheIndex(XP_LOCAL_ID + 10, cid, 0)
+        finally:
+            local.unlink_llm_clusters([info], 10_000, force=True)
+
+
 def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats: int | None, seed: int,
                           paths: Sequence[str] = XP_PATHS,
                           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The cross-process section of ``kvdd bench``: see the comment above :data:`XP_BLOCK_BYTES`."""
+    """The cross-process section of ``kvdd bench``: see the module docstring."""
     if row_bytes < XP_BLOCK_BYTES or row_bytes % XP_BLOCK_BYTES:
         raise ValueError(f"the cross-process size must be a positive multiple of {XP_BLOCK_BYTES // KiB} KiB")
     pool = row_bytes // XP_BLOCK_BYTES
@@ -295,6 +336,10 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
     dst_ids = [int(x) for x in rng.permutation(pool)[:blocks]]
     blk_bytes = blocks * XP_BLOCK_BYTES
     B = XP_BLOCK_BYTES
+    calls = XP_CALLS if repeats is None else max(50, 25 * repeats)
+    iov_local = np.asarray(dst_ids, dtype=np.int64) * B
+    iov_remote = np.asarray(src_ids, dtype=np.int64) * B
+    iov_len = np.full(blocks, B, dtype=np.int64)
 
     # this side: `src` holds the peer's pattern (memcpy source, push source, expected bytes), `dst`
     # receives (pulls, raw limits); both registered as paged caches, `dst` also as the row
@@ -302,16 +347,19 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
     fill_pattern(src)
     dst = arena(row_bytes)
     dst.fill(0)
+    small = arena(XP_SMALL)
     src_r = _copy.Region(src.ctypes.data, src.nbytes, src)
     dst_r = _copy.Region(dst.ctypes.data, dst.nbytes, dst)
     dst_mv = dst.data.cast("B")
     row_desc = CacheDesc(1, DataType.DT_UINT8, (1, row_bytes))
     paged_desc = CacheDesc(1, DataType.DT_UINT8, (pool, B))
+    small_desc = CacheDesc(1, DataType.DT_UINT8, (1, XP_SMALL))
 
     def blocks_equal() -> bool:
         return all(np.array_equal(dst[d * B:(d + 1) * B], src[s * B:(s + 1) * B]) for s, d in zip(src_ids, dst_ids))
 
     rows: list[Row] = []
+    lat_rows: list[Row] = []
     peers: list[dict[str, Any]] = []
     peer_cpu: list[float] = []
     pair = TwoThreadMemcpy()
@@ -319,7 +367,8 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
         for path in paths:
             if progress is not None:
                 progress(f"cross-process over {path}: {row_bytes // MiB if row_bytes >= MiB else row_bytes} "
-                         f"{'MiB' if row_bytes >= MiB else 'B'} row, {blocks} x 64 KiB blocks (peer process)")
+                         f"{'MiB' if row_bytes >= MiB else 'B'} row, {blocks} x 64 KiB blocks, {calls} x "
+                         f"{XP_SMALL} B pulls (peer process)")
             with ExitStack() as stack:
                 peer = stack.enter_context(_xp_peer(path, row_bytes, peer_cpu))
                 dd = stack.enter_context(LlmDataDist(XP_LOCAL_ID, LlmRole.DECODER, backend="sim"))
@@ -329,6 +378,8 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                                   paged_desc)
                 src_paged = Cache(dd.register_kv_cache(paged_desc, tensor_addrs([src])), (src.ctypes.data,),
                                   paged_desc)
+                small_cache = Cache(dd.register_kv_cache(small_desc, tensor_addrs([small])),
+                                    (small.ctypes.data,), small_desc)
                 with _xp_env(path):
                     dd.link_llm_clusters([ClusterInfo(remote_cluster_id=peer.cluster_id,
                                                       remote_ip_infos=(IpInfo(LOCALHOST, peer.port),))], 10_000)
@@ -340,17 +391,35 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                 pull_row = functools.partial(dd.pull_kv_cache, row_idx, rows_cache, 0, -1, ext)
                 pull_blocks = functools.partial(dd.pull_kv_blocks, blk_idx, dst_paged, src_ids, dst_ids, ext)
                 push_blocks = functools.partial(dd.push_kv_blocks, src_paged, blk_idx, src_ids, dst_ids, ext)
-                raw: _RawSocket | None = None
-                if path == "tcp":
-                    raw = _RawSocket(peer.raw_port)
-                    stack.callback(raw.close)
+                raw = _RawSocket(peer.raw_port)
+                stack.callback(raw.close)
+                meter = CpuMeter(peer.pid)
 
-                def limits(nbytes: int, write: bool) -> dict[str, Callable[[], object]]:
+                # small calls: a 64-byte pull from the peer process vs the same pull from an instance in
+                # this process and vs a raw blocking 64-byte request/response over loopback
+                ref_idx = stack.enter_context(_in_process_peer(dd, XP_SMALL))
+                small_mv = small.data.cast("B")
+                small.fill(0)
+                dd.pull_kv_cache(row_idx, small_cache, 0, XP_SMALL, ext)
+                ok_small = bool(np.array_equal(small, src[:XP_SMALL]))
+                lat = latency({"transfer": functools.partial(dd.pull_kv_cache, row_idx, small_cache, 0, XP_SMALL,
+                                                             ext),
+                               "in_process": functools.partial(dd.pull_kv_cache, ref_idx, small_cache, 0,
+                                                               XP_SMALL, ext),
+                               "socket_rr": functools.partial(raw.pull, small_mv, XP_SMALL)}, calls)
+                lat_rows.append(_latency_row(path, data_path, lat, ok_small))
+
+                def limits(nbytes: int, write: bool, iov: bool) -> dict[str, Callable[[], object]]:
                     fns: dict[str, Callable[[], object]] = {}
                     fns["pvm"] = functools.partial(_xproc.pvm_bench, peer.pid, src_r if write else dst_r,
                                                    peer.addr, nbytes, write)
+                    if iov:  # the same scattered runs as the block transfer, one bare call
+                        lo, ro = (iov_remote, iov_local) if write else (iov_local, iov_remote)
+                        fns["pvm_iov"] = functools.partial(_xproc.pvm_bench_runs, peer.pid,
+                                                           src_r if write else dst_r, peer.addr, lo, ro,
+                                                           iov_len, write)
                     fns.update(memcpy_limits(dst_r, src_r, nbytes, pair))
-                    if raw is not None and not write:
+                    if path == "tcp" and not write:
                         fns["socket"] = functools.partial(raw.pull, dst_mv, nbytes)
                     return fns
 
@@ -360,15 +429,16 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                     fn()
                     verified = verify()
                     fns: dict[str, Callable[[], object]] = {"transfer": fn}
-                    fns.update(limits(nbytes, write))
-                    if raw is not None and not write:  # the raw socket moves the same bytes
+                    fns.update(limits(nbytes, write, kind != "pull_row"))
+                    if "socket" in fns:  # the raw socket moves the same bytes
                         dst.fill(0)
                         fns["socket"]()
                         verified = verified and bool(np.array_equal(dst[:nbytes], src[:nbytes]))
                     reps = repeats if repeats is not None else repeats_for(nbytes, 2 * budget_s, 5e9, lo=5, hi=50)
                     res = interleaved(fns, reps)
-                    limit = "socket" if raw is not None else ("pvm" if path == "process_vm" else "memcpy_1t")
-                    rows.append(_xp_row(path, kind, nbytes, run_bytes, res, verified, limit, data_path))
+                    cpu = meter.per_gb(fn, nbytes, max(1, min(reps, 10)))
+                    limit = ("socket" if path == "tcp" else "pvm" if kind == "pull_row" else "pvm_iov")
+                    rows.append(_xp_row(path, kind, nbytes, run_bytes, res, verified, limit, data_path, cpu))
 
                 measure("pull_row", pull_row, row_bytes, row_bytes, False,
                         lambda: bool(np.array_equal(dst, src)))
@@ -383,41 +453,39 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
     finally:
         pair.close()
     return {"config": {"row_bytes": row_bytes, "blocks": blocks, "block_bytes": XP_BLOCK_BYTES,
-                       "sync_wait_ms": XP_WAIT_MS},
-            "peers": peers, "peer_cpu_s": sum(peer_cpu), "rows": rows, "targets": _xp_targets(rows)}
+                       "sync_wait_ms": XP_WAIT_MS, "small_bytes": XP_SMALL, "calls": calls,
+                       "raw_chunk_bytes": XP_RAW_CHUNK},
+            "peers": peers, "peer_cpu_s": sum(peer_cpu), "rows": rows, "latency": lat_rows,
+            "targets": xp_targets(rows, lat_rows)}
 
 
-def _xp_targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """The targets of issue 6 (the pull of the row) against what this run measured."""
-    out: list[dict[str, Any]] = []
-    for path, key, what in (("process_vm", "vs_pvm", "same-host pull >= 0.8x plain process_vm_readv"),
-                            ("process_vm", "vs_memcpy", "same-host pull >= 0.8x plain memcpy (1 thread)"),
-                            ("tcp", "vs_socket", "TCP pull >= 0.8x raw loopback socket")):
-        for r in rows:
-            if r["path"] == path and r["kind"] == "pull_row" and r.get(key) is not None:
-                out.append({"target": what, "ratio": r[key], "met": r[key] >= XP_TARGET})
-    return out
-
-XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps", "memcpy_1t_gbps",
-              "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_memcpy", "vs_socket", "ratio_median", "verified")
+XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps", "pvm_iov_gbps",
+              "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy", "vs_socket", "ratio_median", "cpu_s_per_gb",
+              "own_cpu_s_per_gb", "peer_cpu_s_per_gb", "verified")
 
 
 def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -> None:
-    """The cross-process table and the targets of issue 6."""
+    """The cross-process tables and the targets of issue 11."""
     out = file if file is not None else sys.stdout
     cfg = cross["config"]
     print(file=out)
     print(f"Cross-process (a spawned peer process, {fmt(cfg['row_bytes'])}B row, {cfg['blocks']} x 64 KiB "
-          "blocks; vs_X = transfer speed / X's speed on the same bytes, same run: pvm = plain "
-          "process_vm_readv/writev, memcpy = 1-thread local memcpy, socket = raw loopback TCP):", file=out)
+          "blocks; vs_X = transfer speed / X's speed on the same bytes, same run: pvm = one bare "
+          "process_vm_readv/writev loop, pvm_iov = bare process_vm_readv/writev of the same iovecs, memcpy = "
+          "1-thread local memcpy, socket = raw loopback TCP receiving in 64 KiB chunks; cpu_s_per_gb = CPU "
+          "seconds of both processes per GB moved):", file=out)
     if cross.get("error"):
         print(f"(not measured: {cross['error']})", file=out)
         return
     rows = [{k: v for k, v in r.items() if v is not None} for r in cross["rows"]]
     print_table(rows, XP_COLUMNS, out)
+    print(file=out)
+    print(f"Small calls ({cfg.get('calls')} timed calls each, interleaved; in_process = the same pull from an "
+          "instance in this process, socket_rr = a raw blocking request/response of the same bytes over "
+          "loopback):", file=out)
+    print_table(cross.get("latency", []), LAT_COLUMNS, out)
     for p in cross["peers"]:
         if p["data_path"] != p["path"]:
             print(f"# note: the {p['path']} link used the {p['data_path']} data path", file=out)
     for t in cross["targets"]:
         print(f"# target: {t['target']}: {t['ratio']:.2f}x, {'met' if t['met'] else 'NOT met'}", file=out)
-

@@ -118,7 +118,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, Protocol
 
-from ..status import Status, status_name
+from ..status import S_OK, TIMEOUT, Status, status_name
 
 __all__ = [
     "ENV_VAR",
@@ -159,16 +159,13 @@ KIND_GROUPS: Mapping[str, tuple[str, ...]] = {
 #: The kinds a lost peer affects (registration is local).
 _NETWORK_KINDS: tuple[str, ...] = ("link", "unlink", *TRANSFER_KINDS)
 
-_S_OK = int(Status.LLM_SUCCESS)
-_TIMEOUT = int(Status.LLM_TIMEOUT)
-
 
 def _peer_loss_status(kind: str) -> int:
     if kind == "link":
         return int(Status.LLM_LINK_FAILED)  # the dead peer's port refuses connections
     if kind == "unlink":
         return int(Status.LLM_UNLINK_FAILED)
-    return _TIMEOUT  # §10 rule 2: the owner cannot be reached
+    return TIMEOUT  # §10 rule 2: the owner cannot be reached
 
 
 def _kinds(kinds: str | Iterable[str]) -> frozenset[str]:
@@ -306,10 +303,8 @@ class Injection:
             head = ",".join(k for k in CALL_KINDS if k in self.kinds)
         items = [head]
         if self.status is not None:
-            try:
-                items.append(f"status={Status(self.status).name}")
-            except ValueError:
-                items.append(f"status=0x{self.status:X}")
+            known = Status(self.status)
+            items.append(f"status={known.name}" if known.is_known else f"status=0x{self.status:X}")
         if self.delay_ms:
             items.append(f"delay_ms={self.delay_ms!r}")
         if self.bandwidth is not None:
@@ -639,7 +634,7 @@ class _Server(Protocol):
 
 @dataclass
 class _Decision:
-    status: int = _S_OK
+    status: int = S_OK
     delay_ms: float = 0.0
     bandwidth: float | None = None
     why: str = ""
@@ -681,18 +676,18 @@ def _timed(owner: _Instance, d: _Decision, nbytes: int, budget_ms: float, what: 
         spent += nbytes / d.bandwidth * 1000.0
     if spent > budget_ms:
         _sleep_ms(budget_ms)
-        return owner._fail(_TIMEOUT, f"{what} took longer than {budget_ms:g} ms "
+        return owner._fail(TIMEOUT, f"{what} took longer than {budget_ms:g} ms "
                            f"(slowed down by kvdd.sim.faults: {spent:.1f} ms)")
     _sleep_ms(spent)
-    if d.status != _S_OK:
+    if d.status != S_OK:
         return owner._fail(d.status, f"{what} failed with {status_name(d.status)}: {d.why}")
-    return _S_OK
+    return S_OK
 
 
 def on_link(owner: _Instance, peer: int, timeout_ms: int) -> int:
     """Hook: one cluster of LinkLlmClusters, after its checks, before connecting."""
     if not _any:
-        return _S_OK
+        return S_OK
     d = _decide("link", owner.cluster_id, peer, True)
     return _timed(owner, d, 0, timeout_ms, f"link to cluster {peer}")
 
@@ -703,7 +698,7 @@ def on_unlink(owner: _Instance, peer: int, timeout_ms: int, force: bool) -> int:
     ``force`` (or the hixl backend) means no network traffic: peer loss does not apply and the
     timeout does not bound injected delays."""
     if not _any:
-        return _S_OK
+        return S_OK
     d = _decide("unlink", owner.cluster_id, peer, not force)
     return _timed(owner, d, 0, float("inf") if force else timeout_ms, f"unlink of cluster {peer}")
 
@@ -711,7 +706,7 @@ def on_unlink(owner: _Instance, peer: int, timeout_ms: int, force: bool) -> int:
 def on_register(owner: _Instance) -> int:
     """Hook: RegisterKvCache after the id is consumed, before registering memory (§3.7 step 9)."""
     if not _any:
-        return _S_OK
+        return S_OK
     d = _decide("register", owner.cluster_id, None, False)
     return _timed(owner, d, 0, float("inf"), "memory registration")
 
@@ -725,7 +720,7 @@ def on_transfer(owner: _Instance, kind: str, peer: int, link: _Link, nbytes: int
     but no new decision is drawn (the delay is paid once per call).  An injected or simulated
     ``LLM_TIMEOUT`` marks ``link`` broken (§10 rule 8)."""
     if not _any or link.broken:
-        return _S_OK
+        return S_OK
     if first:
         d = _decide(kind, owner.cluster_id, peer, True)
         _tls.layer = (id(owner), kind, d.bandwidth)
@@ -734,7 +729,7 @@ def on_transfer(owner: _Instance, kind: str, peer: int, link: _Link, nbytes: int
         bw = prev[2] if prev is not None and prev[:2] == (id(owner), kind) else None
         d = _Decision(bandwidth=bw)
     status = _timed(owner, d, nbytes, owner.sync_wait_ms, f"{kind} from/to cluster {peer}")
-    if status == _TIMEOUT:
+    if status == TIMEOUT:
         link.broken = True
     return status
 

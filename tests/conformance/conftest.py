@@ -4,24 +4,36 @@
   that is set (CI's native run sets ``KVDD_BACKEND=native`` and runs only native; an unavailable
   backend named there is an error, never a silent skip).
 * ``sim_only(reason)`` marker: skipped, with the reason, unless the backend under test is ``sim``.
-* ``peer_factory``: makes simulator peers (``Node``); ``KVDD_PEER`` selects how: ``inproc`` (the
-  default) in this process, ``process`` in a separate Python process shared by the tests of a
-  module (``tests/sim/peer_proc.py``: the peers' methods become RPCs, links and transfers cross
-  processes through the simulator's fabric).
-* ``world``: the nodes of one test (``world.dut()`` = the node under test, ``world.peer()`` = sim).
+* ``peer_factory``: makes the peers (``Node``); ``KVDD_PEER`` selects how:
+
+  - ``inproc`` (the default): simulator peers in this process;
+  - ``process``: peers **of the backend under test** (native peers on native) in other Python
+    processes (``tests/sim/peer_proc.py``: the peers' methods become RPCs over a private control
+    pipe; links and transfers cross processes through the backend itself).  A peer allocates,
+    fills and reads its memory through :mod:`kvdd.testing` (ACL device memory on native).  Peer
+    processes are reused by the tests of a module (:class:`PeerPool`).  Native peers have one
+    live instance per process, as on hardware: peer process ``i`` uses NPU ``ids[i + 1]`` of
+    ``$KVDD_TEST_DEVICE_IDS`` (the node under test uses ``ids[0]``), and a test that needs more
+    peers than there are NPUs left is skipped, saying how many it needs.  Simulator peers share
+    one process.
+* ``world``: the nodes of one test (``world.dut()`` = the node under test, ``world.peer()``).
 * ``transfer``: ``"comm"`` (default transfer backend) or ``"hixl"`` (``llm.TransferBackend``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 import kvdd
+import kvdd.testing as kt
 
 from .harness import Node, World
 
@@ -63,29 +75,90 @@ def transfer(request: pytest.FixtureRequest) -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def _peer_process() -> Iterator[object]:
-    """KVDD_PEER=process: one peer process per test module (stopped, or killed, at the end)."""
+def _import_peer_proc() -> ModuleType:
     sim_dir = str(Path(__file__).resolve().parent.parent / "sim")
     if sim_dir not in sys.path:
         sys.path.append(sim_dir)
-    import peer_proc
+    return importlib.import_module("peer_proc")
 
-    with peer_proc.PeerProcess() as proc:
-        yield proc
+
+class PeerPool:
+    """KVDD_PEER=process: the peer processes of one test module, for one backend.
+
+    Native peers get one live instance per process, as on hardware: :meth:`make` puts each new
+    peer into a process that hosts no live node of the current test, starting one when all are
+    taken.  Simulator peers all share one process (the simulator supports several instances per
+    process).  :meth:`end_test` closes the test's peers, which frees their processes for the next
+    test; :meth:`close` stops (or kills) the processes.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.one_per_process = backend != "sim"
+        self._peer_proc = _import_peer_proc()
+        self.procs: list[Any] = []
+        self._used: list[Any] = []  # (process, node) of the current test
+
+    def make(self, cluster_id: int, role: int) -> Node:
+        busy = {id(proc) for proc, _ in self._used} if self.one_per_process else set()
+        free = [proc for proc in self.procs if id(proc) not in busy and proc.alive]
+        if free:
+            proc = free[0]
+        else:
+            proc = self._spawn()
+        node: Node = self._peer_proc.ProcessNode(proc, cluster_id, role)
+        self._used.append((proc, node))
+        return node
+
+    def _spawn(self) -> Any:
+        ids = kt.device_ids()
+        k = len(self.procs)
+        if not self.one_per_process:
+            proc = self._peer_proc.PeerProcess(backend=self.backend, device_id=ids[-1])
+            self.procs.append(proc)
+            return proc
+        if k + 1 >= len(ids):
+            pytest.skip(f"needs {k + 2} NPUs in ${kt.ENV_DEVICE_IDS} (the node under test and "
+                        f"{k + 1} peer processes), has {len(ids)}: {ids}")
+        proc = self._peer_proc.PeerProcess(backend=self.backend, device_id=ids[k + 1])
+        self.procs.append(proc)
+        return proc
+
+    def end_test(self) -> None:
+        used, self._used = self._used, []
+        for _, node in reversed(used):
+            node.close()
+        for proc in [proc for proc in self.procs if not proc.alive]:
+            proc.close()  # reap a peer process a test killed; the next test starts a new one
+            self.procs.remove(proc)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.close()
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def _peer_pools() -> Iterator[dict[str, PeerPool]]:
+    """KVDD_PEER=process: the module's peer processes, per backend (stopped at the end)."""
+    pools: dict[str, PeerPool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
 
 
 @pytest.fixture
-def peer_factory(request: pytest.FixtureRequest) -> Iterator[PeerFactory]:
+def peer_factory(request: pytest.FixtureRequest, backend: str) -> Iterator[PeerFactory]:
     mode = os.environ.get("KVDD_PEER", "inproc")
     if mode == "process":
-        proc = request.getfixturevalue("_peer_process")  # puts tests/sim on sys.path
-        import peer_proc
-
-        assert isinstance(proc, peer_proc.PeerProcess) and proc.alive, "the peer process died"
-        make_remote, cleanup = peer_proc.process_peer_factory(proc)
-        yield make_remote
-        cleanup()
+        pools: dict[str, PeerPool] = request.getfixturevalue("_peer_pools")
+        pool = pools.get(backend)
+        if pool is None:
+            pool = pools[backend] = PeerPool(backend)
+        try:
+            yield pool.make
+        finally:
+            pool.end_test()
         return
     if mode != "inproc":
         pytest.skip(f"KVDD_PEER={mode!r}: unknown mode (inproc or process)")

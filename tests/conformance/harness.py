@@ -1,7 +1,10 @@
 """Conformance-suite harness: ``Node`` (one LlmDataDist + the memory behind its caches) and ``World``.
 
-A ``Node`` owns an ``LlmDataDist`` and one numpy *arena* per registered cache: ``GUARD`` bytes, then
-each tensor (padded to ``ALIGN``) followed by ``GUARD`` bytes.  Every arena is filled with a distinct
+A ``Node`` owns an ``LlmDataDist`` and one *arena* per registered cache: ``GUARD`` bytes, then
+each tensor (padded to ``ALIGN``) followed by ``GUARD`` bytes.  Arenas are :mod:`kvdd.testing`
+buffers of the node's backend: host memory on the simulator, ACL device memory (``aclrtMalloc``,
+filled and read back with ``aclrtMemcpy``) for ``DEVICE`` caches on native, so every byte check
+below takes the path it takes on an Atlas node.  Every arena is filled with a distinct
 deterministic pseudo-random pattern, so a transfer that writes the wrong bytes, or any byte outside
 its targets (including the guard bytes between and around tensors: kvdd rule 1), is detected by
 comparing whole arenas against the reference model.
@@ -15,6 +18,7 @@ under test ("D") is the only one tests may reach through ``.dd`` directly.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -24,6 +28,7 @@ import numpy as np
 import pytest
 
 import kvdd
+import kvdd.testing as kt
 from kvdd import (
     Cache,
     CacheDesc,
@@ -42,7 +47,9 @@ from .reference import Bytes
 
 GUARD = 64
 ALIGN = 64
-LOCALHOST = "127.0.0.1"
+#: The IP every node listens on and links to (``$KVDD_TEST_IP``, default 127.0.0.1; on an Atlas
+#: node the host address LLM-DataDist should use).
+LOCALHOST = os.environ.get("KVDD_TEST_IP", "127.0.0.1")
 
 #: The default cache of SEMANTICS.md §6: 10 tensors, DT_INT32, shape (4, 16): T=256, B=4, S=64.
 DEFAULT_N = 10
@@ -57,11 +64,18 @@ def _round_up(x: int, a: int) -> int:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (bound then released)."""
+    """A TCP port on ``LOCALHOST`` that nothing listens on (bound then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOCALHOST, 0))
         port: int = s.getsockname()[1]
     return port
+
+
+def listen_address(backend: str) -> str:
+    """The ``llm.ListenIpInfo`` a node of ``backend`` listens on: port 0 (the simulator reports the
+    port it bound) on sim; a pre-chosen free port on native, whose real library cannot report
+    which port 0 bound (so the suite never relies on the test double's hook for it)."""
+    return f"{LOCALHOST}:{0 if backend == 'sim' else free_port()}"
 
 
 # -- expected errors ----------------------------------------------------------------------------
@@ -164,17 +178,22 @@ def cluster(port: int, remote_cluster_id: int, *, ip: str = LOCALHOST,
 class Node:
     """One ``LlmDataDist`` instance and the memory behind its caches.
 
-    All public methods take and return picklable values so that a peer can later live in another
-    process.  ``dd`` is only for the node under test.
+    All public methods take and return picklable values so that a peer can live in another
+    process (``KVDD_PEER=process``).  ``dd`` is only for the node under test.  ``device_id`` is the
+    NPU of the node's device memory and its default ``llm.DeviceId`` (default: the first id of
+    ``$KVDD_TEST_DEVICE_IDS``).
     """
 
-    def __init__(self, cluster_id: int, role: int = LlmRole.MIX, *, backend: str = "sim") -> None:
+    def __init__(self, cluster_id: int, role: int = LlmRole.MIX, *, backend: str = "sim",
+                 device_id: int | None = None) -> None:
         self.uid = next(_uids)
         self._cluster_id = cluster_id
+        self.device_id = kt.device_ids()[0] if device_id is None else device_id
         self.dd = kvdd.LlmDataDist(cluster_id, role, backend=backend)
-        self._arenas: list[Bytes] = []
+        self._arenas: list[kt.Buffer] = []
         self.handles: list[CacheHandle] = []  # every handle this node returned (for diagnostics)
         self._closed = False
+        self.listen_ip_info: str | None = None  # llm.ListenIpInfo of the last initialize()
 
     # -- identity / lifecycle ------------------------------------------------------------------
     @property
@@ -190,10 +209,11 @@ class Node:
         return self.dd.backend_name
 
     def options(self, *, listen: bool = False, transfer: str = "comm",
-                device_id: str = "0", extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        opts = {kvdd.OPTION_DEVICE_ID: device_id}
+                device_id: str | None = None,
+                extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        opts = {kvdd.OPTION_DEVICE_ID: str(self.device_id) if device_id is None else device_id}
         if listen or transfer == "hixl":
-            opts[kvdd.OPTION_LISTEN_IP_INFO] = f"{LOCALHOST}:0"
+            opts[kvdd.OPTION_LISTEN_IP_INFO] = listen_address(self.backend_name)
         if transfer == "hixl":
             opts[kvdd.OPTION_TRANSFER_BACKEND] = "hixl"
         elif transfer != "comm":
@@ -201,12 +221,15 @@ class Node:
         opts.update(extra or {})
         return opts
 
-    def initialize(self, *, listen: bool = False, transfer: str = "comm", device_id: str = "0",
+    def initialize(self, *, listen: bool = False, transfer: str = "comm",
+                   device_id: str | None = None,
                    extra: Mapping[str, str] | None = None) -> None:
-        """Initialize with ``llm.DeviceId`` and, when listening or on hixl (which requires it),
-        ``llm.ListenIpInfo=127.0.0.1:0``."""
-        self.dd.initialize(self.options(listen=listen, transfer=transfer, device_id=device_id,
-                                        extra=extra))
+        """Initialize with ``llm.DeviceId`` (default: the node's device) and, when listening or on
+        hixl (which requires it), ``llm.ListenIpInfo`` (:func:`listen_address`, kept in
+        ``listen_ip_info``)."""
+        opts = self.options(listen=listen, transfer=transfer, device_id=device_id, extra=extra)
+        self.listen_ip_info = opts.get(kvdd.OPTION_LISTEN_IP_INFO)
+        self.dd.initialize(opts)
 
     def initialize_raw(self, options: Mapping[str, str]) -> None:
         self.dd.initialize(options)
@@ -218,23 +241,31 @@ class Node:
         self.dd.set_role(role, options)
 
     def close(self) -> None:
+        """Finalize, then free the node's memory (once the library has forgotten it)."""
         if not self._closed:
             self._closed = True
             self.dd.finalize()
+            for arena in self._arenas:
+                arena.free()
 
     # -- memory --------------------------------------------------------------------------------
-    def _new_arena(self, t: int, n: int, fill: int | None) -> tuple[int, tuple[int, ...]]:
+    def _new_arena(self, t: int, n: int, fill: int | None,
+                   placement: int = CachePlacement.DEVICE) -> tuple[int, tuple[int, ...]]:
         pitch = _round_up(max(t, 1), ALIGN) + GUARD
         size = GUARD + n * pitch
         seed = [self._cluster_id, self.uid, len(self._arenas)] + ([] if fill is None else [fill])
-        arena = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+        pattern = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+        arena = kt.allocate(size, backend=self.backend_name, placement=placement,
+                            device_id=self.device_id)
+        arena.write(pattern)
         self._arenas.append(arena)
         return len(self._arenas) - 1, tuple(GUARD + k * pitch for k in range(n))
 
     def alloc(self, nbytes: int, n: int, fill: int | None = None) -> tuple[int, list[int]]:
-        """A filled arena for ``n`` tensors of ``nbytes``: (slot, tensor addresses)."""
+        """A filled arena (device memory on native) for ``n`` tensors of ``nbytes``: (slot,
+        tensor addresses)."""
         slot, offsets = self._new_arena(nbytes, n, fill)
-        base = int(self._arenas[slot].ctypes.data)
+        base = self._arenas[slot].address
         return slot, [base + o for o in offsets]
 
     def register(self, num_tensors: int = DEFAULT_N, dtype: int = DEFAULT_DTYPE,
@@ -244,10 +275,8 @@ class Node:
         desc = CacheDesc(num_tensors=num_tensors, data_type=dtype, shape=tuple(shape),
                          placement=placement)
         t = ref.tensor_nbytes(dtype, shape)
-        slot, offsets = self._new_arena(t, num_tensors, fill)
-        arena = self._arenas[slot]
-        views = [arena[o:o + t] for o in offsets]
-        cache_id = self.dd.register_kv_cache(desc, kvdd.tensor_addrs(views))
+        slot, offsets = self._new_arena(t, num_tensors, fill, placement)
+        cache_id = self.dd.register_kv_cache(desc, self._arenas[slot].addrs(offsets, t))
         h = CacheHandle(self.uid, self._cluster_id, cache_id, desc, slot, offsets, t)
         self.handles.append(h)
         return h
@@ -255,9 +284,7 @@ class Node:
     def register_again(self, h: CacheHandle) -> CacheHandle:
         """Register the very same memory (same addresses, same desc) once more (§3.7 step 9)."""
         assert h.owner == self.uid
-        arena = self._arenas[h.slot]
-        views = [arena[o:o + h.nbytes] for o in h.offsets]
-        cache_id = self.dd.register_kv_cache(h.desc, kvdd.tensor_addrs(views))
+        cache_id = self.dd.register_kv_cache(h.desc, self._arenas[h.slot].addrs(h.offsets, h.nbytes))
         h2 = CacheHandle(self.uid, self._cluster_id, cache_id, h.desc, h.slot, h.offsets,
                          h.nbytes)
         self.handles.append(h2)
@@ -272,17 +299,16 @@ class Node:
 
     def snapshot(self) -> dict[int, bytes]:
         """Every arena of this node (tensors and guards), by slot."""
-        return {slot: a.tobytes() for slot, a in enumerate(self._arenas)}
+        return {slot: a.read().tobytes() for slot, a in enumerate(self._arenas)}
 
     def tensor_addr(self, h: CacheHandle, k: int) -> int:
         """Address of tensor ``k`` of ``h`` (meaningful only for nodes in this process)."""
         assert h.owner == self.uid
-        return int(self._arenas[h.slot].ctypes.data) + h.offsets[k]
+        return self._arenas[h.slot].address + h.offsets[k]
 
     def tensor_bytes(self, h: CacheHandle, k: int) -> bytes:
         assert h.owner == self.uid
-        o = h.offsets[k]
-        return self._arenas[h.slot][o:o + h.nbytes].tobytes()
+        return self._arenas[h.slot].read(h.offsets[k], h.nbytes).tobytes()
 
     # -- links -----------------------------------------------------------------------------------
     def link_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int = 1000) -> list[Status]:
@@ -363,7 +389,9 @@ def _describe(key: tuple[int, int], pos: int, handles: Sequence[CacheHandle]) ->
 
 
 class World:
-    """All nodes of one test: the node under test (``dut``) and simulator peers (``peer``)."""
+    """All nodes of one test: the node under test (``dut``) and its peers (``peer``: simulator
+    nodes in this process, or with ``KVDD_PEER=process`` nodes of the backend under test, each
+    in its own process)."""
 
     def __init__(self, backend: str, peer_factory: Callable[[int, int], Node]) -> None:
         self.backend = backend
@@ -383,7 +411,7 @@ class World:
         return node
 
     def peer(self, cluster_id: int = 1, role: int = LlmRole.PROMPT) -> Node:
-        """A simulator peer (possibly another process later)."""
+        """A peer made by the ``peer_factory`` (see the class docstring)."""
         node = self._peer_factory(cluster_id, role)
         self.nodes.append(node)
         return node

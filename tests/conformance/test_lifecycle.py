@@ -1,5 +1,5 @@
 """Initialize / Finalize / SetRole: SEMANTICS.md §3.2-§3.4, §6 scenarios 1-16 and 39-42, §7.12-15,
-§7.21, §10.6 (real listening), §10.14-15."""
+§7.21, §10.6 (real listening), §10.14."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 import kvdd
+import kvdd.testing as kt
 from kvdd import (
     OPTION_BUF_POOL_CFG,
     OPTION_DEVICE_ID,
@@ -37,14 +38,30 @@ from .harness import (
     cluster,
     free_port,
     link,
+    listen_address,
     pair,
     pull_cache_checked,
     raises,
 )
 
-DEV = {OPTION_DEVICE_ID: "0"}
+DEV = {OPTION_DEVICE_ID: str(kt.device_ids()[0])}
 LISTEN0 = {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0"}
 HIXL = {OPTION_TRANSFER_BACKEND: "hixl"}
+#: For tests that check the port bound for port 0, which only the simulator can report.
+NEEDS_PORT0 = pytest.mark.sim_only(
+    reason="asks for port 0 and checks the port bound: the real library cannot report it")
+
+
+def _listen(world: World) -> dict[str, str]:
+    """``llm.ListenIpInfo`` on some free port: port 0 on sim, a pre-chosen one on native."""
+    return {OPTION_LISTEN_IP_INFO: listen_address(world.backend)}
+
+
+def _free_port_v6() -> int:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        s.bind(("::1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
 def _is_listening(port: int, host: str = LOCALHOST) -> bool:
@@ -162,18 +179,21 @@ def test_s07_bracketed_ipv6_listen_accepted(world: World) -> None:
     if not _ipv6_loopback():
         pytest.skip("no IPv6 loopback on this host")
     d = world.dut()
-    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: "[::1]:0"})
+    asked = 0 if world.backend == "sim" else _free_port_v6()
+    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"[::1]:{asked}"})
     port = d.listen_port
-    assert port is not None and port > 0
+    assert port is not None and port > 0 and (asked == 0 or port == asked)
     assert _is_listening(port, "::1")
 
 
 def test_s07_port_above_65535_truncated_to_16_bits(world: World) -> None:
-    # §3.2 step 4 and §7.15: accepted up to 4294967295; 65536 keeps its low 16 bits = 0 -> free port.
+    # §3.2 step 4 and §7.15: accepted up to 4294967295; 65536 keeps its low 16 bits = 0 -> free
+    # port (sim); on native 65536 + p keeps p (a pre-chosen port: the bound one is not reported).
     d = world.dut()
-    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:65536"})
+    low = 0 if world.backend == "sim" else free_port()
+    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{65536 + low}"})
     port = d.listen_port
-    assert port is not None and 0 < port <= 65535
+    assert port is not None and 0 < port <= 65535 and (low == 0 or port == low)
     assert _is_listening(port)
 
 
@@ -244,7 +264,7 @@ def test_s12_link_retry_count_bounds_accepted(world: World, value: str) -> None:
 
 def test_s14_auto_local_comm_res_unknown_device(world: World) -> None:
     d = world.dut()
-    d.initialize_raw({OPTION_DEVICE_ID: "9", **LISTEN0})
+    d.initialize_raw({OPTION_DEVICE_ID: "9", **_listen(world)})
     assert d.listen_port
     _assert_initialized(d)
 
@@ -312,7 +332,7 @@ def test_initialize_bind_failure_is_llm_failed_then_retry(world: World) -> None:
             d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}"})
         assert d.listen_port is None
         _assert_uninitialized(d)
-    d.initialize_raw({**DEV, **LISTEN0})
+    d.initialize_raw({**DEV, **_listen(world)})
     assert d.listen_port
 
 
@@ -464,7 +484,7 @@ def test_finalized_owner_cache_not_found(world: World) -> None:
         p.pull_kv_cache(dh.index(), ph.cache())
 
 
-# -- SetRole (§3.4, scenarios 39-42, §7.21, §10.15) ----------------------------------------------
+# -- SetRole (§3.4, scenarios 39-42, §7.21) -------------------------------------------------------
 
 
 def test_s39_set_role_sequence_without_links(world: World) -> None:
@@ -472,23 +492,24 @@ def test_s39_set_role_sequence_without_links(world: World) -> None:
     p.initialize()
     d = world.dut()
     d.initialize()
+    listen = _listen(world)
     assert d.listen_port is None
     d.set_role(LlmRole.DECODER, {})
     assert d.listen_port is None
-    d.set_role(LlmRole.PROMPT, LISTEN0)
+    d.set_role(LlmRole.PROMPT, listen)
     port1 = d.listen_port
     assert port1 and _is_listening(port1)
-    d.set_role(LlmRole.DECODER, LISTEN0)  # same port string: no-op
+    d.set_role(LlmRole.DECODER, listen)  # same port string: no-op
     assert d.listen_port == port1
     d.set_role(LlmRole.MIX, {})  # stops listening
     assert d.listen_port is None
     assert not _is_listening(port1)
-    d.set_role(LlmRole.PROMPT, LISTEN0)
+    d.set_role(LlmRole.PROMPT, listen)
     port2 = d.listen_port
     assert port2 and _is_listening(port2)
     d.set_role(LlmRole.PROMPT, {})
     assert d.listen_port is None
-    d.set_role(LlmRole.DECODER, LISTEN0)
+    d.set_role(LlmRole.DECODER, listen)
     port3 = d.listen_port
     assert port3 and _is_listening(port3)
     # it really accepts links now (peer = caller), and a peer linking in makes SetRole fail
@@ -505,9 +526,10 @@ def test_s39_set_role_sequence_without_links(world: World) -> None:
 def test_set_role_same_port_string_is_noop_even_if_ip_changes(world: World) -> None:
     # §3.4 step 4 and §7.21: only the port string is compared.
     d = world.dut()
-    d.initialize(listen=True)
+    asked = listen_address(world.backend)
+    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: asked})
     port = d.listen_port
-    d.set_role(LlmRole.MIX, {OPTION_LISTEN_IP_INFO: "127.0.0.2:0"})
+    d.set_role(LlmRole.MIX, {OPTION_LISTEN_IP_INFO: "127.0.0.2:" + asked.rsplit(":", 1)[1]})
     assert d.listen_port == port
     assert port and _is_listening(port)
 
@@ -579,12 +601,13 @@ def test_set_role_order_role_and_listen_before_link_check(world: World) -> None:
         d.set_role(LlmRole.DECODER)
 
 
+@NEEDS_PORT0
 def test_s42_hixl_set_role_listen_change_not_enabled(world: World) -> None:
     d, p = pair(world, "hixl")
     port = d.listen_port
     assert port
-    # §10.15: compared as strings with the value given at Initialize ("127.0.0.1:0"), so even the
-    # real port spelled out is a change.
+    # §3.4 step 5: compared as the parsed ip:port of Initialize ("127.0.0.1:0"), so even the real
+    # port spelled out is a change.
     with raises(FEATURE_NOT_ENABLED):
         d.set_role(LlmRole.PROMPT, {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}"})
     with raises(FEATURE_NOT_ENABLED):
@@ -601,4 +624,5 @@ def test_hixl_set_role_ignores_links(world: World) -> None:
     p.register()
     link(d, p)
     d.set_role(LlmRole.MIX)
-    d.set_role(LlmRole.PROMPT, LISTEN0)
+    assert d.listen_ip_info is not None
+    d.set_role(LlmRole.PROMPT, {OPTION_LISTEN_IP_INFO: d.listen_ip_info})  # unchanged: no-op

@@ -264,9 +264,6 @@ def test_rule4_instance_still_usable(world: World) -> None:
 # -- §3.7 step 10 / §7.23: the cache table limit ------------------------------------------------------
 
 
-# ~131k addresses per registration: slow while the simulator's rule-4 memory check costs O(maps)
-# per address; cheap once it checks each distinct range once.
-@pytest.mark.slow
 def test_cache_table_limit_boundary(world: World) -> None:
     # One cache of n tensors publishes 24 + 64 + 8n bytes; exactly 1 MiB is accepted.
     n_ok = (ref.CACHE_TABLE_LIMIT - ref.cache_table_bytes([0])) // 8
@@ -278,7 +275,6 @@ def test_cache_table_limit_boundary(world: World) -> None:
     assert cache_id == 1
 
 
-@pytest.mark.slow
 def test_cache_table_overflow_keeps_the_entry(world: World) -> None:
     n_big = (ref.CACHE_TABLE_LIMIT - ref.cache_table_bytes([0])) // 8 + 1
     assert ref.cache_table_bytes([n_big]) > ref.CACHE_TABLE_LIMIT

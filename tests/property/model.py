@@ -181,13 +181,16 @@ class Instance:
     backend: str = "comm"
     listening: bool = False
     port: int | None = None  # the real port, told by the test (port 0 binds a free one)
-    listen_text: str | None = None
+    listen_port_text: str | None = None  # comm: normalized port text while listening (§3.4)
+    local_engine: str | None = None  # hixl: "ip:port" of Initialize (§3.4 step 5)
     has_comm_res: bool = False
     comm_res_text: str | None = None
     next_cache_id: int = 1
     caches: dict[int, Registration] = field(default_factory=dict)
+    published: dict[int, Registration] = field(default_factory=dict)  # §3.7 step 10
     entities: dict[int, Entity] = field(default_factory=dict)
-    hixl_addrs: dict[tuple[str, int], int] = field(default_factory=dict)
+    # hixl: open connections by address, re-pointed entities included (§3.5)
+    hixl_addrs: dict[tuple[str, int], Entity] = field(default_factory=dict)
 
     def reset(self) -> None:
         for reg in self.caches.values():
@@ -196,11 +199,13 @@ class Instance:
         self.backend = "comm"
         self.listening = False
         self.port = None
-        self.listen_text = None
+        self.listen_port_text = None
+        self.local_engine = None
         self.has_comm_res = False
         self.comm_res_text = None
         self.next_cache_id = 1
         self.caches = {}
+        self.published = {}
         self.entities = {}
         self.hixl_addrs = {}
 
@@ -243,14 +248,12 @@ def _ipv4(ip: str) -> bool:
     return True
 
 
-def _port_text(text: str) -> str | None:
-    """§3.2 step 4 split; None when it does not give exactly (ip, port)."""
-    lb, rb = text.find("["), text.find("]")
-    if lb != -1 and rb != -1 and lb < rb:
-        colon = text.find(":", rb)
-        return None if colon == -1 else text[colon + 1:]
-    parts = text.split(":")
-    return parts[1] if len(parts) == 2 else None
+def _parsed(text: str) -> tuple[str, str]:
+    """A valid IPv4 ``llm.ListenIpInfo`` as upstream passes it on: (ip, std::to_string(port))."""
+    ip, port = text.split(":")
+    v = _stream_int(port)
+    assert v is not None
+    return ip, str(v)
 
 
 def listen_ok(text: str) -> bool:
@@ -337,8 +340,8 @@ class World:
             return PARAM_INVALID
         backend = "hixl" if tb == "hixl" else "comm"
         if backend == "comm":
-            for key, lo, hi in (("llm.RdmaTrafficClass", 0, 2**32 - 1),
-                                ("llm.RdmaServiceLevel", 0, 2**32 - 1),
+            for key, lo, hi in (("llm.RdmaTrafficClass", -(2**32 - 1), 2**32 - 1),  # uint32: '-' wraps
+                                ("llm.RdmaServiceLevel", -(2**32 - 1), 2**32 - 1),
                                 ("llm.LinkTotalTime", -(2**31), 2**31 - 1),
                                 ("llm.LinkRetryCount", 1, 100)):
                 if key in options:
@@ -349,22 +352,32 @@ class World:
             if listen is None:
                 return PARAM_INVALID
             grc = options.get("llm.GlobalResourceConfig")
-            if grc is not None:
+            if grc:  # §3.2 step 8: empty skipped, else a JSON object (known keys not generated)
                 try:
-                    json.loads(grc)
+                    doc = json.loads(grc)
                 except ValueError:
+                    return PARAM_INVALID
+                if not isinstance(doc, dict):
                     return PARAM_INVALID
         wait = options.get("llm.SyncKvCacheWaitTime")
         if wait is not None and not _digits(wait):
             return PARAM_INVALID
+        if backend == "hixl" and options.get("llm.LocalCommRes"):
+            try:
+                json.loads(options["llm.LocalCommRes"])  # §3.2 step 8: valid JSON on hixl
+            except ValueError:
+                return PARAM_INVALID
         me.initialized = True
         me.backend = backend
-        me.comm_res_text = options.get("llm.LocalCommRes")
+        me.comm_res_text = options.get("llm.LocalCommRes") or None  # empty counts as absent
         # §3.2 step 8: without llm.LocalCommRes, a listen IP makes Initialize generate the local
-        # comm resource (kept after SetRole stops listening; §3.5 b asks for one only when none)
+        # comm resource (kept after SetRole stops listening; a listener SetRole starts makes none)
         me.has_comm_res = me.comm_res_text is not None or listen is not None
         me.listening = listen is not None
-        me.listen_text = listen
+        if listen is not None:
+            ip, port = _parsed(listen)
+            me.listen_port_text = port if backend == "comm" else None
+            me.local_engine = f"{ip}:{port}" if backend == "hixl" else None
         return SUCCESS
 
     def finalize(self, me: Instance) -> None:
@@ -383,19 +396,18 @@ class World:
             if me.entities:
                 return EXIST_LINK
             if listen is not None:
-                same = (me.listening and me.listen_text is not None
-                        and _port_text(me.listen_text) == _port_text(listen))
-                if not same:
+                port = _parsed(listen)[1]  # §3.4 step 4: the normalized port text
+                if not (me.listening and me.listen_port_text == port):
                     me.listening = True
                     me.port = None  # a new socket: the test reads the new port
-                    me.listen_text = listen
+                    me.listen_port_text = port
             else:
                 me.listening = False
                 me.port = None
-                me.listen_text = None
+                me.listen_port_text = None
         else:
-            if listen is not None and listen != me.listen_text:
-                return FEATURE_NOT_ENABLED
+            if listen is not None and ":".join(_parsed(listen)) != me.local_engine:
+                return FEATURE_NOT_ENABLED  # §3.4 step 5: parsed ip:port compared
         me.role = role
         return SUCCESS
 
@@ -427,7 +439,7 @@ class World:
     def _link_one(self, me: Instance, c: ClusterLike) -> int:
         if len(c.remote_ip_infos) != 1:
             return PARAM_INVALID
-        if me.backend == "comm" and not me.has_comm_res and not me.listening:
+        if me.backend == "comm" and not me.has_comm_res:
             if len(c.local_ip_infos) != 1:
                 return PARAM_INVALID
             me.has_comm_res = True  # generated once from local_ip_infos[0]
@@ -443,11 +455,10 @@ class World:
             return LINK_FAILED  # kvdd rule 6: connection refused
         assert peer.backend == me.backend, "the tests keep one transfer backend per world"
         if me.backend == "hixl":
-            old = me.entities.get(c.remote_cluster_id)
-            if old is not None:
-                me.hixl_addrs.pop(old.address, None)
-            me.entities[c.remote_cluster_id] = Entity(peer, address, dict(peer.caches))
-            me.hixl_addrs[address] = c.remote_cluster_id
+            # §3.5: re-points the id; the entity it named keeps its connection open
+            ent = Entity(peer, address, dict(peer.published))
+            me.entities[c.remote_cluster_id] = ent
+            me.hixl_addrs[address] = ent
             return SUCCESS
         force = c.remote_cluster_id not in me.entities  # §3.5 d
         st = self._accept(peer, me, force, ("", 0))  # the peer runs the acceptance first (f)
@@ -463,13 +474,13 @@ class World:
             acceptor.entities.pop(key, None)
         if key in acceptor.entities:
             return ALREADY_LINK
-        acceptor.entities[key] = Entity(other, address, dict(other.caches))
+        acceptor.entities[key] = Entity(other, address, dict(other.published))
         return SUCCESS
 
     def _destroy(self, me: Instance, key: int) -> None:
         ent = me.entities.pop(key, None)
-        if ent is not None and me.backend == "hixl":
-            me.hixl_addrs.pop(ent.address, None)
+        if ent is not None and me.hixl_addrs.get(ent.address) is ent:
+            del me.hixl_addrs[ent.address]
 
     def unlink(self, me: Instance, clusters: Sequence[ClusterLike], timeout_ms: int,
                force: bool) -> tuple[int, list[int]]:
@@ -530,10 +541,17 @@ class World:
             return st, None
         me.caches[cache_id] = Registration(me, cache_id, len(addrs), T, desc.shape[0] & 0xFFFFFFFF,
                                            tuple(addrs))
-        table = 24 + sum(64 + 8 * r.n for r in me.caches.values())
-        if table > 1 << 20:
-            return PARAM_INVALID, None  # the entry stays registered (§3.7 step 10)
+        if not self._publish(me):
+            return PARAM_INVALID, None  # the entry stays registered, unpublished (§3.7 step 10)
         return SUCCESS, cache_id
+
+    @staticmethod
+    def _publish(me: Instance) -> bool:
+        """§3.7 step 10: peers read the last cache table that fit 1 MiB."""
+        if 24 + sum(64 + 8 * r.n for r in me.caches.values()) > 1 << 20:
+            return False
+        me.published = dict(me.caches)
+        return True
 
     def unregister(self, me: Instance, cache_id: int) -> int:
         if not me.initialized:
@@ -541,6 +559,7 @@ class World:
         reg = me.caches.pop(cache_id, None)
         if reg is not None:
             reg.alive = False
+            self._publish(me)
         return SUCCESS
 
     @staticmethod

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import kvdd
+import kvdd.testing as kt
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, Status
 
 _TESTS_DIR = Path(__file__).resolve().parent.parent
@@ -45,6 +46,9 @@ from conformance.harness import CacheHandle, Node  # noqa: E402
 
 #: Seconds any single RPC may take before the test fails (transfers are far faster).
 CALL_TIMEOUT = 60.0
+#: Environment of the child: the backend of its nodes and their NPU (see PeerProcess).
+ENV_BACKEND = "KVDD_PEER_BACKEND"
+ENV_DEVICE_ID = "KVDD_PEER_DEVICE_ID"
 _HANDLE = "__cache_handle__"
 
 
@@ -97,7 +101,10 @@ class _Root:
             os.environ[name] = value
 
     def new_node(self, cluster_id: int, role: int, uid: int) -> int:
-        node = Node(cluster_id, role, backend="sim")
+        # The backend and NPU of this process's nodes (PeerProcess's backend= and device_id=).
+        device = os.environ.get(ENV_DEVICE_ID)
+        node = Node(cluster_id, role, backend=os.environ.get(ENV_BACKEND, "sim"),
+                    device_id=None if device is None else int(device))
         node.uid = uid  # the test process's numbering, so World snapshots stay distinct
         oid = next(self.ids)
         self.objects[oid] = node
@@ -105,10 +112,6 @@ class _Root:
 
     def drop(self, oid: int) -> None:
         self.objects.pop(oid, None)
-
-    def probe_addr(self) -> int:
-        from kvdd.sim import fabric
-        return fabric.PROBE_ADDR
 
     def can_read(self, pid: int, addr: int) -> bool:
         """Whether process_vm_readv of ``pid`` works from here (ptrace rules)."""
@@ -157,9 +160,16 @@ def _child_main(fd: int) -> None:
     objects: dict[int, Any] = {}
     objects[0] = _Root(objects)
     send_lock = threading.Lock()
+    device = os.environ.get(ENV_DEVICE_ID)
+    native_device = (int(device) if device is not None else kt.device_ids()[0]) \
+        if os.environ.get(ENV_BACKEND) == "native" else None
 
     def run(cid: int, oid: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
+            if native_device is not None:
+                # ACL contexts are per thread and each RPC runs on a new one: make this process's
+                # NPU current first, as a CANN program does on every thread that calls the library.
+                kt.acl_runtime().activate(native_device)
             target = objects[oid]
             value = getattr(target, method)(*_decode(args), **{k: _decode(v) for k, v in kwargs.items()})
             reply: tuple[Any, ...] = (cid, True, _encode(value))
@@ -228,12 +238,23 @@ class PeerProcess:
     prefix : Sequence[str], optional
         Command prefix, e.g. ``["ip", "netns", "exec", "ns1"]`` to run the child in a network
         namespace.
+    backend : str, default "sim"
+        Backend of the child's nodes (``"native"``: the conformance suite's native peers).
+    device_id : int, optional
+        NPU of the child's nodes (their device memory and ``llm.DeviceId``).
     """
 
     def __init__(self, *, env: Mapping[str, str] | None = None,
-                 prefix: Sequence[str] = (), start_timeout: float = CALL_TIMEOUT) -> None:
+                 prefix: Sequence[str] = (), start_timeout: float = CALL_TIMEOUT,
+                 backend: str = "sim", device_id: int | None = None) -> None:
         ours, theirs = socket.socketpair()
+        self.backend = backend
+        self.device_id = device_id
         child_env = dict(os.environ)
+        child_env[ENV_BACKEND] = backend
+        child_env.pop(ENV_DEVICE_ID, None)
+        if device_id is not None:
+            child_env[ENV_DEVICE_ID] = str(device_id)
         child_env.update(env or {})
         cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), str(theirs.fileno())]
         self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=child_env,
@@ -368,6 +389,7 @@ class ProcessNode(Node):
 
     def __init__(self, proc: PeerProcess, cluster_id: int, role: int = kvdd.LlmRole.MIX) -> None:
         self.uid = next(harness._uids)
+        self.device_id = kt.device_ids()[0] if proc.device_id is None else proc.device_id
         self._cluster_id = cluster_id
         self.handles: list[CacheHandle] = []
         self._closed = False
@@ -398,9 +420,10 @@ class ProcessNode(Node):
 
     @property
     def backend_name(self) -> str:
-        return "sim"
+        return self.proc.backend
 
-    def initialize(self, *, listen: bool = False, transfer: str = "comm", device_id: str = "0",
+    def initialize(self, *, listen: bool = False, transfer: str = "comm",
+                   device_id: str | None = None,
                    extra: Mapping[str, str] | None = None) -> None:
         self._call("initialize", listen=listen, transfer=transfer, device_id=device_id,
                    extra=dict(extra or {}))

@@ -2,10 +2,9 @@
 §3.3, §3.5-3.6, §10 rules 2, 5, 6, 8, 9, 13).
 
 The node under test ("D") lives in this process; its peers ("P") live in a separate Python process
-(:mod:`peer_proc`), reached only through the simulator's fabric: TCP for links and control, and for
-data either ``process_vm_readv``/``process_vm_writev`` (same host) or TCP frames
-(``KVDD_SIM_XPROC=tcp``, and other hosts).  Each data path runs in its own module-scoped peer
-process.  Every successful transfer is checked byte for byte over every arena of both processes
+(:mod:`peer_proc`), reached only through the simulator's fabric: authenticated TCP connections for
+links, control and data (the same-host one-sided path has its own tests, ``tests/hostile/test_samehost*``
+and the bench).  Every successful transfer is checked byte for byte over every arena of both processes
 (the harness's reference model), so bytes outside the targets are checked too.  Tests that kill or
 stop a peer get their own process.  Nothing here asserts on speed; the time bounds are "no hang"
 bounds, far above what the operations take.
@@ -34,10 +33,11 @@ import kvdd
 from kvdd import DataType, LlmRole, Status
 from kvdd._native import _xproc
 from kvdd.sim import fabric
-from kvdd.sim.fabric import hostprobe, wire
 from kvdd.sim.fabric import listener as fabric_listener
+from kvdd.sim.fabric import wire
 
 import peer_proc
+from hostile import rawpeer
 from conformance import reference as ref
 from conformance.harness import (
     ALREADY_LINK,
@@ -64,14 +64,14 @@ from peer_proc import PeerProcess, ProcessNode
 
 S = Status.LLM_SUCCESS
 WAIT = "llm.SyncKvCacheWaitTime"
-XPROC_ENV = {"process_vm": "auto", "tcp": "tcp"}
+XPROC_ENV = {"tcp": "tcp"}
 
 
 def _env(xproc: str) -> dict[str, str]:
     return {fabric.ENV_XPROC: XPROC_ENV[xproc]}
 
 
-@pytest.fixture(scope="module", params=["process_vm", "tcp"])
+@pytest.fixture(scope="module", params=["tcp"])
 def xproc(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     return name
@@ -132,17 +132,9 @@ def _d_path(d: Node, peer_cluster_id: int) -> str:
 
 
 def _expected_paths(xproc: str, p: PeerProcess) -> tuple[str, str]:
-    """(D→P, P→D) data paths: process_vm where the kernel lets that side read the other (Yama may
-    allow only parent → child), TCP otherwise or when forced."""
-    if xproc == "tcp":
-        return "tcp", "tcp"
-    try:
-        _xproc.pvm_read_bytes(p.pid, p.root("probe_addr"), 1)
-        d_to_p = "process_vm"
-    except OSError:
-        d_to_p = "tcp"
-    p_to_d = "process_vm" if p.root("can_read", os.getpid(), fabric.PROBE_ADDR) else "tcp"
-    return d_to_p, p_to_d
+    """(D→P, P→D) data paths: TCP (a same-host path exists only with a kernel-attested identity
+    proof, registered as a handshake extension; none is registered in these tests)."""
+    return "tcp", "tcp"
 
 
 # ---- the process_vm kernel (kvdd._native._xproc) ------------------------------------------------
@@ -495,7 +487,7 @@ class _Hold:
 
 def _inflight(d: Node, h: CacheHandle) -> int:
     entry = d.dd.backend.caches[h.cache_id]  # type: ignore[attr-defined]
-    n: int = entry._inflight
+    n: int = entry.inflight
     return n
 
 
@@ -627,6 +619,68 @@ def test_unregister_waits_for_a_remote_reader(world: World, proc: PeerProcess) -
         p.pull_kv_cache(dh.index(), ph.cache())
 
 
+def test_second_unregister_waits_too(world: World, proc: PeerProcess) -> None:
+    """Rule 5, any number of callers: while P's pull holds a lease on D's cache, two threads of D
+    unregister it; neither returns before the pull finished (it used to return at once)."""
+    d, p, dh, ph = _reader_setup(world, "30000")
+    proc.root("hold", 500)
+    try:
+        n0 = len(proc.root("released"))
+        call = p.start("pull_kv_cache", dh.index(), ph.cache())
+        _wait_for(lambda: _inflight(d, dh) > 0)
+        returned: list[float] = []
+
+        def unregister() -> None:
+            d.unregister(dh.cache_id)
+            returned.append(time.monotonic())
+
+        threads = [threading.Thread(target=unregister) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # the second call comes while the first waits
+        for t in threads:
+            t.join(30)
+        call.result()
+        released = proc.root("released")[n0:]
+    finally:
+        proc.root("hold", 0)
+    assert len(returned) == 2 and len(released) == 1
+    assert min(returned) >= released[0], "an unregister returned while the pull still held the cache"
+
+
+def test_pull_racing_its_unlink(world: World) -> None:
+    """A pull racing a local unlink of its own link either completes (the unlink waits for it)
+    or returns LLM_NOT_YET_LINK; never LLM_TIMEOUT from a living peer."""
+    d, p, dh, ph = _setup(world)
+    for _trial in range(3):
+        assert link(d, p) == [S]
+        results: dict[str, int] = {}
+
+        def pull(name: str) -> None:
+            try:
+                d.dd.pull_kv_cache(ph.index(), dh.cache())
+                results[name] = S
+            except kvdd.LLMError as exc:
+                results[name] = exc.status
+
+        with _Hold(0.3) as hold:
+            first = threading.Thread(target=pull, args=("first",))
+            first.start()
+            assert hold.leased.wait(10)
+            second = threading.Thread(target=pull, args=("second",))
+            second.start()
+            time.sleep(0.05)  # the second pull waits for the link behind the first
+            t0 = time.monotonic()
+            assert unlink(d, p, force=True) == [S]
+            waited = time.monotonic() - t0
+            first.join(10)
+            second.join(10)
+        assert results["first"] == S and waited > 0.1  # the unlink waited for the first pull
+        assert results["second"] in (S, NOT_YET_LINK), hex(results["second"])
+    assert link(d, p) == [S]
+    pull_cache_checked(world, d, ph, dh)
+
+
 def test_dead_reader_releases_its_lease(own_world: World, own_proc: PeerProcess) -> None:
     """A reader killed while holding a lease (with a 60 s wait): unregister returns at once."""
     world = own_world
@@ -680,56 +734,24 @@ def test_finalize_waits_for_a_remote_reader(world: World, proc: PeerProcess) -> 
 # ---- the server under hostile input ------------------------------------------------------------
 
 
-def _hdr(ftype: int, length: int, req: int = 0, magic: bytes = b"KV", version: int = 1) -> bytes:
-    return struct.pack("<2sBBII", magic, version, ftype, req, length)
+def _hdr(ftype: int, length: int, req: int = 0, magic: bytes = b"KV",
+         version: int = wire.PROTOCOL_VERSION) -> bytes:
+    return rawpeer.hdr(ftype, length, req, magic, version)
 
 
 def _hello(cluster_id: int, backend: int = 0) -> bytes:
     """A well-formed HELLO_LINK payload with an empty snapshot."""
-    w = wire.Writer()
-    wire.encode_offer(w, fabric.LinkOffer(cluster_id, wire.BACKENDS[backend], None, 1000))
-    w.pack("B", 1)
-    hostprobe.encode_host(w, hostprobe.Host(1, "", "fuzz", 0, bytes(16)))
-    w.pack("I", 0)
-    return bytes(w.buf)
+    return rawpeer.hello_link(cluster_id, backend=wire.BACKENDS[backend])
 
 
 def _connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.settimeout(5)
-    return s
-
-
-def _read_frame(s: socket.socket) -> tuple[int, bytes]:
-    head = b""
-    while len(head) < 12:
-        chunk = s.recv(12 - len(head))
-        if not chunk:
-            raise ConnectionError("closed")
-        head += chunk
-    _m, _v, ftype, _req, n = struct.unpack("<2sBBII", head)
-    body = b""
-    while len(body) < n:
-        chunk = s.recv(n - len(body))
-        if not chunk:
-            raise ConnectionError("closed")
-        body += chunk
-    return ftype, body
+    return rawpeer.connect(port)
 
 
 def _linked_raw(port: int, cluster_id: int) -> tuple[socket.socket, dict[int, fabric.RemoteCache]]:
-    """A raw socket that completed a real link handshake (comm: the server makes an entity)."""
-    s = _connect(port)
-    s.sendall(_hdr(wire.F_HELLO_LINK, len(_hello(cluster_id))) + _hello(cluster_id))
-    ftype, body = _read_frame(s)
-    assert ftype == wire.F_LINK_REPLY
-    r = wire.Reader(body)
-    assert r.u("I") == S, body
-    r.text()
-    wire.decode_offer(r)
-    hostprobe.decode_host(r)
-    snap, _addrs = wire.decode_snapshot(r)
-    return s, snap
+    """An authenticated raw socket that completed a real link handshake (comm: the server makes
+    an entity)."""
+    return rawpeer.link(port, cluster_id)
 
 
 def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
@@ -757,9 +779,10 @@ def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
             s.sendall(_hdr(wire.F_HELLO_LINK, len(body)) + body)
         elif case == 6:  # HELLO_LINK announcing more than it sends, then hang up
             s.sendall(_hdr(wire.F_HELLO_LINK, 5000) + rng.randbytes(100))
-        elif case == 7:  # HELLO_UNLINK of a random (never linked) id with junk
-            body = struct.pack("<BQ", rng.choice([1, 2, 200]), rng.randrange(100, 1 << 60))
-            s.sendall(_hdr(wire.F_HELLO_UNLINK, len(body)) + body + rng.randbytes(rng.randrange(3)))
+        elif case == 7:  # an authentication attempt with random nonce and proof
+            s.sendall(_hdr(wire.F_AUTH_HELLO, 33) + rng.randbytes(33))
+            s.recv(256)
+            s.sendall(_hdr(wire.F_AUTH_PROOF, 32) + rng.randbytes(32))
         else:  # a real handshake, then hostile frames on the link
             s.close()
             s, snap = _linked_raw(port, rng.randrange(100, 1 << 60))
@@ -846,16 +869,16 @@ def test_server_survives_fuzz(world: World, proc: PeerProcess) -> None:
 
 @pytest.mark.parametrize("xproc", ["tcp"], indirect=True)
 def test_server_drops_slow_handshakes(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Connections that send nothing, or drip a handshake byte by byte, are closed after the
-    handshake timeout; while they fill every handshake slot new connections are turned away,
-    afterwards a real peer links again."""
-    monkeypatch.setattr(fabric_listener, "HANDSHAKE_TIMEOUT_S", 0.5)
+    """Connections that send nothing, or drip an authentication hello byte by byte, are closed
+    when the pre-authentication deadline passes, and never keep a real peer from linking."""
+    monkeypatch.setattr(fabric_listener, "PREAUTH_TIMEOUT_S", 0.5)
     d, p, dh, ph = _setup(world, d_listen=True)
     port = d.listen_port
     assert port
-    idle = [_connect(port) for _ in range(wire.MAX_HANDSHAKES)]
+    idle = [_connect(port) for _ in range(100)]
     drip = idle[0]
-    hello = _hdr(wire.F_HELLO_LINK, len(_hello(500))) + _hello(500)
+    hello = _hdr(wire.F_AUTH_HELLO, 33) + bytes(33)
+    assert link(p, d) == [S]  # while 100 connections sit in their handshake
     try:
         for i in range(len(hello)):  # one byte every 50 ms: each recv is fast, the whole is not
             drip.sendall(hello[i:i + 1])
@@ -869,7 +892,6 @@ def test_server_drops_slow_handshakes(world: World, monkeypatch: pytest.MonkeyPa
         except ConnectionResetError:
             pass
         s.close()
-    assert link(p, d) == [S]
     pull_cache_checked(world, p, dh, ph)
 
 
@@ -927,7 +949,7 @@ _CLIENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("xproc", ["process_vm", "tcp"])
+@pytest.mark.parametrize("xproc", ["tcp"])
 def test_two_independent_python_processes(xproc: str) -> None:
     """What the README documents: two plain ``python`` programs link and pull byte-exactly."""
     env = dict(os.environ, **_env(xproc), KVDD_BACKEND="sim")

@@ -41,13 +41,15 @@ peer that vanished without saying so gives LLM_TIMEOUT.
 from __future__ import annotations
 
 from . import wire
-from .channel import close_channels, close_endpoint, take_endpoint
+from .channel import Channel, close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
-from .hostprobe import ENV_XPROC, PROBE_ADDR
+from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
+                   default_secret_path, describe_secret, generate_secret, load_secret)
+from .extensions import register_extension, unregister_extension
 from .listener import Listener
 from .peers import InProcessPeer, RemotePeer, in_process_peer
-from .protocol import (Connection, LinkOffer, LinkOwner, LinkResult, PeerHandle, RemoteCache,
-                       ServedCache, Snapshot)
+from .protocol import (Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle,
+                       RemoteCache, ServedCache, Snapshot)
 from .registry import lookup_listener
 from .wire import PROTOCOL_VERSION
 
@@ -68,11 +70,29 @@ __all__ = [
     "connect",
     "lookup_listener",
     "close_endpoint",
+    "Channel",
     "take_endpoint",
     "close_channels",
     "in_process_peer",
     "wire",
     "PROTOCOL_VERSION",
     "ENV_XPROC",
-    "PROBE_ADDR",
+    "DataPath",
+    "Session",
+    "Secret",
+    "SecretError",
+    "load_secret",
+    "generate_secret",
+    "describe_secret",
+    "default_secret_path",
+    "register_extension",
+    "unregister_extension",
+    "ENV_AUTH",
+    "ENV_SECRET",
+    "ENV_SECRET_FILE",
 ]
+
+from .samehost import ENV_XPROC  # noqa: E402  (``auto`` (default) or ``tcp``)
+from .samehost_link import install as _install_samehost  # noqa: E402
+
+_install_samehost()  # the "samehost" extension: one-sided same-host links

@@ -18,6 +18,7 @@ earlier.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -26,28 +27,29 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .. import faults
 from .protocol import LinkOwner, ServedCache
+from .leases import Lease
+from .serving import RunPlan, check_request
 from .streams import Cursor, Layout, send_stream
-from .watchdog import WATCHDOG, Timer
+from .watchdog import WATCHDOG
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_REPLY, F_PING, F_PONG, F_READ, F_RELEASE, F_WRITE, LEASE_GRACE_MS,
-                   MAX_JOBS, MAX_LEASE_MS, MAX_LEASES, ProtocolError, Reader, decode_request,
-                   discard, frame, read_header, recv_exact)
+                   MAX_JOBS, MAX_LEASE_MS, MAX_LEASES, MAX_QUEUED_BYTES, ProtocolError, Reader,
+                   decode_request, discard, frame, read_header, recv_exact)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "Pending", "Lease", "take_endpoint", "close_channels", "close_endpoint"]
+__all__ = ["Channel", "Pending", "take_endpoint", "close_channels", "close_endpoint"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
 
+MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
+MAX_REVOKED = 256  # revoked lease ids remembered per connection
 _J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
 
@@ -62,58 +64,6 @@ class Pending:
         self.cursor = cursor
         self.cancelled = False
         self.failed = False
-
-
-class Lease:
-    """The owner's record of a peer's lease on one of its caches."""
-
-    __slots__ = ("lease_id", "entry", "chan", "users", "dropped", "released", "timer", "lock")
-
-    def __init__(self, lease_id: int, entry: ServedCache, chan: Channel) -> None:
-        self.lease_id = lease_id
-        self.entry = entry
-        self.chan = chan
-        self.users = 0  # server threads moving bytes under this lease right now
-        self.dropped = False
-        self.released = False
-        self.timer: Timer | None = None
-        self.lock = threading.Lock()
-
-    def use(self) -> bool:
-        with self.lock:
-            if self.dropped:
-                return False
-            self.users += 1
-            return True
-
-    def unuse(self) -> None:
-        with self.lock:
-            self.users -= 1
-            fin = self.dropped and self.users == 0 and not self.released
-            if fin:
-                self.released = True
-        if fin:
-            self.entry.release()
-
-    def drop(self) -> None:
-        with self.lock:
-            if self.dropped:
-                return
-            self.dropped = True
-            WATCHDOG.cancel(self.timer)
-            fin = self.users == 0 and not self.released
-            if fin:
-                self.released = True
-        if fin:
-            self.entry.release()
-
-    def expire(self) -> None:
-        with self.lock:
-            busy = self.users > 0
-        self.chan.forget_lease(self.lease_id)
-        self.drop()
-        if busy:  # a server thread is still moving bytes: stop it, the memory may go away now
-            self.chan.kill()
 
 
 _endpoint_lock = threading.Lock()
@@ -156,6 +106,10 @@ class Channel:
         self._req_ids = itertools.count(1)
         self._jobs: deque[tuple[int, int, bytes | bytearray | int] | None] = deque()
         self._jobs_cv = threading.Condition(self._lock)
+        self._queued_jobs = 0  # the peer's requests waiting for the worker
+        self._queued_bytes = 0
+        self._revoked: set[int] = set()  # lease ids revoked by an unregister (answered NOT_EXIST)
+        self._revoked_order: deque[int] = deque()
         self._closing = False
         self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
         self.dead = threading.Event()
@@ -295,10 +249,16 @@ class Channel:
             self._on_dead()
 
     def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
-        """Queue a request of the peer for the worker (at most MAX_JOBS of the peer's waiting)."""
+        """Queue a request of the peer for the worker: at most MAX_JOBS requests and
+        MAX_QUEUED_BYTES of their payloads wait; a peer sending more (one that does not read our
+        answers) loses its connection."""
+        size = 0 if isinstance(payload, int) else len(payload)
         with self._lock:
-            if sum(1 for job in self._jobs if job is not None and job[0] > 0) >= MAX_JOBS:
-                raise ProtocolError("too many queued requests")
+            if self._queued_jobs >= MAX_JOBS or self._queued_bytes + size > MAX_QUEUED_BYTES:
+                raise ProtocolError(f"too many queued requests ({self._queued_jobs}, "
+                                    f"{self._queued_bytes} bytes)")
+            self._queued_jobs += 1
+            self._queued_bytes += size
             self._jobs.append((ftype, req, payload))
             self._jobs_cv.notify()
 
@@ -314,45 +274,59 @@ class Channel:
             else:
                 p.cursor.recv(self.sock, length)
 
-    def forget_lease(self, lease_id: int) -> Lease | None:
+    def forget_lease(self, lease_id: int, revoked: bool = False) -> Lease | None:
         with self._lock:
+            if revoked and lease_id in self._leases:
+                self._revoked.add(lease_id)
+                self._revoked_order.append(lease_id)
+                if len(self._revoked_order) > MAX_REVOKED:
+                    self._revoked.discard(self._revoked_order.popleft())
             return self._leases.pop(lease_id, None)
 
     def _check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
                     length: np.ndarray) -> tuple[int, Lease | None]:
         """The server's checks of a READ/WRITE: a live lease of this connection on a visible,
-        registered cache, tensors and byte ranges inside it (kvdd rule 1)."""
+        registered cache, tensors and byte ranges inside it (kvdd rule 1), within MAX_RUNS."""
         with self._lock:
             lease = self._leases.get(lease_id)
+            revoked = lease_id in self._revoked
         if lease is None or not lease.use():
-            return TIMEOUT, None  # only an expired (or forged) lease gets here
+            # revoked: the owner unregistered the cache while the lease sat unused (§10 rule 5);
+            # otherwise only an expired (or forged) lease gets here
+            return (NOT_EXIST if revoked else TIMEOUT), None
         entry = lease.entry
-        t = entry.T
-        if (len(tensors) and (int(tensors.max()) >= entry.n)) or np.any(off < 0) \
-                or np.any(length < 0) or np.any(length > t) or np.any(off > t - length):
+        status = check_request(entry.n, entry.T, tensors, off, length)
+        if status != S_OK:
             lease.unuse()
-            return Status.LLM_PARAM_INVALID, None
+            return status, None
         return S_OK, lease
 
     def _serve_write(self, req: int, payload: bytes | bytearray) -> None:
         """A WRITE and its DATA frames, received by the reader straight into the owner's cache.
 
-        A WRITE the checks refuse ends the connection: a correct peer never sends one (its engine
-        ran the same checks), except after its lease expired, when it has timed out anyway."""
+        A WRITE refused for its lease (revoked, expired) has its DATA discarded and is answered
+        with the status; one refused for its runs or size ends the connection (a correct peer
+        never sends one: its engine ran the same checks)."""
         lease_id, tensors, off, length = decode_request(payload)
         status, lease = self._check_runs(lease_id, tensors, off, length)
         if lease is None:
-            raise ProtocolError(f"refused WRITE (status {status:#x})")
-        try:
-            layout = Layout([lease.entry.regions[int(i)] for i in tensors], off, length)
-            faults.on_serve(self.owner, "write", layout.total)
-            cursor = Cursor(layout)
-            while cursor.left > 0:
+            if status == Status.LLM_PARAM_INVALID or np.any(length < 0):
+                raise ProtocolError(f"refused WRITE (status {status:#x})")
+            total = int(length.sum()) * len(tensors)
+            if total > MAX_DISCARD:
+                raise ProtocolError("refused WRITE of too many bytes")
+            while total > 0:  # the peer sends the data anyway: read it into nothing
                 ftype, freq, n = read_header(self.sock)
-                if ftype != F_DATA or freq != req:
+                if ftype != F_DATA or freq != req or n > total:
                     raise ProtocolError("WRITE data expected")
-                cursor.recv(self.sock, n)
-            layout.scatter()
+                discard(self.sock, n)
+                total -= n
+            self._enqueue(F_DONE, req, status)
+            return
+        try:
+            plan = RunPlan(lease.entry.regions, tensors, off, length)
+            faults.on_serve(self.owner, "write", plan.total)
+            plan.receive(self.sock, req, read_header)
         finally:
             lease.unuse()
         self._enqueue(F_DONE, req, status)
@@ -365,6 +339,9 @@ class Channel:
                     while not self._jobs:
                         self._jobs_cv.wait()
                     job = self._jobs.popleft()
+                    if job is not None and job[0] > 0:
+                        self._queued_jobs -= 1
+                        self._queued_bytes -= 0 if isinstance(job[2], int) else len(job[2])
                 if job is None:
                     return
                 ftype, req, payload = job
@@ -425,6 +402,16 @@ class Channel:
             self._leases[lease.lease_id] = lease
         ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
         lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
+        if not entry.add_drain(revoke):  # unregistered meanwhile
+            revoke()
+        else:
+            with lease.lock:
+                keep = not lease.dropped
+                if keep:
+                    lease.unwatch = functools.partial(entry.remove_drain, revoke)
+            if not keep:  # dropped meanwhile (released, expired, connection died)
+                entry.remove_drain(revoke)
         return struct.pack("<IQ", S_OK, lease.lease_id)
 
     def _serve_read(self, req: int, payload: bytes | bytearray) -> None:
@@ -434,11 +421,10 @@ class Channel:
             self._send(F_DONE, req, struct.pack("<I", status))
             return
         try:
-            layout = Layout([lease.entry.regions[int(i)] for i in tensors], off, length)
-            faults.on_serve(self.owner, "read", layout.total)
-            layout.gather()
+            plan = RunPlan(lease.entry.regions, tensors, off, length)
+            faults.on_serve(self.owner, "read", plan.total)
             with self.send_lock:
-                send_stream(self.sock, req, layout)
+                plan.send(self.sock, req)
                 self.sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
         finally:
             lease.unuse()

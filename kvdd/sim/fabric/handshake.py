@@ -9,28 +9,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
 
-from ...status import Status
+from ...status import S_OK, TIMEOUT, Status
+from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretError, Session,
+                   channel_binding, load_secret, mac, session_key)
 from .channel import Channel
-from .hostprobe import decode_host, encode_host, my_host
+from .extensions import accept_extensions, offer_extensions
 from .peers import InProcessPeer, RemotePeer
-from .protocol import Connection, LinkOffer, LinkOwner, LinkResult, PeerHandle
+from .protocol import Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle
 from .registry import lookup_listener
-from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, HANDSHAKE_TIMEOUT_S,
-                   MAX_HELLO, PROTOCOL_VERSION, ProtocolError, Reader, Writer, decode_offer,
-                   decode_snapshot, encode_offer, encode_snapshot, frame, read_header, recv_exact)
+from .watchdog import WATCHDOG
+from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_AUTH_REFUSED,
+                   F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, HANDSHAKE_TIMEOUT_S,
+                   MAX_HELLO, ProtocolError, Reader, VersionMismatch, Writer, decode_extensions,
+                   decode_offer, decode_snapshot, encode_extensions, encode_offer, encode_snapshot,
+                   frame, read_header, recv_exact)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InProcessConnection", "RemoteConnection", "connect", "serve_link", "serve_unlink",
-           "linger"]
+__all__ = ["InProcessConnection", "RemoteConnection", "connect", "serve_session", "serve_link",
+           "serve_unlink", "linger", "transcript_of", "auth_refusal", "mode_mismatch", "BOOT_ID"]
 
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
+_T = TypeVar("_T")
 
 
 class InProcessConnection:
@@ -57,46 +69,159 @@ class InProcessConnection:
         pass
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()
+_LABEL = b"kvdd-fabric/2 transcript\0"
+
+
+def transcript_of(hello: bytes, challenge: bytes) -> bytes:
+    """SHA-256 of the first two authentication payloads (initiator's, acceptor's)."""
+    return hashlib.sha256(_LABEL + hello + challenge).digest()
+
+
+def auth_refusal(status: int, why: str) -> bytes:
+    return frame(F_AUTH_REFUSED, 0, bytes(Writer().pack("I", status).text(why[:200]).buf))
+
+
+def decode_refusal(payload: bytes) -> tuple[int, str]:
+    try:
+        r = Reader(payload)
+        status = r.u("I")
+        return status, r.text() or ""
+    except (ProtocolError, struct.error):
+        return Status.LLM_LINK_FAILED, "malformed refusal"
+
+
+def _pick_path(accepted: dict[str, object]) -> DataPath | None:
+    """The first accepted extension result that is a data path; the others are closed."""
+    path: DataPath | None = None
+    for result in accepted.values():
+        if path is None and isinstance(result, DataPath):
+            path = result
+    return path
+
+
+class _Failed(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
 class RemoteConnection:
-    """A TCP connection to a peer in another process (or host), before / during a handshake."""
+    """A TCP connection to a peer in another process (or host), before / during a handshake.
+
+    Every handshake starts with mutual authentication (:mod:`.auth`); the link or unlink request
+    follows on the authenticated connection.  All of it must complete by ``deadline``."""
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock: socket.socket | None = sock
         self.deadline = deadline
 
-    def _exchange(self, ftype: int, payload: bytes, reply_type: int) -> tuple[int, bytes | None]:
+    # -- framing within the deadline --------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
         sock = self.sock
         assert sock is not None
-        try:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                return TIMEOUT, None
-            sock.settimeout(left)
-            sock.sendall(frame(ftype, 0, payload))
-            rtype, _req, length = read_header(sock)
-            if rtype != reply_type:
-                raise ProtocolError("unexpected reply")
-            sock.settimeout(max(self.deadline - time.monotonic(), 0.001))
-            return S_OK, bytes(recv_exact(sock, length))
-        except socket.timeout:
-            return TIMEOUT, None
-        except (OSError, ProtocolError):
-            return Status.LLM_LINK_FAILED, None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Failed(TIMEOUT, "no answer within the timeout")
+        sock.settimeout(left)
+        sock.sendall(data)
 
+    def _recv(self) -> tuple[int, bytes]:
+        sock = self.sock
+        assert sock is not None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Failed(TIMEOUT, "no answer within the timeout")
+        sock.settimeout(left)
+        ftype, _req, length = read_header(sock)
+        sock.settimeout(max(self.deadline - time.monotonic(), 0.001))
+        return ftype, bytes(recv_exact(sock, length))
+
+    def _guarded(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except _Failed:
+            raise
+        except socket.timeout:
+            raise _Failed(TIMEOUT, "no answer within the timeout") from None
+        except VersionMismatch as exc:
+            raise _Failed(Status.LLM_LINK_FAILED, str(exc)) from None
+        except ConnectionError:
+            raise _Failed(Status.LLM_LINK_FAILED,
+                          "the peer closed the connection during the handshake (is it a kvdd "
+                          "speaking another fabric protocol version?)") from None
+        except (OSError, ProtocolError, struct.error) as exc:
+            raise _Failed(Status.LLM_LINK_FAILED, f"the handshake failed: {exc}") from None
+
+    def _authenticate(self, local: LinkOwner) -> Session:
+        """Mutual challenge-response (initiator side); the session on success."""
+        try:
+            secret = load_secret()
+        except SecretError as exc:
+            raise _Failed(Status.LLM_LINK_FAILED, f"no fabric secret: {exc}") from None
+        nonce_i = secrets.token_bytes(NONCE_BYTES)
+        hello = nonce_i + bytes([int(secret.auth_off)])
+        self._send(frame(F_AUTH_HELLO, 0, hello))
+        ftype, challenge = self._recv()
+        if ftype == F_AUTH_REFUSED:
+            raise _Failed(*decode_refusal(challenge))
+        if ftype != F_AUTH_CHALLENGE or len(challenge) != NONCE_BYTES + 1:
+            raise ProtocolError("malformed challenge")
+        nonce_a, peer_off = challenge[:NONCE_BYTES], bool(challenge[NONCE_BYTES])
+        if peer_off != secret.auth_off:
+            raise _Failed(Status.LLM_LINK_FAILED, mode_mismatch(secret.auth_off))
+        t0 = transcript_of(hello, challenge)
+        proof = mac(secret.key, "initiator", nonce_i, nonce_a, t0)
+        self._send(frame(F_AUTH_PROOF, 0, proof))
+        ftype, answer = self._recv()
+        if ftype == F_AUTH_REFUSED:
+            raise _Failed(*decode_refusal(answer))
+        t1 = hashlib.sha256(t0 + proof).digest()
+        if ftype != F_AUTH_OK or not hmac.compare_digest(
+                answer, mac(secret.key, "acceptor", nonce_i, nonce_a, t1)):
+            raise _Failed(Status.LLM_LINK_FAILED,
+                          "the peer did not prove that it holds the fabric secret: set the same "
+                          f"{ENV_SECRET} (or {ENV_SECRET_FILE}) on both sides (`kvdd fabric-secret` "
+                          "makes one)")
+        transcript = hashlib.sha256(t1 + answer).digest()
+        assert self.sock is not None
+        return Session(session_key(secret.key, nonce_i, nonce_a, transcript), transcript, True,
+                       local.cluster_id, 0, "", secret.auth_off,
+                       channel_binding(self.sock, initiator=True))
+
+    # -- Connection -------------------------------------------------------------------------------
     def link(self, local: LinkOwner, force_link: bool) -> LinkResult:
+        try:
+            return self._guarded(lambda: self._link(local, force_link))
+        except _Failed as exc:
+            return LinkResult(exc.status, exc.detail)
+
+    def _link(self, local: LinkOwner, force_link: bool) -> LinkResult:
+        session = self._authenticate(local)
         comm = local.transfer_backend == "comm"
         snap, entries = local.snapshot_for_link() if comm else ({}, {})
         w = Writer()
         encode_offer(w, LinkOffer.of(local))
         w.pack("B", int(force_link))
-        encode_host(w, my_host())
+        w.text(BOOT_ID)
         encode_snapshot(w, entries)
+        encode_extensions(w, offer_extensions(session, local))
         if len(w.buf) > MAX_HELLO:
-            return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link")
-        status, reply = self._exchange(F_HELLO_LINK, bytes(w.buf), F_LINK_REPLY)
-        if status != S_OK or reply is None:
-            why = "no answer within the timeout" if status == TIMEOUT else "the handshake failed"
-            return LinkResult(status, why)
+            return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
+                              f"(the hello would exceed {MAX_HELLO} bytes)")
+        self._send(frame(F_HELLO_LINK, 0, bytes(w.buf)))
+        ftype, reply = self._recv()
+        if ftype != F_LINK_REPLY:
+            raise ProtocolError("unexpected reply")
         try:
             r = Reader(reply)
             peer_status = r.u("I")
@@ -104,11 +229,14 @@ class RemoteConnection:
             if peer_status != S_OK:
                 return LinkResult(peer_status, detail or "the peer refused the link")
             offer = decode_offer(r)
-            host = decode_host(r)
+            boot_id = r.text() or ""
             peer_snap, addrs = decode_snapshot(r)
+            exts = decode_extensions(r)
             r.end()
-        except (ProtocolError, struct.error):
-            return LinkResult(Status.LLM_LINK_FAILED, "malformed handshake reply")
+        except (ProtocolError, struct.error) as exc:
+            return LinkResult(Status.LLM_LINK_FAILED, f"malformed handshake reply: {exc}")
+        session = replace(session, peer_cluster_id=offer.cluster_id, peer_boot_id=boot_id)
+        path = _pick_path(accept_extensions(session, exts))
         sock = self.sock
         assert sock is not None
         self.sock = None  # adopted by the channel
@@ -117,29 +245,40 @@ class RemoteConnection:
         chan.peer_wait_ms = offer.sync_wait_ms
         chan.peer_user = comm  # comm: the acceptor made an entity for us over this connection
         chan.local_user = True
-        handle = RemotePeer(chan, offer, peer_snap, addrs, host)
+        handle = RemotePeer(chan, offer, peer_snap, addrs, session, path)
         chan.start()
         return LinkResult(S_OK, "", offer, handle)
 
     def notify_unlink(self, local: LinkOwner) -> int:
-        status, reply = self._exchange(F_HELLO_UNLINK,
-                                       struct.pack("<BQ", PROTOCOL_VERSION, local.cluster_id),
-                                       F_UNLINK_REPLY)
-        if status != S_OK or reply is None:
-            return Status.LLM_UNLINK_FAILED if status == Status.LLM_LINK_FAILED else status
-        try:
+        def run() -> int:
+            self._authenticate(local)
+            self._send(frame(F_HELLO_UNLINK, 0, struct.pack("<Q", local.cluster_id)))
+            ftype, reply = self._recv()
+            if ftype != F_UNLINK_REPLY:
+                raise ProtocolError("unexpected reply")
             (peer_status,) = struct.unpack("<I", reply)
-        except struct.error:
-            return Status.LLM_UNLINK_FAILED
-        return int(peer_status)
+            return int(peer_status)
+
+        try:
+            return self._guarded(run)
+        except _Failed as exc:
+            logger.info("kvdd fabric: unlink of cluster %d: %s", local.cluster_id, exc.detail)
+            return Status.LLM_UNLINK_FAILED if exc.status == Status.LLM_LINK_FAILED else exc.status
 
     def close(self) -> None:
         if self.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
             self.sock = None
+
+
+def mode_mismatch(mine_off: bool) -> str:
+    """Why two sides whose ``KVDD_FABRIC_AUTH`` differ cannot link."""
+    if mine_off:
+        return (f"the peer requires authentication but this process has {ENV_AUTH}=off: unset it "
+                f"and give both sides the same {ENV_SECRET} (or {ENV_SECRET_FILE})")
+    return (f"the peer has {ENV_AUTH}=off (no authentication): set {ENV_AUTH}=off here too "
+            "(trusted networks only) or remove it there")
 
 
 def connect(ip: str, port: int, timeout_ms: int) -> tuple[int, Connection | None]:
@@ -171,36 +310,68 @@ def connect(ip: str, port: int, timeout_ms: int) -> tuple[int, Connection | None
     return Status.LLM_SUCCESS, RemoteConnection(sock, deadline)
 
 
-# ---- the acceptor's side --------------------------------------------------------------------------
+# ---- the acceptor's side (after authentication) ------------------------------------------------
+
+
+def serve_session(owner: LinkOwner, conn: socket.socket, session: Session) -> bool:
+    """The first frame of an authenticated connection (a link or unlink request, within
+    HANDSHAKE_TIMEOUT_S); True when the connection became a link."""
+    gate = threading.Lock()
+    reading = [True]
+
+    def too_slow() -> None:
+        with gate:
+            if reading[0]:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    timer = WATCHDOG.schedule(HANDSHAKE_TIMEOUT_S, too_slow)
+    try:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        ftype, _req, length = read_header(conn)
+        payload = recv_exact(conn, length)
+    finally:
+        with gate:
+            reading[0] = False
+        WATCHDOG.cancel(timer)
+    if ftype == F_HELLO_LINK:
+        return serve_link(owner, conn, payload, session)
+    if ftype == F_HELLO_UNLINK:
+        serve_unlink(owner, conn, payload)
+        return False
+    raise ProtocolError(f"frame type {ftype} instead of a hello")
 
 
 def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray) -> None:
-    """The acceptor's side of a non-force unlink (§3.6)."""
+    """The acceptor's side of a non-force unlink (§3.6), from an authenticated peer."""
     r = Reader(payload)
-    version, cluster_id = r.unpack("BQ")
+    cluster_id = r.u("Q")
     r.end()
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("protocol version")
     status = owner.peer_unlinked(cluster_id)
     conn.sendall(frame(F_UNLINK_REPLY, 0, struct.pack("<I", status)))
     linger(conn)
 
 
-def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray) -> bool:
+def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, session: Session) -> bool:
     """The acceptor's side of a link handshake; True when the connection became a link."""
     r = Reader(payload)
     offer = decode_offer(r)
     force_link = bool(r.u("B"))
-    host = decode_host(r)
+    boot_id = r.text() or ""
     snap, addrs = decode_snapshot(r)
+    exts = decode_extensions(r)
     r.end()
+    session = replace(session, local_cluster_id=owner.cluster_id, peer_cluster_id=offer.cluster_id,
+                      peer_boot_id=boot_id)
+    accepted = accept_extensions(session, exts)
+    path = _pick_path(accepted)
     chan = Channel(conn, owner, f"{owner.cluster_id}<-{offer.cluster_id}")
     chan.peer_wait_ms = offer.sync_wait_ms
     made: list[RemotePeer] = []
 
     def make_handle() -> PeerHandle:
         # comm: our entity for the initiator lives on this same connection
-        handle = RemotePeer(chan, offer, snap, addrs, host)
+        handle = RemotePeer(chan, offer, snap, addrs, session, path)
         chan.local_user = True
         made.append(handle)
         return handle
@@ -212,19 +383,21 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray) -> boo
         w = Writer().pack("I", status).text(detail[:4000])
         if status == S_OK and mine is not None:
             encode_offer(w, LinkOffer.of(owner))
-            encode_host(w, my_host())
+            w.text(BOOT_ID)
             encode_snapshot(w, mine[1])
+            encode_extensions(w, offer_extensions(session, owner))
             if len(w.buf) > MAX_HELLO:
-                w = Writer().pack("I", Status.LLM_FAILED).text("cache table too large")
+                w = Writer().pack("I", Status.LLM_FAILED).text(
+                    f"the peer's cache table is too large to link (over {MAX_HELLO} bytes)")
                 status = Status.LLM_FAILED
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
             conn.sendall(frame(F_LINK_REPLY, 0, bytes(w.buf)))
         except OSError:
             status = Status.LLM_FAILED
+        if not made and path is not None:  # hixl, or refused: no handle uses the data path
+            _close_path(path)
         if status != S_OK or mine is None:
-            for handle in made:
-                handle.pvm = False
             chan.local_user = False
             if made:  # our entity exists but its connection is gone: transfers time out
                 chan.dead.set()
@@ -234,6 +407,13 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray) -> boo
         chan.peer_user = True
     chan.start()
     return True
+
+
+def _close_path(path: DataPath) -> None:
+    try:
+        path.close()
+    except Exception:
+        logger.exception("kvdd fabric: closing an unused %s data path failed", path.name)
 
 
 def linger(conn: socket.socket, seconds: float = 1.0) -> None:

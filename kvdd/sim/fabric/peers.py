@@ -2,7 +2,8 @@
 
 * :class:`InProcessPeer` — a peer instance in this process: the copy kernels directly;
 * :class:`RemotePeer` — a peer in another process or on another host: leases and DATA frames over
-  the link's :class:`~kvdd.sim.fabric.channel.Channel` (or a same-host one-sided path).
+  the link's :class:`~kvdd.sim.fabric.channel.Channel`, or a :class:`~.protocol.DataPath` that a
+  handshake extension provided (the same-host path).
 """
 
 from __future__ import annotations
@@ -14,21 +15,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ...status import Status
+from ...status import NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK, TIMEOUT, Status
 from ..memory import Region, copy_runs
 from .channel import Channel
-from .hostprobe import Host, pvm_usable, xproc
-from .protocol import LinkOwner, LinkOffer, RemoteCache, ServedCache
+from .auth import Session
+from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
 from .streams import Cursor, Layout
-from .wire import F_LEASE, F_READ, F_RELEASE, F_WRITE, PVM_CHUNK, encode_request
+from .wire import F_LEASE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS, encode_request
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InProcessPeer", "RemotePeer", "ClientLease", "in_process_peer", "pid_alive"]
-
-S_OK = Status.LLM_SUCCESS
-TIMEOUT = Status.LLM_TIMEOUT
-NOT_EXIST = Status.LLM_KV_CACHE_NOT_EXIST
+__all__ = ["InProcessPeer", "RemotePeer", "ClientLease", "PathLease", "in_process_peer"]
 
 
 class InProcessPeer:
@@ -41,11 +38,14 @@ class InProcessPeer:
         self.transfer_backend = peer.transfer_backend
         self._snapshot = snapshot
         self._entries = entries  # token -> live entry objects at snapshot time
+        self._closed = False
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
+        if self._closed:  # a local unlink won the race for the link (§10 rule 5)
+            return NOT_YET_LINK, None
         entry: ServedCache = rc.token  # type: ignore[assignment]
         if not entry.acquire():
             return Status.LLM_KV_CACHE_NOT_EXIST, None
@@ -72,7 +72,7 @@ class InProcessPeer:
         return Status.LLM_SUCCESS
 
     def close(self) -> None:
-        pass
+        self._closed = True
 
 
 def in_process_peer(peer: LinkOwner) -> InProcessPeer:
@@ -90,32 +90,63 @@ class ClientLease:
         self.deadline = deadline
 
 
+class PathLease:
+    """A lease granted by a link's :class:`~.protocol.DataPath` (not by the owner's TCP server)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+
 class RemotePeer:
-    """A peer in another process or on another host, reached through a link's connection."""
+    """A peer in another process or on another host, reached through a link's connection.
+
+    Parameters
+    ----------
+    chan : Channel
+        The link's authenticated connection.
+    offer : LinkOffer
+        The peer's identity from its hello.
+    snapshot, addrs
+        The peer's caches visible over this link and their tensor addresses (as announced).
+    session : Session
+        The authenticated session of this connection (both sides hold the same key).
+    path : DataPath or None
+        A data path from a handshake extension that replaces TCP where it accepts a transfer.
+    """
 
     def __init__(self, chan: Channel, offer: LinkOffer, snapshot: dict[int, RemoteCache],
-                 addrs: dict[int, tuple[int, ...]], host: Host) -> None:
+                 addrs: dict[int, tuple[int, ...]], session: Session,
+                 path: DataPath | None = None) -> None:
         self._chan = chan
         self.peer_cluster_id = offer.cluster_id
         self.transfer_backend = offer.transfer_backend
+        self.session = session
         self._snapshot = snapshot
         self._addrs = addrs
-        self._pid = host.pid
-        self.pvm = pvm_usable(host)
+        self._path = path
         self._closed = False
 
     @property
     def data_path(self) -> str:
-        """``"process_vm"`` or ``"tcp"`` (for tests and ``kvdd doctor``)."""
-        return "process_vm" if self.pvm else "tcp"
+        """The name of the link's data path (``"tcp"`` unless an extension provided one)."""
+        return "tcp" if self._path is None else self._path.name
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
+        if self._closed:  # a local unlink won the race for the link (§10 rule 5)
+            return NOT_YET_LINK, None
         chan = self._chan
         if chan.peer_finalized:
             return NOT_EXIST, None
+        if self._path is not None:
+            got = self._path.acquire(rc, self._addrs.get(rc.cache_id, ()), timeout_ms)
+            if got is not None:
+                status, inner = got
+                return (status, PathLease(inner)) if status == S_OK else (status, None)
         if chan.dead.is_set() or timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
         deadline = time.monotonic() + timeout_ms / 1000.0
@@ -132,35 +163,45 @@ class RemotePeer:
         return S_OK, ClientLease(lease_id, rc, deadline)
 
     def release(self, lease: object) -> None:
+        if isinstance(lease, PathLease):
+            assert self._path is not None
+            self._path.release(lease.inner)
+            return
         assert isinstance(lease, ClientLease)
         self._chan.send_oneway(F_RELEASE, struct.pack("<Q", lease.lease_id))
 
     def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
              dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
              timeout_ms: int) -> int:
+        if isinstance(lease, PathLease):
+            assert self._path is not None
+            return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
         assert isinstance(lease, ClientLease)
         return self.move(lease, tensors, dst, dst_off, src_off, length, False)
 
     def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
               src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,
               timeout_ms: int) -> int:
+        if isinstance(lease, PathLease):
+            assert self._path is not None
+            return self._path.write(lease.inner, tensors, src, src_off, dst_off, length,
+                                    timeout_ms)
         assert isinstance(lease, ClientLease)
         return self.move(lease, tensors, src, src_off, dst_off, length, True)
 
     def move(self, lease: ClientLease, tensors: Sequence[int], local: Sequence[Region],
-              local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray,
-              write: bool) -> int:
+             local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray,
+             write: bool) -> int:
+        """One transfer over TCP under ``lease``: a READ (DATA frames into ``local``) or a WRITE
+        (``local`` bytes as DATA frames); a status.  More than MAX_RUNS tensors x runs give
+        LLM_PARAM_INVALID and move nothing (the owner would refuse them)."""
         chan = self._chan
         if chan.dead.is_set():
             return TIMEOUT
-        left_ms = int((lease.deadline - time.monotonic()) * 1000)
-        if left_ms <= 0:
+        if len(tensors) * len(length) > MAX_RUNS:
+            return PARAM_INVALID
+        if lease.deadline <= time.monotonic():
             return TIMEOUT
-        if self.pvm:
-            status = self._move_pvm(lease, tensors, local, local_off, remote_off, length, write,
-                                    left_ms)
-            if status is not None:
-                return status
         layout = Layout(local, local_off, length)
         payload = encode_request(lease.lease_id, tensors, remote_off, length)
         cursor: Cursor | None = None
@@ -184,55 +225,12 @@ class RemotePeer:
             layout.scatter()
         return int(status)
 
-    def _move_pvm(self, lease: ClientLease, tensors: Sequence[int], local: Sequence[Region],
-                  local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray,
-                  write: bool, left_ms: int) -> int | None:
-        """One-sided copy; None to fall back to TCP (the kernel refused access: EPERM)."""
-        assert xproc is not None
-        addrs = self._addrs[lease.rc.cache_id]
-        remote = [addrs[int(t)] for t in tensors]
-        try:
-            xproc.pvm_copy(self._pid, local, remote, lease.rc.tensor_nbytes,
-                            np.ascontiguousarray(local_off, dtype=np.int64),
-                            np.ascontiguousarray(remote_off, dtype=np.int64),
-                            np.ascontiguousarray(length, dtype=np.int64), write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK)
-        except PermissionError:
-            self.pvm = False
-            return None
-        except ProcessLookupError:  # the peer is gone: certain death
-            self._chan.kill()
-            return TIMEOUT
-        except TimeoutError:
-            return TIMEOUT
-        except ValueError:
-            return Status.LLM_PARAM_INVALID
-        except OSError:
-            # EFAULT: the peer's memory vanished.  A dying peer closes its sockets right after its
-            # memory is torn down: then it is death (TIMEOUT); otherwise the owner freed
-            # registered memory, a transport error on hardware (LLM_FAILED).
-            wait = max(min((lease.deadline - time.monotonic()), 0.5), 0.0)
-            if self._chan.dead.wait(wait) or not pid_alive(self._pid):
-                self._chan.kill()
-                return TIMEOUT
-            return Status.LLM_FAILED
-        return S_OK
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._path is not None:
+                try:
+                    self._path.close()
+                except Exception:
+                    logger.exception("kvdd fabric: closing the %s data path failed", self.data_path)
             self._chan.release_local_user()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    state = stat.rpartition(b")")[2].split()[:1]
-    return bool(state) and state[0] not in (b"Z", b"X", b"x")
-
-
-# ---- dialling --------------------------------------------------------------------------------------
-

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..memory import Region
 
 __all__ = ["RemoteCache", "PeerHandle", "ServedCache", "LinkOwner", "LinkOffer", "LinkResult",
-           "Connection", "Snapshot"]
+           "Connection", "Snapshot", "DataPath"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ class ServedCache(Protocol):
     def acquire(self) -> bool: ...
 
     def release(self) -> None: ...
+
+    def add_drain(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on unregister after new leases are refused and before waiting for held
+        ones (the same-host one-sided path revokes and waits for its copies there); False (not
+        added) once unregistered."""
+        ...
+
+    def remove_drain(self, fn: Callable[[], None]) -> None: ...
 
 
 #: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.
@@ -109,6 +117,33 @@ class PeerHandle(Protocol):
     def close(self) -> None:
         """Drop the connection (local teardown; the peer is not told)."""
         ...
+
+
+@runtime_checkable
+class DataPath(Protocol):
+    """A per-link data path replacing TCP for one handle (e.g. same-host, from an extension).
+
+    :class:`~kvdd.sim.fabric.RemotePeer` asks it first: ``acquire`` returning None means "use the
+    TCP lease and data path for this transfer"; otherwise ``(status, lease)`` and the transfer's
+    ``read``/``write``/``release`` go to the data path with that lease.  ``addrs`` are the peer's
+    tensor addresses of that cache as its snapshot announced them (untrusted input)."""
+
+    name: str
+
+    def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
+                timeout_ms: int) -> tuple[int, object] | None: ...
+
+    def release(self, lease: object) -> None: ...
+
+    def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
+             dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
+             timeout_ms: int) -> int: ...
+
+    def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
+              src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,
+              timeout_ms: int) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class LinkOwner(Protocol):

@@ -14,14 +14,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ...status import Status
 from .protocol import LinkOffer, RemoteCache, ServedCache
 
-PROTOCOL_VERSION = 1
+#: Version 2: mutual authentication before anything else (version 1 had none).
+PROTOCOL_VERSION = 2
 MAGIC = b"KV"
 HDR = struct.Struct("<2sBBII")
 
+MAX_AUTH = 256  # every frame before authentication completes
 MAX_CONTROL = 64 << 10
-MAX_HELLO = 16 << 20
+MAX_HELLO = 2 << 20  # a hello or its reply (offer + snapshot + extensions)
 MAX_REQUEST = 4 << 20
 MAX_DATA = 64 << 20
 
@@ -40,24 +43,39 @@ F_PING = 17
 F_PONG = 18
 F_CLOSE_HANDLE = 20
 F_GOODBYE = 21
+F_AUTH_HELLO = 30  # initiator: nonce, auth mode
+F_AUTH_CHALLENGE = 31  # acceptor: nonce, auth mode
+F_AUTH_PROOF = 32  # initiator: MAC
+F_AUTH_OK = 33  # acceptor: MAC
+F_AUTH_REFUSED = 34  # either: status, why (then the connection closes)
 
 MAX_LEN = {
     F_HELLO_LINK: MAX_HELLO, F_HELLO_UNLINK: MAX_CONTROL, F_LINK_REPLY: MAX_HELLO,
     F_UNLINK_REPLY: MAX_CONTROL, F_LEASE: MAX_CONTROL, F_LEASE_REPLY: MAX_CONTROL,
     F_RELEASE: MAX_CONTROL, F_READ: MAX_REQUEST, F_WRITE: MAX_REQUEST, F_DATA: MAX_DATA,
     F_DONE: MAX_CONTROL, F_PING: MAX_CONTROL, F_PONG: MAX_CONTROL, F_CLOSE_HANDLE: MAX_CONTROL,
-    F_GOODBYE: MAX_CONTROL,
+    F_GOODBYE: MAX_CONTROL, F_AUTH_HELLO: MAX_AUTH, F_AUTH_CHALLENGE: MAX_AUTH,
+    F_AUTH_PROOF: MAX_AUTH, F_AUTH_OK: MAX_AUTH, F_AUTH_REFUSED: MAX_AUTH,
 }
+AUTH_FRAMES = frozenset((F_AUTH_HELLO, F_AUTH_CHALLENGE, F_AUTH_PROOF, F_AUTH_OK, F_AUTH_REFUSED))
 
-HANDSHAKE_TIMEOUT_S = 10.0  # a connection must complete its handshake within this
-MAX_HANDSHAKES = 64  # concurrent connections still in their handshake, per listener
+# ---- bounds (docs/security.md) ----
+PREAUTH_TIMEOUT_S = 2.0  # a connection must authenticate within this, from accept
+MAX_PREAUTH = 256  # connections not yet authenticated, per listener; the oldest is evicted
+MAX_HELLO_THREADS = 32  # authenticated connections in their hello, per listener
+HANDSHAKE_TIMEOUT_S = 10.0  # an authenticated peer must send its hello within this
+MAX_SNAPSHOT_CACHES = 32768  # caches in one hello
+MAX_EXTENSIONS = 8  # extension entries in one hello
+MAX_EXTENSION_BYTES = 4096  # their names and values, in all
 MAX_LEASES = 64  # outstanding leases per connection (a peer needs one at a time)
-MAX_JOBS = 64  # queued requests per connection
+MAX_JOBS = 16  # queued requests per connection
+MAX_QUEUED_BYTES = 8 << 20  # their payload bytes
+MAX_RUNS = 1 << 24  # tensors x runs of one READ/WRITE served to another process
 LEASE_GRACE_MS = 250
-MAX_LEASE_MS = 600_000
+MAX_LEASE_MS = 60_000  # the longest SyncKvCacheWaitTime an owner honours for a peer's lease
 CLOSE_LINGER_S = 2.0
 STAGE_RUN_BYTES = 64 << 10  # runs shorter than this on average go through one staging copy
-PVM_CHUNK = 16 << 20
+STAGE_CHUNK = 4 << 20  # bytes staged at a time when the server streams short runs
 
 BACKENDS = ("comm", "hixl")
 RC = struct.Struct("<QIQIQBB")  # cache_id, n, T, B, S, ragged, placement
@@ -66,6 +84,16 @@ REQ = struct.Struct("<QII")  # lease id, K tensors, J runs
 
 class ProtocolError(Exception):
     """A peer sent something this protocol does not allow; its connection is closed."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version (``version``; the frame type in ``ftype``)."""
+
+    def __init__(self, version: int, ftype: int) -> None:
+        super().__init__(f"the peer speaks fabric protocol version {version}, this process "
+                         f"{PROTOCOL_VERSION}: use the same kvdd version on both sides")
+        self.version = version
+        self.ftype = ftype
 
 
 class Writer:
@@ -128,9 +156,14 @@ def frame(ftype: int, req: int, payload: bytes | bytearray = b"") -> bytes:
     return HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, req & 0xFFFFFFFF, len(payload)) + payload
 
 
+#: Bytes asked of one recv_into: big rows arrive in pieces the socket buffer holds (a single
+#: huge recv_into makes the kernel copy in step with the sender instead of draining its queue).
+RECV_CHUNK = 1 << 20
+
+
 def recv_into(sock: socket.socket, mv: memoryview) -> None:
     while len(mv):
-        n = sock.recv_into(mv)
+        n = sock.recv_into(mv[:RECV_CHUNK] if len(mv) > RECV_CHUNK else mv)
         if n == 0:
             raise ConnectionError("connection closed by the peer")
         mv = mv[n:]
@@ -160,18 +193,37 @@ def discard(sock: socket.socket, n: int) -> None:
         n -= take
 
 
-def read_header(sock: socket.socket) -> tuple[int, int, int]:
-    magic, version, ftype, req, length = HDR.unpack(recv_exact(sock, HDR.size))
+def check_header(head: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """``(type, request id, length)`` of a frame header, checked against this protocol."""
+    magic, version, ftype, req, length = HDR.unpack(head)
     if magic != MAGIC:
         raise ProtocolError("bad magic")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} (this is {PROTOCOL_VERSION})")
+        raise VersionMismatch(version, ftype)
     limit = MAX_LEN.get(ftype)
     if limit is None:
         raise ProtocolError(f"unknown frame type {ftype}")
     if length > limit:
         raise ProtocolError(f"frame type {ftype} of {length} bytes exceeds {limit}")
     return ftype, req, length
+
+
+def read_header(sock: socket.socket) -> tuple[int, int, int]:
+    return check_header(recv_exact(sock, HDR.size))
+
+
+def version_refusal(version: int, ftype: int) -> bytes:
+    """What a peer of another protocol version gets: a reply it can parse (versions 1 and 2 share
+    the link/unlink reply layout: status, text) saying why, in its own version's header."""
+    why = (f"fabric protocol version mismatch: the peer speaks version {PROTOCOL_VERSION}, "
+           f"this process {version}; use the same kvdd version on both sides")
+    if ftype == F_HELLO_UNLINK:
+        body = struct.pack("<I", Status.LLM_UNLINK_FAILED)
+        rtype = F_UNLINK_REPLY
+    else:
+        body = bytes(Writer().pack("I", Status.LLM_LINK_FAILED).text(why).buf)
+        rtype = F_LINK_REPLY
+    return HDR.pack(MAGIC, version & 0xFF, rtype, 0, len(body)) + body
 
 
 def encode_offer(w: Writer, offer: LinkOffer) -> None:
@@ -185,6 +237,34 @@ def decode_offer(r: Reader) -> LinkOffer:
     if backend >= len(BACKENDS):
         raise ProtocolError("unknown transfer backend")
     return LinkOffer(cluster_id, BACKENDS[backend], r.text(long=True), wait_ms)
+
+
+def encode_extensions(w: Writer, ext: Mapping[str, bytes]) -> None:
+    w.pack("B", len(ext))
+    for name, value in ext.items():
+        w.text(name)
+        w.pack("H", len(value)).raw(value)
+
+
+def decode_extensions(r: Reader) -> dict[str, bytes]:
+    """At most MAX_EXTENSIONS entries of at most MAX_EXTENSION_BYTES (names and values) in all."""
+    count = r.u("B")
+    if count > MAX_EXTENSIONS:
+        raise ProtocolError(f"{count} extensions (at most {MAX_EXTENSIONS})")
+    out: dict[str, bytes] = {}
+    total = 0
+    for _ in range(count):
+        name = r.text()
+        if name is None or name in out:
+            raise ProtocolError("malformed extension")
+        value = bytes(r.take(r.u("H")))
+        total += len(name) + len(value)
+        if total > MAX_EXTENSION_BYTES:
+            raise ProtocolError(f"extensions exceed {MAX_EXTENSION_BYTES} bytes")
+        out[name] = value
+    return out
+
+
 def encode_snapshot(w: Writer, entries: Mapping[int, ServedCache]) -> None:
     w.pack("I", len(entries))
     for cid, e in entries.items():
@@ -194,6 +274,8 @@ def encode_snapshot(w: Writer, entries: Mapping[int, ServedCache]) -> None:
 
 def decode_snapshot(r: Reader) -> tuple[dict[int, RemoteCache], dict[int, tuple[int, ...]]]:
     count = r.u("I")
+    if count > MAX_SNAPSHOT_CACHES or count * RC.size > len(r.mv) - r.pos:
+        raise ProtocolError(f"a snapshot of {count} caches (at most {MAX_SNAPSHOT_CACHES})")
     snap: dict[int, RemoteCache] = {}
     addrs: dict[int, tuple[int, ...]] = {}
     for _ in range(count):
@@ -206,6 +288,7 @@ def decode_snapshot(r: Reader) -> tuple[dict[int, RemoteCache], dict[int, tuple[
         snap[cid] = RemoteCache(cid, n, t, b, s, bool(ragged), cid)
         addrs[cid] = tuple(int(x) for x in a)
     return snap, addrs
+
 
 def encode_request(lease: int, tensors: Sequence[int], off: np.ndarray,
                     length: np.ndarray) -> bytes:
@@ -223,6 +306,3 @@ def decode_request(payload: bytes | bytearray) -> tuple[int, np.ndarray, np.ndar
     n = np.frombuffer(r.take(8 * j), dtype="<i8").astype(np.int64)
     r.end()
     return lease, t, o, n
-
-
-# ---- one link's connection -----------------------------------------------------------------------

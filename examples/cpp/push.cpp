@@ -1,0 +1,106 @@
+// kvdd example: prefill pushes KV cache into decode (PushKvCache of a batch row, PushKvBlocks of
+// paged blocks, PushKvBlocks of one layer); decode then checks every byte of its caches.
+//
+//   push prefill comm|hixl PORT_BASE     # cluster 1 (listens on PORT_BASE with hixl), links to decode
+//   push decode  comm|hixl PORT_BASE     # cluster 2, listens on PORT_BASE+1
+//
+// Exit status 0 when every byte is right, 1 on a failed call or a wrong byte, 2 on bad arguments.
+#include "common.h"
+
+using namespace example;
+using llm_datadist::LlmRole;
+
+namespace {
+
+int Prefill(const Args &a) {
+  llm_datadist::LlmDataDist dd(1, LlmRole::kPrompt);
+  Check(dd.Initialize(Options(a, 0, a.hixl ? a.port_base : 0)), "Initialize");
+  DeviceCache paged(kBlocks, kBlockBytes);
+  DeviceCache contig(kRows, kRowBytes);
+  paged.Fill(1);
+  contig.Fill(2);
+  Check(dd.RegisterKvCache(paged.desc, paged.Addrs(), llm_datadist::RegisterCfg{}, paged.cache_id),
+        "RegisterKvCache(paged)");
+  Check(dd.RegisterKvCache(contig.desc, contig.Addrs(), llm_datadist::RegisterCfg{}, contig.cache_id),
+        "RegisterKvCache(contiguous)");
+
+  Control control = Control::Listen(a.port_base + 2);
+  const std::vector<int64_t> ids = control.Expect("caches");  // decode's caches, registered
+  if (ids.size() != 2) {
+    Die("control socket: expected two cache ids");
+  }
+  const llm_datadist::ClusterInfo decode = Peer(2, LlmRole::kDecoder, a.port_base + 1);
+  Link(dd, decode);
+
+  // 1. PushKvCache: our row 1 of the contiguous cache into decode's row 0.
+  llm_datadist::CacheIndex row{};
+  row.cluster_id = 2;
+  row.cache_id = ids[1];
+  row.batch_index = 0;
+  Check(dd.PushKvCache(contig.AsCache(), row, 1), "PushKvCache");
+  // 2. PushKvBlocks: our blocks 5, 2, 7 into decode's blocks 0, 3, 4.
+  llm_datadist::CacheIndex blocks{};
+  blocks.cluster_id = 2;
+  blocks.cache_id = ids[0];
+  blocks.batch_index = 0;
+  Check(dd.PushKvBlocks(paged.AsCache(), blocks, {5, 2, 7}, {0, 3, 4}), "PushKvBlocks");
+  // 3. PushKvBlocks of layer 1 only (tensors 2 and 3): our block 1 into decode's block 6.
+  llm_datadist::KvCacheExtParam layer{};
+  layer.src_layer_range = {1, 1};
+  layer.dst_layer_range = {1, 1};
+  layer.tensor_num_per_layer = 2;
+  Check(dd.PushKvBlocks(paged.AsCache(), blocks, {1}, {6}, layer), "PushKvBlocks(layer 1)");
+
+  Unlink(dd, decode);
+  control.Send("pushed");
+  const std::vector<int64_t> done = control.Expect("done");  // decode checked its memory
+  Check(dd.UnregisterKvCache(paged.cache_id), "UnregisterKvCache(paged)");
+  Check(dd.UnregisterKvCache(contig.cache_id), "UnregisterKvCache(contiguous)");
+  dd.Finalize();
+  const bool ok = done.size() == 1 && done[0] == 0;
+  std::printf("prefill: decode reported %s\n", ok ? "every byte right" : "a failure");
+  return ok ? 0 : 1;
+}
+
+int Decode(const Args &a) {
+  llm_datadist::LlmDataDist dd(2, LlmRole::kDecoder);
+  Check(dd.Initialize(Options(a, 1, a.port_base + 1)), "Initialize");
+  DeviceCache paged(kBlocks, kBlockBytes);
+  DeviceCache contig(kRows, kRowBytes);
+  paged.Fill(0);
+  contig.Fill(0);
+  Check(dd.RegisterKvCache(paged.desc, paged.Addrs(), llm_datadist::RegisterCfg{}, paged.cache_id),
+        "RegisterKvCache(paged)");
+  Check(dd.RegisterKvCache(contig.desc, contig.Addrs(), llm_datadist::RegisterCfg{}, contig.cache_id),
+        "RegisterKvCache(contiguous)");
+
+  Control control = Control::Connect(a.port_base + 2);
+  control.Send("caches " + std::to_string(paged.cache_id) + " " + std::to_string(contig.cache_id));
+  control.Expect("pushed");
+  int64_t bad = 0;
+  bad += Verify(contig, "PushKvCache row 1 -> row 0", [](uint32_t t, int64_t i) {
+    return i < kRowBytes ? Pattern(2, t, kRowBytes + i) : kUntouched;
+  });
+  std::map<int64_t, int64_t> src_of = {{0, 5}, {3, 2}, {4, 7}};  // dst block -> src block
+  bad += Verify(paged, "PushKvBlocks 5,2,7 -> 0,3,4 + layer 1: 1 -> 6", [&](uint32_t t, int64_t i) {
+    const int64_t b = i / kBlockBytes;
+    if (b == 6) {
+      return t >= 2 ? Pattern(1, t, 1 * kBlockBytes + i % kBlockBytes) : kUntouched;
+    }
+    auto it = src_of.find(b);
+    return it == src_of.end() ? kUntouched : Pattern(1, t, it->second * kBlockBytes + i % kBlockBytes);
+  });
+  control.Send("done " + std::to_string(bad));
+  Check(dd.UnregisterKvCache(paged.cache_id), "UnregisterKvCache(paged)");
+  Check(dd.UnregisterKvCache(contig.cache_id), "UnregisterKvCache(contiguous)");
+  dd.Finalize();
+  std::printf("decode: %s\n", bad == 0 ? "every byte right" : "WRONG BYTES");
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  const Args a = ParseArgs(argc, argv, "push");
+  return a.prefill ? Prefill(a) : Decode(a);
+}

@@ -1,0 +1,115 @@
+"""Small-call latency and CPU cost for the cross-process section of ``kvdd bench``.
+
+* :func:`latency` times single calls of several functions interleaved in short batches (so load
+  from other processes hits all of them alike) and reports median and p99 per function;
+* :class:`CpuMeter` measures the CPU seconds of this process and of a peer process (all threads:
+  ``CLOCK_PROCESS_CPUTIME_ID`` here, ``/proc/<pid>/task/*/schedstat`` there, ns resolution) spent
+  while a function runs, per GB moved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["latency", "CpuMeter", "task_cpu_s"]
+
+
+def latency(fns: Mapping[str, Callable[[], object]], calls: int, batch: int = 50,
+            warmup: int = 20) -> dict[str, dict[str, float]]:
+    """``{name: {"median_us", "p99_us", "calls"}}`` over ``calls`` timed calls of each function,
+    run interleaved in batches of ``batch`` calls (after ``warmup`` untimed calls each)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[int]] = {name: [] for name in fns}
+    clock = time.perf_counter_ns
+    done = 0
+    while done < calls:
+        n = min(batch, calls - done)
+        for name, fn in fns.items():
+            out = samples[name]
+            for _ in range(n):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+        done += n
+    result: dict[str, dict[str, float]] = {}
+    for name, ns in samples.items():
+        a = np.asarray(ns, dtype=np.float64) / 1e3
+        result[name] = {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)),
+                        "calls": float(len(a))}
+    return result
+
+
+def task_cpu_s(pid: int) -> float | None:
+    """CPU seconds of every thread of process ``pid`` so far (None when unreadable)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
+
+
+class CpuMeter:
+    """CPU seconds of this process and of ``peer_pid`` per GB moved by a function."""
+
+    def __init__(self, peer_pid: int) -> None:
+        self.peer_pid = peer_pid
+
+    def per_gb(self, fn: Callable[[], object], nbytes: int, repeats: int) -> dict[str, Any]:
+        """Run ``fn`` ``repeats`` times; ``{"cpu_s_per_gb", "own_cpu_s_per_gb",
+        "peer_cpu_s_per_gb"}`` (None for the peer when its counters cannot be read)."""
+        peer0 = task_cpu_s(self.peer_pid)
+        own0 = time.process_time()
+        for _ in range(repeats):
+            fn()
+        own = time.process_time() - own0
+        peer1 = task_cpu_s(self.peer_pid)
+        peer = None if peer0 is None or peer1 is None else max(peer1 - peer0, 0.0)
+        gb = nbytes * repeats / 1e9
+        return {"cpu_s_per_gb": (own + (peer or 0.0)) / gb, "own_cpu_s_per_gb": own / gb,
+                "peer_cpu_s_per_gb": None if peer is None else peer / gb}
+
+
+LAT_COLUMNS = ("path", "kind", "median_us", "p99_us", "in_process_median_us", "in_process_p99_us",
+               "vs_in_process_median", "vs_in_process_p99", "socket_rr_median_us", "vs_socket_rr_median",
+               "calls", "verified")
+
+#: The targets of issue 11: (path, table, kind, key, at least / at most, bound, what)
+_TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
+    ("process_vm", "latency", "pull_64B", "vs_in_process_median", "max", 2.5,
+     "same-host 64 B pull median <= 2.5x the in-process pull"),
+    ("process_vm", "latency", "pull_64B", "vs_in_process_p99", "max", 10.0,
+     "same-host 64 B pull p99 <= 10x the in-process pull"),
+    ("process_vm", "rows", "pull_blocks", "vs_pvm_iov", "min", 0.95,
+     "same-host block pull >= 0.95x bare process_vm_readv of the same iovecs"),
+    ("process_vm", "rows", "pull_row", "vs_pvm", "min", 0.95,
+     "same-host row pull >= 0.95x bare process_vm_readv"),
+    ("tcp", "rows", "pull_row", "vs_socket", "min", 0.9,
+     "TCP row pull >= 0.9x a raw loopback socket (64 KiB chunks)"),
+    ("tcp", "latency", "pull_64B", "vs_socket_rr_median", "max", 3.0,
+     "TCP 64 B pull median <= 3x a raw blocking 64 B request/response"),
+)
+
+
+def xp_targets(rows: list[dict[str, Any]], lat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets of issue 11 against what this run measured (as a ratio, whether met)."""
+    out: list[dict[str, Any]] = []
+    for path, table, kind, key, sense, bound, what in _TARGETS:
+        for r in (rows if table == "rows" else lat):
+            if r["path"] == path and r["kind"] == kind and r.get(key) is not None:
+                v = float(r[key])
+                out.append({"target": what, "ratio": v, "met": v >= bound if sense == "min" else v <= bound})
+    return out

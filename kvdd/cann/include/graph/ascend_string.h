@@ -1,0 +1,42 @@
+/*
+ * kvdd simulated CANN root: ge::AscendString.
+ *
+ * Written by the kvdd project from the facts in kvdd's spec (VENDOR.md); this is not the vendor
+ * header.  The class is constructible from `const char*` and `(const char*, size_t)`, exposes
+ * GetString()/GetLength() and is ordered by operator< (it is the key type of the option maps).
+ * Like the real class, its methods are defined out of line in libmetadef.so, so the std::string
+ * ABI (_GLIBCXX_USE_CXX11_ABI) of the caller and of the library must agree.
+ */
+#ifndef KVDD_CANN_GRAPH_ASCEND_STRING_H_
+#define KVDD_CANN_GRAPH_ASCEND_STRING_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace ge {
+
+class AscendString {
+ public:
+  AscendString() = default;
+  ~AscendString() = default;
+  AscendString(const char *name);                       // NOLINT: implicit, as upstream
+  AscendString(const char *name, size_t length);
+
+  const char *GetString() const;
+  size_t GetLength() const;
+
+  bool operator<(const AscendString &other) const;
+  bool operator>(const AscendString &other) const;
+  bool operator==(const AscendString &other) const;
+  bool operator!=(const AscendString &other) const;
+  bool operator<=(const AscendString &other) const;
+  bool operator>=(const AscendString &other) const;
+
+ private:
+  std::shared_ptr<std::string> value_;
+};
+
+}  // namespace ge
+
+#endif  // KVDD_CANN_GRAPH_ASCEND_STRING_H_

@@ -1,0 +1,226 @@
+"""The prefill side: listen, fill and register its caches, serve one decode side."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from .. import Cache, CacheIndex, CachePlacement, ClusterInfo, IpInfo, KvCacheExtParam, LlmDataDist, LlmRole
+from .control import Control, ReadyInfo, send_error
+from .errors import DemoError, Json, VerificationError
+from .geometry import Geometry
+from .image import CacheImage, UnitExpect, allocate, fill_and_register, owner_map, prefill_block_expect, prefill_row_expect
+from .options import LINK_TIMEOUT_MS, PREFILL_CLUSTER_ID, PROTOCOL, DemoOptions, datadist_options, ipv4
+from .pattern import Pattern
+from .text import Progress, mib
+
+__all__ = ["run_prefill"]
+
+def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None = None,
+                log: Progress | None = None, cancel: threading.Event | None = None) -> Json:
+    """The prefill side: listen, register and fill, serve one decode side; return a summary.
+
+    Parameters
+    ----------
+    opts : DemoOptions
+        The run's options (listen address, control port, geometry, seed, timeout in seconds).
+    on_ready : callable, optional
+        Called once the caches are registered and both the LLM-DataDist listener and the control
+        channel accept connections.
+    log : Progress, optional
+        Progress lines.
+    cancel : threading.Event, optional
+        Set to stop waiting for a decode side.
+
+    Returns
+    -------
+    dict
+        The JSON summary (addresses, setup seconds, the push, ``source_intact``).
+
+    Raises
+    ------
+    DemoError
+        On any failure (a :class:`VerificationError` when its source caches changed), after
+        telling a connected decode side.
+    LLMError
+        A failing LLM-DataDist call.
+    """
+    log = log or Progress(False, "prefill")
+    geom = opts.geometry
+    pattern = Pattern(opts.seed)
+    rng = np.random.default_rng([opts.seed, 1])
+    ctl: Control | None = None
+    server: socket.socket | None = None
+    result: Json = {"role": "prefill", "cluster_id": PREFILL_CLUSTER_ID}
+    try:
+        with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
+            dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
+            port = dd.listen_port
+            assert port is not None
+            listen = (opts.listen[0], port)
+            paged, contig = allocate("prefill", dd, geom)
+            # Each request's block table: random, non-contiguous physical blocks of the pool.
+            tables = rng.permutation(geom.prefill_blocks).reshape(geom.requests, geom.blocks_per_request)
+            block_tables = [[int(b) for b in row] for row in tables]
+            owner = owner_map(block_tables)
+            for img in paged:
+                for i in range(img.n):
+                    for p in range(img.units):
+                        img.expect[i][p] = prefill_block_expect(geom, img.fam_index, i, p, owner, img.token_words)
+            for img in contig:
+                for i in range(img.n):
+                    for r in range(img.units):
+                        img.expect[i][r] = UnitExpect(prefill_row_expect(geom, img.fam_index, i, r, img.token_words),
+                                                      f"prefill row {r} (request {r})")
+            t0 = time.perf_counter()
+            fill_and_register(dd, [*paged, *contig], pattern, log)
+            result["setup_seconds"] = time.perf_counter() - t0
+
+            family = socket.AF_INET6 if ":" in opts.listen[0] else socket.AF_INET
+            server = socket.socket(family, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind((opts.listen[0], opts.prefill_control_port()))
+            except OSError as exc:
+                raise DemoError(f"cannot listen for the control channel on {opts.listen[0]}:"
+                                f"{opts.prefill_control_port()}: {exc.strerror or exc} (choose --control-port)") from None
+            server.listen(1)
+            ready = ReadyInfo(listen, (opts.listen[0], server.getsockname()[1]))
+            result.update(ready.to_json())
+            log(f"LLM-DataDist listening on {ready.to_json()['listen']}, control channel on "
+                f"{ready.to_json()['control']}; waiting for decode")
+            if on_ready is not None:
+                on_ready(ready)
+            conn, peer_addr = _accept(server, opts.timeout, cancel)
+            server.close()
+            server = None
+            ctl = Control(conn, "decode", opts.timeout)
+            hello = ctl.recv("hello")
+            if hello.get("protocol") != PROTOCOL:
+                raise DemoError(f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}")
+            theirs = Geometry.from_json(hello["geometry"])
+            if theirs.agreement_key() != geom.agreement_key() or hello.get("seed") != opts.seed:
+                raise DemoError(_disagreement(geom, theirs, opts.seed, hello.get("seed")))
+            if hello.get("transfer_backend") != opts.transfer_backend:
+                raise DemoError(f"decode uses transfer backend {hello.get('transfer_backend')}, "
+                                f"prefill {opts.transfer_backend}: pass the same --transfer-backend to both")
+            decode_id = int(hello["cluster_id"])
+            log(f"decode cluster {decode_id} connected from {peer_addr[0]}")
+            ctl.send({"type": "welcome", "cluster_id": PREFILL_CLUSTER_ID,
+                      "caches": {img.fam.name: {"paged": paged[k].cache_id, "contiguous": contig[k].cache_id}
+                                 for k, img in enumerate(paged)},
+                      "block_tables": block_tables})
+            while True:
+                msg = ctl.recv("push", "done")
+                if msg["type"] == "done":
+                    break
+                result["push"] = _serve_push(dd, opts, paged, block_tables, msg, log)
+                ctl.send({"type": "pushed", **result["push"]})
+            result["decode_ok"] = bool(msg.get("ok"))
+            result["decode_error"] = msg.get("error")
+            # Pulls only read the source and the push reads it too: it must be exactly as filled.
+            step = "prefill source check"
+            intact = True
+            error: str | None = None
+            try:
+                with log.step("checking the source caches are intact"):
+                    for img in (*paged, *contig):
+                        img.verify(pattern, set(), step)
+            except VerificationError as exc:
+                intact = False
+                error = exc.message
+            result["source_intact"] = intact
+            try:
+                ctl.send({"type": "bye", "source_intact": intact, "error": error})
+            except DemoError:
+                if result["decode_ok"]:
+                    raise  # a failed decode side may have gone already
+            if error is not None:
+                raise VerificationError(error, transfer=step)
+            if not result["decode_ok"]:
+                raise DemoError(f"decode side failed: {result['decode_error']}")
+        log("finalized")
+        return result
+    except BaseException as exc:
+        send_error(ctl, exc)
+        raise
+    finally:
+        if server is not None:
+            server.close()
+        if ctl is not None:
+            ctl.close()
+
+
+def _accept(server: socket.socket, timeout: float, cancel: threading.Event | None) -> tuple[socket.socket, Any]:
+    deadline = time.monotonic() + timeout
+    server.settimeout(0.2)
+    while True:
+        try:
+            conn, addr = server.accept()
+        except socket.timeout:  # a poll: look at cancel and the deadline, then wait again
+            conn = None
+        if conn is not None:
+            conn.settimeout(None)
+            return conn, addr
+        if cancel is not None and cancel.is_set():
+            raise DemoError("the decode side gave up before connecting")
+        if time.monotonic() >= deadline:
+            raise DemoError(f"no decode side connected within {timeout:g} s")
+
+
+def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],
+                block_tables: Sequence[Sequence[int]], msg: Mapping[str, Any], log: Progress) -> Json:
+    """PushKvBlocks one request's blocks into the decode blocks named in ``msg``."""
+    decode_id = int(msg["cluster_id"])
+    req = int(msg["request"])
+    src = list(block_tables[req])
+    dst = [int(b) for b in msg["dst_blocks"]]
+    linked: ClusterInfo | None = None
+    if opts.transfer_backend == "hixl":
+        # hixl links are one-way (SEMANTICS.md §2.3): to write into decode, prefill links to it.
+        host, port = str(msg["listen"][0]), int(msg["listen"][1])
+        linked = ClusterInfo(remote_cluster_id=decode_id, remote_role_type=LlmRole.DECODER,
+                             local_ip_infos=(IpInfo(ipv4(opts.listen[0])),), remote_ip_infos=(IpInfo(host, port),))
+        dd.link_llm_clusters([linked], timeout_ms=LINK_TIMEOUT_MS)
+        log(f"linked to decode at {host}:{port} for the push (hixl links are one-way)")
+    calls = 0
+    nbytes = 0
+    t0 = time.perf_counter()
+    for img in paged:
+        dst_id = int(msg["caches"][img.fam.name])
+        # Push reads num_tensors and placement from the src Cache struct (§3.12); upstream requires
+        # DEVICE there whatever the registration said.
+        src_cache = Cache(cache_id=img.cache_id, tensor_addrs=img.cache.tensor_addrs,
+                          cache_desc=replace(img.desc, placement=CachePlacement.DEVICE))
+        # All layers, but with this cache's tensors per layer: the default ext_param assumes K,V
+        # pairs (2), which rejects (or mis-plans) a one-tensor-per-layer MLA cache (§3.12 step 6).
+        ext = KvCacheExtParam(tensor_num_per_layer=img.fam.tensors_per_layer)
+        dd.push_kv_blocks(src_cache, CacheIndex(decode_id, dst_id), src, dst, ext)
+        calls += 1
+        nbytes += img.n * len(src) * img.unit_bytes
+    seconds = time.perf_counter() - t0
+    if linked is not None:
+        dd.unlink_llm_clusters([linked], timeout_ms=LINK_TIMEOUT_MS)
+    log(f"pushed request {req}: {mib(nbytes)} in {seconds * 1e3:.1f} ms")
+    return {"calls": calls, "bytes": nbytes, "seconds": seconds, "src_blocks": src, "dst_blocks": dst}
+
+
+def _disagreement(mine: Geometry, theirs: Geometry, my_seed: int, their_seed: object) -> str:
+    a, b = mine.agreement_key(), theirs.agreement_key()
+    diffs = []
+    for key in ("requests", "tokens", "block_size"):
+        if a[key] != b[key]:
+            diffs.append(f"{key} prefill={a[key]} decode={b[key]}")
+    for key in sorted(set(a["model"]) | set(b["model"])):
+        if a["model"].get(key) != b["model"].get(key):
+            diffs.append(f"model {key} prefill={a['model'].get(key)} decode={b['model'].get(key)}")
+    if my_seed != their_seed:
+        diffs.append(f"seed prefill={my_seed} decode={their_seed}")
+    return ("the two sides disagree on the geometry (pass the same --model/--model-config, --requests, "
+            "--tokens, --block-size, --dtype, --seed or --quick to both): " + "; ".join(diffs or ["?"]))

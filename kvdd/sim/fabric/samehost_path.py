@@ -1,0 +1,267 @@
+"""The one-sided same-host data path: a per-link lease table in shared memory + ``process_vm``.
+
+No per-call message reaches the owner (like RDMA on hardware, the owner's CPU is not needed, so a
+stopped but living owner's memory is still read: SEMANTICS.md §10 rules 2 and 9).  Rule 5 holds
+through the lease table of each link (:class:`~kvdd._native._xproc.LeaseTable`, one 64-byte slot
+per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the owner's snapshot):
+
+* reader (:class:`OneSidedPeer`): ``enter(slot)`` (in-flight += 1, then read the slot's and the
+  link's state word; nonzero: no copy, the count undone), copy with ``process_vm_readv/writev``
+  (the peer's pidfd re-checked right before and after, the reader's own deadline checked between
+  system calls), ``leave(slot)``.  A lease covers one transfer and never outlives the reader's
+  ``SyncKvCacheWaitTime``.
+* owner (:class:`ServedTable`): unregister sets the slot's state (no new copy starts), then waits
+  until its in-flight count is zero; unlink and finalize do the same with the link's state word.
+  The wait ends early when the reader process exited (its pidfd: a dead reader's counts are void)
+  and at the latest after the reader's own time limit plus a grace (a reader never copies past its
+  deadline; a count still nonzero then is garbage or a stuck reader: the link is closed for good).
+  All accesses are sequentially consistent, so a reader that the owner's wait did not count must
+  see the owner's state word.
+
+The table is untrusted input for both sides: a peer may scribble anything into it.  Indices are
+checked against the slot count each side mapped; values are only compared with zero; nothing read
+from it is used as an address or a size.  Garbage can make the owner wait (bounded, as above) or
+refuse copies; it cannot make either side touch memory outside the registered caches.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
+from .samehost import SameHostLink, SameHostRefused
+
+if TYPE_CHECKING:
+    from ..memory import Region
+    from .protocol import RemoteCache, ServedCache
+
+try:  # always built on Linux; absent elsewhere → TCP only
+    from ..._native import _xproc
+except ImportError:  # pragma: no cover
+    _xproc = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
+           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
+
+
+#: State words (0: open).  Slot: the cache was unregistered.  Link: the owner finalized / closed.
+STATE_UNREGISTERED = 1
+STATE_FINALIZED = 2
+STATE_CLOSED = 3
+DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
+MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
+PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
+
+
+def seal_table_fd(fd: int) -> None:
+    """Seal a lease table's memfd so neither side can resize it under the other (no SIGBUS)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+
+
+def check_table_fd(fd: int, slots: int, size: int) -> None:
+    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
+    for ``slots`` slots; raises SameHostRefused otherwise."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
+        raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
+                              f"not sealed or not {size} bytes for {slots} slots")
+
+
+def new_table_fd(slots: int) -> int:
+    """A sealed memfd sized for ``slots`` slots (the owner maps it with ``init=True``)."""
+    assert _xproc is not None
+    fd = os.memfd_create("kvdd-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, _xproc.LEASE_HEADER + slots * _xproc.LEASE_SLOT)
+        seal_table_fd(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ServedTable:
+    """The owner's side of one link's lease table: slot ``i`` is the ``i``-th served cache,
+    labelled with its cache id (word 2) for the reader.
+
+    Hand :meth:`take_fd` to the proof (it sends the fd), then :meth:`attach` the proven reader:
+    from then on unregistering one of the entries revokes its slot and waits for the reader's
+    copies (through ``ServedCache.add_drain``)."""
+
+    def __init__(self, entries: Mapping[int, ServedCache]) -> None:
+        assert _xproc is not None
+        self.entries = list(entries.values())
+        self._fd = new_table_fd(len(self.entries))
+        self.table = _xproc.LeaseTable(self._fd, len(self.entries), True)
+        for slot, entry in enumerate(self.entries):
+            self.table.store(slot, 2, entry.cache_id)
+        self._lock = threading.Lock()
+        self._link: SameHostLink | None = None
+        self._wait_ms = 0
+        self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
+        self._closed = False
+
+    def take_fd(self) -> tuple[int, int]:
+        """``(fd, slots)`` for the proof, which owns (closes) the fd from now on."""
+        fd, self._fd = self._fd, -1
+        return fd, len(self.entries)
+
+    def attach(self, link: SameHostLink, reader_wait_ms: int) -> None:
+        """The reader is proven: its copies count from now; unregister waits for them."""
+        with self._lock:
+            self._link = link
+            self._wait_ms = min(max(reader_wait_ms, 0), MAX_LEASE_MS) + DRAIN_GRACE_MS
+        for slot, entry in enumerate(self.entries):
+            hook = self._hook(slot)
+            if entry.add_drain(hook):
+                self._hooks.append((entry, hook))
+            else:  # unregistered since the snapshot: no copy may start on it
+                self.table.revoke(slot, STATE_UNREGISTERED)
+
+    @property
+    def reader_gone(self) -> bool:
+        """True once the attached reader process exited (its table can be dropped)."""
+        link = self._link
+        return link is not None and not link.alive()
+
+    def _hook(self, slot: int) -> Callable[[], None]:
+        return lambda: self.drain(slot)
+
+    def drain(self, slot: int) -> None:
+        """Unregister of ``entries[slot]``: no new copy; wait until none runs (bounded)."""
+        self.table.revoke(slot, STATE_UNREGISTERED)
+        self._wait(slot)
+
+    def _wait(self, slot: int | None) -> None:
+        with self._lock:
+            link, wait_ms = self._link, self._wait_ms
+        if link is None:
+            return
+        pidfd = link.pidfd
+        if pidfd < 0:  # the link was closed: the reader's counts are void
+            return
+        result = self.table.wait_idle(slot, wait_ms, pidfd)
+        if result == 2:  # garbage or a stuck reader: the link is over for good
+            logger.warning("kvdd same-host: reader pid %d still counted as copying after %d ms; "
+                           "closing its one-sided access", link.peer_pid, wait_ms)
+            self.table.revoke(-1, STATE_CLOSED)
+
+    def close(self, state: int = STATE_CLOSED) -> None:
+        """No new copy on any slot, wait for running ones (bounded), detach from the entries."""
+        self.table.revoke(-1, state)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wait(None)
+        for entry, hook in self._hooks:
+            entry.remove_drain(hook)
+        self._hooks.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class OneSidedLease:
+    """A lease on one remote cache for one transfer: the slot is entered until released."""
+
+    __slots__ = ("rc", "slot", "deadline", "addrs", "entered")
+
+    def __init__(self, rc: RemoteCache, slot: int, deadline: float,
+                 addrs: tuple[int, ...]) -> None:
+        self.rc = rc
+        self.slot = slot
+        self.deadline = deadline
+        self.addrs = addrs
+        self.entered = True
+
+
+class OneSidedPeer:
+    """The reader's side: leases in the peer's table and ``process_vm`` copies on the peer's
+    tensor addresses (from the link's snapshot), the peer process held by ``link``'s pidfd.
+
+    Maps the table ``link`` received (checked: a sealed memfd of the size for its slot count,
+    kvdd's header) and reads the owner's cache-id labels once: a cache the table does not label
+    (or labels twice) is not served by this path (``acquire`` returns None: TCP)."""
+
+    def __init__(self, link: SameHostLink) -> None:
+        assert _xproc is not None
+        slots = link.table_slots
+        if link.table_fd < 0 or not 0 <= slots <= _xproc.LEASE_MAX_SLOTS:
+            raise SameHostRefused("the peer sent no usable lease table")
+        check_table_fd(link.table_fd, slots, _xproc.LEASE_HEADER + slots * _xproc.LEASE_SLOT)
+        self.table = _xproc.LeaseTable(link.table_fd, slots)
+        if self.table.header()[:2] != (_xproc.LEASE_MAGIC, slots):
+            raise SameHostRefused("the peer's lease table has a bad header")
+        labels = [self.table.load(i, 2) for i in range(slots)]
+        self._slot = {cid: i for i, cid in enumerate(labels) if cid and labels.count(cid) == 1}
+        self.link = link
+        self.usable = True  # False after EPERM (ptrace rules) or close: TCP from then on
+
+    def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
+                timeout_ms: int) -> tuple[int, OneSidedLease | None] | None:
+        """Enter the cache's slot: ``(status, lease)``, or None (use TCP for this transfer)."""
+        slot = self._slot.get(rc.cache_id)
+        if not self.usable or slot is None or len(addrs) != rc.num_tensors:
+            return None
+        if timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
+            return TIMEOUT, None
+        state = self.table.enter(slot)
+        if state:
+            return (TIMEOUT if state == STATE_CLOSED else NOT_EXIST), None
+        return S_OK, OneSidedLease(rc, slot, time.monotonic() + timeout_ms / 1000.0, addrs)
+
+    def release(self, lease: OneSidedLease) -> None:
+        if lease.entered:
+            lease.entered = False
+            self.table.leave(lease.slot)
+
+    def move(self, lease: OneSidedLease, tensors: Sequence[int], local: Sequence[Region],
+             local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray,
+             write: bool) -> int:
+        """One-sided copy under ``lease``; a status."""
+        assert _xproc is not None
+        left_ms = int((lease.deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            return TIMEOUT
+        addrs = lease.addrs
+        try:
+            remote = [addrs[t] for t in tensors]
+            _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
+                            local_off, remote_off, length, write,
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=self.link.pidfd)
+        except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
+            logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
+                           "uses TCP from now on", exc)
+            self.usable = False
+            return Status.LLM_FAILED
+        except ProcessLookupError:  # the peer exited: certain death
+            return TIMEOUT
+        except TimeoutError:
+            return TIMEOUT
+        except (ValueError, IndexError, TypeError):
+            return Status.LLM_PARAM_INVALID
+        except OSError:  # EFAULT: the owner freed registered memory (a transport error)
+            return TIMEOUT if not self.link.alive() else Status.LLM_FAILED
+        return S_OK
+
+    def close(self) -> None:
+        """Stop using the path (the mapping goes with the last reference, never under a thread
+        still in :meth:`acquire` / :meth:`release`; the link's pidfd belongs to its creator)."""
+        self.usable = False

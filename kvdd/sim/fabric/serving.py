@@ -1,0 +1,148 @@
+"""The owner's side of a peer's READ or WRITE: checked runs streamed, never materialized.
+
+A request names K tensors of one cache and J runs ``(off[j], length[j])``; its byte stream is
+tensor k outer, run j inner.  The owner checks every run against the cache (SEMANTICS.md §10 rule
+1) and the size of the request (at most ``MAX_RUNS`` tensors x runs, else LLM_PARAM_INVALID and no
+byte moved), then walks the stream piece by piece: consecutive short runs are gathered into (or
+scattered from) one staging buffer of at most ``STAGE_CHUNK`` bytes by the copy kernels; long runs
+(>= ``STAGE_RUN_BYTES``) are sent from / received into the tensor's memory directly.  Memory per
+request is O(STAGE_CHUNK + J) and CPU per request is proportional to its bytes plus
+K x (pieces per tensor), whatever the peer asks.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ...status import Status
+from ..memory import Region, copy_runs
+from .streams import region_view, sendmsg_all
+from .wire import (F_DATA, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
+                   STAGE_RUN_BYTES, ProtocolError, recv_into)
+
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS"]
+
+SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
+#                   as one DATA frame gathered from the tensors (zero-copy, one system call)
+HeaderReader = Callable[[socket.socket], tuple[int, int, int]]
+
+
+def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: np.ndarray,
+                  length: np.ndarray) -> int:
+    """LLM_SUCCESS when every run lies inside a tensor of the cache and the request is within
+    the bounds; LLM_PARAM_INVALID otherwise (nothing may move then)."""
+    if len(tensors) * len(length) > MAX_RUNS:
+        return Status.LLM_PARAM_INVALID
+    t = tensor_nbytes
+    if (len(tensors) and int(tensors.max()) >= n_tensors) or np.any(off < 0) \
+            or np.any(length < 0) or np.any(length > t) or np.any(off > t - length):
+        return Status.LLM_PARAM_INVALID
+    return Status.LLM_SUCCESS
+
+
+class RunPlan:
+    """The pieces of one checked request: ``(j0, j1, staged)`` segments of the runs, the same
+    for every tensor."""
+
+    def __init__(self, regions: Sequence[Region], tensors: np.ndarray, off: np.ndarray,
+                 length: np.ndarray) -> None:
+        self.regions = regions  # every tensor of the cache; ``tensors`` index into it
+        self.tensors = tensors
+        self.off = np.ascontiguousarray(off, dtype=np.int64)
+        self.length = np.ascontiguousarray(length, dtype=np.int64)
+        self.per_k = int(self.length.sum())
+        self.total = self.per_k * len(tensors)
+        self.segments = self._segments()
+        biggest = max((int(self.length[a:b].sum()) for a, b, staged in self.segments if staged),
+                      default=0)
+        self._stage = np.empty(biggest, dtype=np.uint8)
+        self._stage_region = Region(int(self._stage.ctypes.data), biggest, self._stage)
+
+    def _segments(self) -> list[tuple[int, int, bool]]:
+        """Consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone."""
+        length = self.length
+        if len(length) == 1:
+            return [(0, 1, int(length[0]) < STAGE_RUN_BYTES)]
+        out: list[tuple[int, int, bool]] = []
+        is_long = length >= STAGE_RUN_BYTES
+        j, n = 0, len(length)
+        longs = np.flatnonzero(is_long)
+        for stop in (*longs.tolist(), n):
+            if j < stop:  # short runs j..stop-1, split where the staged bytes exceed STAGE_CHUNK
+                cum = np.cumsum(length[j:stop])
+                cuts = np.searchsorted(cum, np.arange(STAGE_CHUNK, int(cum[-1]), STAGE_CHUNK),
+                                       side="right")
+                start = j
+                for cut in (*(int(c) + j for c in cuts), stop):
+                    if cut > start:
+                        out.append((start, cut, True))
+                        start = cut
+            if stop < n:
+                out.append((stop, stop + 1, False))
+            j = stop + 1
+        return out
+
+    def _pieces(self, region: Region) -> Iterator[tuple[memoryview, int, int, bool]]:
+        mv = region_view(region)
+        for a, b, staged in self.segments:
+            if staged:
+                nbytes = int(self.length[a:b].sum())
+                if nbytes:
+                    yield self._stage.data.cast("B")[:nbytes], a, b, True
+            else:
+                o, n = int(self.off[a]), int(self.length[a])
+                if n:
+                    yield mv[o:o + n], a, b, False
+
+    def _stage_copy(self, region: Region, a: int, b: int, gather: bool) -> None:
+        lengths = self.length[a:b]
+        cum = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        if gather:
+            copy_runs([region], [self._stage_region], self.off[a:b], cum, lengths)
+        else:
+            copy_runs([self._stage_region], [region], cum, self.off[a:b], lengths)
+
+    def send(self, sock: socket.socket, req: int) -> None:
+        """The stream as DATA frames (one per piece, split at MAX_DATA), zero-copy for long runs."""
+        runs = len(self.tensors) * len(self.length)
+        if 0 < self.total <= STAGE_CHUNK and runs <= SMALL_RUNS:
+            views = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, self.total))]
+            pairs = [(o, n) for o, n in zip(self.off.tolist(), self.length.tolist()) if n]
+            for k in self.tensors.tolist():
+                mv = region_view(self.regions[k])
+                views.extend(mv[o:o + n] for o, n in pairs)
+            sendmsg_all(sock, views)
+            return
+        for k in self.tensors.tolist():
+            region = self.regions[k]
+            for view, a, b, staged in self._pieces(region):
+                if staged:
+                    self._stage_copy(region, a, b, True)
+                for pos in range(0, len(view), MAX_DATA):
+                    part = view[pos:pos + MAX_DATA]
+                    sendmsg_all(sock, [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req,
+                                                           len(part))), part])
+
+    def receive(self, sock: socket.socket, req: int, read_header: HeaderReader) -> None:
+        """The stream from the peer's DATA frames (any sizes) into the tensors."""
+        left = 0  # bytes of the current DATA frame not yet received
+        for k in self.tensors.tolist():
+            region = self.regions[k]
+            for view, a, b, staged in self._pieces(region):
+                pos = 0
+                while pos < len(view):
+                    if left == 0:
+                        ftype, freq, left = read_header(sock)
+                        if ftype != F_DATA or freq != req:
+                            raise ProtocolError("WRITE data expected")
+                    take = min(left, len(view) - pos)
+                    recv_into(sock, view[pos:pos + take])
+                    pos += take
+                    left -= take
+                if staged:
+                    self._stage_copy(region, a, b, False)
+        if left:
+            raise ProtocolError("more DATA than the WRITE holds")

@@ -1,9 +1,0 @@
-/*
- * kvdd CI test double: the older CANN name of external/ge_common/api_error_codes.h.
- */
-#ifndef KVDD_TESTDOUBLE_EXTERNAL_GE_COMMON_GE_API_ERROR_CODES_H_
-#define KVDD_TESTDOUBLE_EXTERNAL_GE_COMMON_GE_API_ERROR_CODES_H_
-
-#include "external/ge_common/api_error_codes.h"
-
-#endif  // KVDD_TESTDOUBLE_EXTERNAL_GE_COMMON_GE_API_ERROR_CODES_H_

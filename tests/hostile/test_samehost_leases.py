@@ -1,0 +1,277 @@
+"""The one-sided same-host path's lease table against hostile and dying peers
+(kvdd.sim.fabric.samehost_path): removal waits for copies (SEMANTICS.md §10 rule 5), a dead reader
+releases at once, garbage in the shared table is survived and never moves a byte outside the
+registered caches."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvdd import Status
+from kvdd._native import _xproc
+from kvdd._native._copy import Region
+from kvdd.sim.fabric import samehost
+from kvdd.sim.fabric.protocol import RemoteCache
+from kvdd.sim.fabric.samehost_path import (STATE_CLOSED, STATE_UNREGISTERED, OneSidedLease,
+                                           OneSidedPeer, ServedTable)
+
+pytestmark = pytest.mark.skipif(not samehost.availability()[0],
+                                reason=samehost.availability()[1])
+
+GUARD = 4096
+T = 8192
+
+
+@dataclass
+class FakeEntry:
+    """A registered cache as the fabric sees it (kvdd.sim.fabric.protocol.ServedCache)."""
+
+    cache_id: int
+    arena: np.ndarray
+    registered: bool = True
+    drains: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def addr(self) -> int:
+        return int(self.arena.ctypes.data) + GUARD
+
+    def add_drain(self, fn: Callable[[], None]) -> bool:
+        if not self.registered:
+            return False
+        self.drains.append(fn)
+        return True
+
+    def remove_drain(self, fn: Callable[[], None]) -> None:
+        self.drains.remove(fn)
+
+    def unregister(self) -> None:
+        self.registered = False
+        for fn in list(self.drains):
+            fn()
+
+
+def _arena(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, GUARD + T + GUARD, dtype=np.uint8)
+
+
+@dataclass
+class Pair:
+    """Owner and reader of one link's table, both in this process (the reader's "peer" is this
+    process: process_vm on itself), plus the fd for scribbling."""
+
+    entries: list[FakeEntry]
+    served: ServedTable
+    reader: OneSidedPeer
+    snapshot: dict[int, RemoteCache]
+    fd: int
+
+
+def _pair(reader_pid: int | None = None, wait_ms: int = 5000) -> Pair:
+    entries = [FakeEntry(cid, _arena(cid)) for cid in (3, 5)]
+    served = ServedTable({e.cache_id: e for e in entries})  # type: ignore[misc]
+    fd, slots = served.take_fd()
+    keep = os.dup(fd)
+    me = _xproc.pidfd_open(reader_pid or os.getpid())
+    owner_link = samehost.SameHostLink(reader_pid or os.getpid(), os.getuid(), me)
+    served.attach(owner_link, wait_ms)
+    reader_link = samehost.SameHostLink(os.getpid(), os.getuid(), _xproc.pidfd_open(os.getpid()),
+                                        fd, slots)
+    snapshot = {e.cache_id: RemoteCache(e.cache_id, 1, T, 1, T, False, e.cache_id)
+                for e in entries}
+    reader = OneSidedPeer(reader_link)
+    return Pair(entries, served, reader, snapshot, keep)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = _pair()
+    yield p
+    p.served.close()
+    os.close(p.fd)
+
+
+def _addrs(p: Pair, cid: int) -> tuple[int, ...]:
+    return next((e.addr,) for e in p.entries if e.cache_id == cid)
+
+
+def _pull(p: Pair, cid: int, dst: np.ndarray, nbytes: int = T) -> int:
+    got = p.reader.acquire(p.snapshot[cid], _addrs(p, cid), 5000)
+    if got is None:
+        return -1  # not served by this path (TCP would carry it)
+    status, lease = got
+    if status != Status.LLM_SUCCESS:
+        return int(status)
+    assert isinstance(lease, OneSidedLease)
+    try:
+        region = Region(int(dst.ctypes.data) + GUARD, T, dst)
+        one = np.array([0], np.int64)
+        st = p.reader.move(lease, [0], [region], one, one, np.array([nbytes], np.int64), False)
+        assert st is not None
+        return st
+    finally:
+        p.reader.release(lease)
+
+
+def test_one_sided_pull_moves_exactly_the_cache(pair: Pair) -> None:
+    dst = _arena(99)
+    before = dst.copy()
+    assert _pull(pair, 5, dst) == Status.LLM_SUCCESS
+    src = pair.entries[1].arena
+    assert np.array_equal(dst[GUARD:GUARD + T], src[GUARD:GUARD + T])
+    assert np.array_equal(dst[:GUARD], before[:GUARD]) and np.array_equal(dst[-GUARD:], before[-GUARD:])
+    assert pair.served.table.inflight(0) == 0 and pair.served.table.inflight(1) == 0
+
+
+def test_unregister_waits_for_a_running_copy_then_refuses(pair: Pair) -> None:
+    got = pair.reader.acquire(pair.snapshot[3], _addrs(pair, 3), 5000)
+    assert got is not None
+    status, lease = got
+    assert status == Status.LLM_SUCCESS and isinstance(lease, OneSidedLease)
+    done = threading.Event()
+
+    def unregister() -> None:
+        pair.entries[0].unregister()
+        done.set()
+
+    t = threading.Thread(target=unregister)
+    t.start()
+    assert not done.wait(0.3)  # the copy's lease holds the owner's unregister
+    pair.reader.release(lease)
+    assert done.wait(5)
+    t.join()
+    dst = _arena(7)
+    before = dst.copy()
+    assert _pull(pair, 3, dst) == Status.LLM_KV_CACHE_NOT_EXIST  # no new copy starts
+    assert np.array_equal(dst, before)
+    assert _pull(pair, 5, dst) == Status.LLM_SUCCESS  # the other cache is untouched by it
+
+
+def test_a_dead_reader_releases_at_once() -> None:
+    """The reader process enters a slot and dies: the owner's unregister returns at once."""
+    entries = [FakeEntry(1, _arena(1))]
+    served = ServedTable({1: entries[0]})  # type: ignore[dict-item]
+    fd, _slots = served.take_fd()
+    code = ("import sys, time; from kvdd._native import _xproc\n"
+            "t = _xproc.LeaseTable(int(sys.argv[1]), 1)\nassert t.enter(0) == 0\n"
+            "print('in', flush=True)\ntime.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(fd)], pass_fds=(fd,),
+                             stdout=subprocess.PIPE, text=True)
+    os.close(fd)
+    try:
+        served.attach(samehost.SameHostLink(child.pid, os.getuid(), _xproc.pidfd_open(child.pid)),
+                      60_000)
+        assert child.stdout is not None and child.stdout.readline().strip() == "in"
+        assert served.table.inflight(0) == 1
+        child.kill()
+        child.wait()
+        t0 = time.monotonic()
+        entries[0].unregister()
+        assert time.monotonic() - t0 < 1.0
+        assert served.table.state(0) == STATE_UNREGISTERED
+    finally:
+        child.kill()
+        served.close()
+
+
+def test_scribbled_table_is_survived_and_bounded() -> None:
+    """A peer writes garbage over the whole table: the reader's copies stay inside the registered
+    caches (or are refused), the owner's unregister returns within the reader's time limit plus
+    the grace, then the link's one-sided access is closed for good."""
+    p = _pair(wait_ms=100)
+    try:
+        m = mmap.mmap(p.fd, _xproc.LEASE_HEADER + 2 * _xproc.LEASE_SLOT)
+        rng = np.random.default_rng(11)
+        for trial in range(20):
+            m[:] = rng.integers(0, 256, len(m), dtype=np.uint8).tobytes()
+            if trial % 3 == 0:  # sometimes plausible: zero states, huge or zero counts
+                m[64:128] = bytes(8) + bytes(56)
+            dst = _arena(200 + trial)
+            before = dst.copy()
+            st = _pull(p, 3, dst)
+            assert st in (Status.LLM_SUCCESS, Status.LLM_KV_CACHE_NOT_EXIST, Status.LLM_TIMEOUT)
+            assert st != -1  # the labels were read once, at attach: garbage now cannot move them
+            assert np.array_equal(dst[:GUARD], before[:GUARD])
+            assert np.array_equal(dst[-GUARD:], before[-GUARD:])
+            if st == Status.LLM_SUCCESS:
+                assert np.array_equal(dst[GUARD:-GUARD], p.entries[0].arena[GUARD:-GUARD])
+            else:
+                assert np.array_equal(dst, before)
+        m[:] = b"\xff" * len(m)  # every count nonzero for good
+        m.close()
+        t0 = time.monotonic()
+        p.entries[1].unregister()
+        took = time.monotonic() - t0
+        assert 0.09 < took < 0.35 + 1.0  # 100 ms + 250 ms grace, never unbounded
+        assert p.served.table.state(-1) == STATE_CLOSED
+    finally:
+        p.served.close()
+        os.close(p.fd)
+
+
+def test_bad_tables_are_refused_before_use() -> None:
+    """A table that is not a sealed memfd of the announced size, or has another header, is not
+    mapped: that link uses TCP."""
+    pid = os.getpid()
+    snapshot = {1: RemoteCache(1, 1, T, 1, T, False, 1)}
+    unsealed = os.memfd_create("x", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, _xproc.LEASE_HEADER + _xproc.LEASE_SLOT)
+    link = samehost.SameHostLink(pid, os.getuid(), _xproc.pidfd_open(pid), unsealed, 1)
+    with pytest.raises(samehost.SameHostRefused, match="sealed"):
+        OneSidedPeer(link)
+    link.close()
+    from kvdd.sim.fabric.samehost_path import new_table_fd
+    blank = new_table_fd(1)  # sealed, right size, but no header (never initialized)
+    link = samehost.SameHostLink(pid, os.getuid(), _xproc.pidfd_open(pid), blank, 1)
+    with pytest.raises(samehost.SameHostRefused, match="header"):
+        OneSidedPeer(link)
+    link.close()
+    link = samehost.SameHostLink(pid, os.getuid(), _xproc.pidfd_open(pid), new_table_fd(2), 1)
+    with pytest.raises(samehost.SameHostRefused, match="sealed"):
+        OneSidedPeer(link)  # a table of 2 slots announced as 1: wrong size
+    link.close()
+    # labels: a cache the owner's table does not name (or names twice) is not served one-sided
+    entries = {cid: FakeEntry(cid, _arena(cid)) for cid in (4, 6)}
+    served = ServedTable(entries)  # type: ignore[arg-type]
+    fd, slots = served.take_fd()
+    served.table.store(1, 2, 4)  # now "4" twice, "6" nowhere
+    reader = OneSidedPeer(samehost.SameHostLink(pid, os.getuid(), _xproc.pidfd_open(pid), fd, 2))
+    for cid in (4, 6, 7):
+        rc = RemoteCache(cid, 1, T, 1, T, False, cid)
+        assert reader.acquire(rc, (entries[cid if cid in entries else 4].addr,), 1000) is None
+    assert snapshot  # (the 1-cache snapshot above is what a reader would hold)
+    served.close()
+
+
+def test_pid_reuse_is_guarded_by_the_pidfd(pair: Pair) -> None:
+    """The link's pid now names another process (here: stand-in, this process) but the pidfd held
+    since the proof says the attested process exited: no byte is read or written."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = _xproc.pidfd_open(child.pid)
+    child.wait()
+    reused = samehost.SameHostLink(os.getpid(), os.getuid(), dead, os.dup(pair.fd), 2)
+    reader = OneSidedPeer(reused)  # the pid is "alive" (ours): only the pidfd knows better
+    dst = _arena(5)
+    before = dst.copy()
+    src_before = pair.entries[0].arena.copy()
+    for write in (False, True):
+        got = reader.acquire(pair.snapshot[3], _addrs(pair, 3), 5000)
+        assert got is not None and got[0] == Status.LLM_SUCCESS
+        lease = got[1]
+        assert isinstance(lease, OneSidedLease)
+        one = np.array([0], np.int64)
+        st = reader.move(lease, [0], [Region(int(dst.ctypes.data) + GUARD, T, dst)], one, one,
+                         np.array([T], np.int64), write)
+        reader.release(lease)
+        assert st == Status.LLM_TIMEOUT  # certain death of the attested process
+    assert np.array_equal(dst, before) and np.array_equal(pair.entries[0].arena, src_before)
+    reused.close()

@@ -1,0 +1,206 @@
+"""The native pieces of the same-host path (kvdd._native._xproc): pidfds, SO_PEERCRED, the shared
+lease table's atomics, and pvm_copy's pidfd guard."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvdd._native import _xproc
+from kvdd._native._copy import Region
+
+
+def _table_fd(slots: int) -> int:
+    fd = os.memfd_create("kvdd-test-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, _xproc.LEASE_HEADER + slots * _xproc.LEASE_SLOT)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def test_pidfd_tracks_one_process() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        fd = _xproc.pidfd_open(child.pid)
+        try:
+            assert _xproc.pidfd_alive(fd)
+            child.kill()
+            child.wait()
+            assert not _xproc.pidfd_alive(fd)  # reaped: exited for good, whoever gets the pid next
+        finally:
+            os.close(fd)
+    finally:
+        child.kill()
+    with pytest.raises(ProcessLookupError):
+        _xproc.pidfd_open(child.pid)
+    with pytest.raises(ValueError):
+        _xproc.pidfd_open(0)
+    r, w = os.pipe()
+    try:  # not a pidfd: a pipe with nothing to read is "alive"; one with data or EOF is not
+        os.close(w)
+        assert not _xproc.pidfd_alive(r)
+    finally:
+        os.close(r)
+
+
+def test_peer_cred_is_the_kernels_word() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert _xproc.peer_cred(a.fileno()) == (os.getpid(), os.getuid(), os.getgid())
+    # across processes: the listener reads the pid of the process that connected
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = b"\0kvdd-test-cred-%d" % os.getpid()
+    srv.bind(name)
+    srv.listen(1)
+    code = f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({name!r}); s.recv(1)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        conn, _ = srv.accept()
+        with conn:
+            pid, uid, _gid = _xproc.peer_cred(conn.fileno())
+            assert (pid, uid) == (child.pid, os.getuid())
+            conn.sendall(b"x")
+    finally:
+        child.wait(10)
+        srv.close()
+    with pytest.raises(OSError):
+        _xproc.peer_cred(os.open("/dev/null", os.O_RDONLY))
+
+
+def test_lease_table_counts_and_states() -> None:
+    fd = _table_fd(3)
+    try:
+        owner = _xproc.LeaseTable(fd, 3, True)
+        reader = _xproc.LeaseTable(fd, 3)
+    finally:
+        os.close(fd)  # the mappings keep the memory
+    assert reader.header() == (_xproc.LEASE_MAGIC, 3, 0)
+    assert reader.enter(1) == 0 and reader.enter(1) == 0
+    assert owner.inflight(1) == 2 and owner.inflight(0) == 0
+    assert owner.wait_idle(1, 0) == 2  # busy: the deadline passes
+    assert owner.wait_idle(0, 0) == 0
+    owner.revoke(1, 7)
+    assert reader.enter(1) == 7 and owner.inflight(1) == 2  # refused, the count undone
+    reader.leave(1)
+    reader.leave(1)
+    assert owner.wait_idle(1, 0) == 0 and owner.wait_idle(None, 0) == 0
+    owner.revoke(-1, 3)  # the whole link
+    assert reader.enter(0) == 3 and reader.state(-1) == 3 and owner.inflight(0) == 0
+    assert owner.compare_exchange(2, 1, 0, 5) and not owner.compare_exchange(2, 1, 0, 6)
+    assert reader.state(2) == 5
+    for bad in (-2, 3, 1 << 40):
+        with pytest.raises((IndexError, OverflowError)):
+            reader.enter(bad)
+    with pytest.raises(ValueError):
+        _xproc.LeaseTable(-1, _xproc.LEASE_MAX_SLOTS + 1)
+    reader.close()
+    with pytest.raises(ValueError):
+        reader.enter(0)
+
+
+def test_lease_table_wait_wakes_on_leave_and_on_reader_death() -> None:
+    fd = _table_fd(1)
+    try:
+        owner = _xproc.LeaseTable(fd, 1, True)
+        reader = _xproc.LeaseTable(fd, 1)
+    finally:
+        os.close(fd)
+    assert reader.enter(0) == 0
+    threading.Timer(0.05, reader.leave, (0,)).start()
+    t0 = time.monotonic()
+    assert owner.wait_idle(0, 5000) == 0
+    assert time.monotonic() - t0 < 2.0
+    # garbage in the counter: waits exactly until the deadline, never past it
+    assert owner.compare_exchange(0, 0, 0, 0xFFFF_FFFF_0000_0001)
+    t0 = time.monotonic()
+    assert owner.wait_idle(0, 100) == 2
+    assert 0.09 < time.monotonic() - t0 < 2.0
+    # a dead reader: its counts are void at once
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    pfd = _xproc.pidfd_open(child.pid)
+    try:
+        child.wait()
+        t0 = time.monotonic()
+        assert owner.wait_idle(0, 10_000, pfd) == 1
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        os.close(pfd)
+
+
+def test_lease_table_atomic_under_contention() -> None:
+    """Two processes hammer one counter: every increment and decrement is seen."""
+    fd = _table_fd(1)
+    try:
+        owner = _xproc.LeaseTable(fd, 1, True)
+        code = ("import os,sys; from kvdd._native import _xproc; "
+                "t=_xproc.LeaseTable(int(sys.argv[1]), 1)\n"
+                "for _ in range(20000):\n t.enter(0)\n"
+                "for _ in range(5000):\n t.leave(0)\n")
+        child = subprocess.Popen([sys.executable, "-c", code, str(fd)], pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    for _ in range(20000):
+        owner.enter(0)
+    for _ in range(5000):
+        owner.leave(0)
+    assert child.wait(60) == 0
+    assert owner.inflight(0) == 30000
+
+
+def test_pvm_copy_pidfd_guard() -> None:
+    a = np.arange(256, dtype=np.uint8)
+    b = np.zeros(256, dtype=np.uint8)
+    one = np.array([0], np.int64)
+    n = np.array([256], np.int64)
+    me = _xproc.pidfd_open(os.getpid())
+    try:  # alive: copies; allocation-free path and the heap path (> 16 tensors) agree
+        assert _xproc.pvm_copy(os.getpid(), [Region(int(b.ctypes.data), 256, b)],
+                               [int(a.ctypes.data)], 256, one, one, n, False, pidfd=me) == 256
+        assert np.array_equal(a, b)
+        many = np.zeros(256 * 20, dtype=np.uint8)
+        regs = [Region(int(many.ctypes.data) + 256 * k, 256, many) for k in range(20)]
+        assert _xproc.pvm_copy(os.getpid(), regs, [int(a.ctypes.data)] * 20, 256, one, one, n,
+                               False, pidfd=me) == 256 * 20
+        assert np.array_equal(many, np.tile(a, 20))
+    finally:
+        os.close(me)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    pfd = _xproc.pidfd_open(child.pid)
+    child.wait()
+    b[:] = 0
+    try:  # exited: nothing moves, even when the pid is "ours" (a stand-in for a reused pid)
+        with pytest.raises(ProcessLookupError, match="before the copy"):
+            _xproc.pvm_copy(os.getpid(), [Region(int(b.ctypes.data), 256, b)],
+                            [int(a.ctypes.data)], 256, one, one, n, False, pidfd=pfd)
+    finally:
+        os.close(pfd)
+    assert not b.any()
+
+
+def test_pvm_bench_runs_moves_exactly_the_runs() -> None:
+    """The benchmark's bare scattered process_vm_readv: the same bytes as the runs say."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    runs = 1500  # more than one batch of 1024 iovecs
+    lo = np.arange(runs, dtype=np.int64) * 40
+    ro = rng.permutation(runs).astype(np.int64) * 40
+    ln = np.full(runs, 40, np.int64)
+    n = _xproc.pvm_bench_runs(os.getpid(), Region(int(dst.ctypes.data), dst.nbytes, dst),
+                              int(src.ctypes.data), lo, ro, ln, False)
+    assert n == runs * 40
+    exp = np.zeros_like(dst)
+    for a, b in zip(lo.tolist(), ro.tolist()):
+        exp[a:a + 40] = src[b:b + 40]
+    assert np.array_equal(dst, exp)
+    with pytest.raises(ValueError):
+        _xproc.pvm_bench_runs(os.getpid(), Region(int(dst.ctypes.data), dst.nbytes, dst),
+                              int(src.ctypes.data), np.array([1 << 16], np.int64),
+                              np.array([0], np.int64), np.array([1], np.int64), False)
