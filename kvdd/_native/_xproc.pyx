@@ -188,6 +188,11 @@ cdef void _run(_Job *job) noexcept nogil:
         # move the batch, resuming after partial transfers
         i = 0
         while i < n:
+            # the deadline right before every system call (issue #11 F4): a reader delayed before
+            # this point starts no copy once its lease is over
+            if job.deadline >= 0 and _now_ns() > job.deadline:
+                job.timed_out = True
+                return
             if job.write:
                 r = process_vm_writev(job.pid, &liov[i], <unsigned long>(n - i), &riov[i],
                                       <unsigned long>(n - i), 0)
@@ -213,9 +218,9 @@ cdef void _run(_Job *job) noexcept nogil:
                     riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>r)
                     riov[i].iov_len -= <size_t>r
                     r = 0
-        if job.deadline >= 0 and k < job.K and _now_ns() > job.deadline:
-            job.timed_out = True
-            return
+    # a copy whose last system call ended past the deadline is reported as timed out, not done
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True
 
 
 cdef enum:

@@ -76,9 +76,9 @@ class Pair:
     fd: int
 
 
-def _pair(reader_pid: int | None = None, wait_ms: int = 5000) -> Pair:
+def _pair(reader_pid: int | None = None, wait_ms: int = 5000, cap_ms: int = 60_000) -> Pair:
     entries = [FakeEntry(cid, _arena(cid)) for cid in (3, 5)]
-    served = ServedTable({e.cache_id: e for e in entries})  # type: ignore[misc]
+    served = ServedTable({e.cache_id: e for e in entries}, cap_ms)  # type: ignore[misc]
     fd, slots = served.take_fd()
     keep = os.dup(fd)
     me = _xproc.pidfd_open(reader_pid or os.getpid())
@@ -185,9 +185,10 @@ def test_a_dead_reader_releases_at_once() -> None:
 
 def test_scribbled_table_is_survived_and_bounded() -> None:
     """A peer writes garbage over the whole table: the reader's copies stay inside the registered
-    caches (or are refused), the owner's unregister returns within the reader's time limit plus
-    the grace, then the link's one-sided access is closed for good."""
-    p = _pair(wait_ms=100)
+    caches (or are refused), the owner's unregister returns within the owner's cap on waiting for
+    a living reader (shortened here to 100 ms) plus the grace, then the link's one-sided access is
+    closed for good."""
+    p = _pair(wait_ms=100, cap_ms=100)
     try:
         m = mmap.mmap(p.fd, _xproc.LEASE_HEADER + 2 * _xproc.LEASE_SLOT)
         rng = np.random.default_rng(11)

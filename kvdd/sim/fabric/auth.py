@@ -119,12 +119,60 @@ def _check_key(key: bytes | None, where: str) -> bytes:
     return key
 
 
+def _world_writable(path: str) -> bool:
+    """True when ``path`` is writable by others (e.g. ``/tmp``), or an ancestor of it is without
+    the sticky bit (so another user could rename what lies below)."""
+    p = Path(os.path.abspath(path))
+    for i, d in enumerate((p, *p.parents)):
+        try:
+            mode = os.lstat(d).st_mode
+        except OSError:
+            return True
+        if mode & 0o002 and (i == 0 or not mode & stat.S_ISVTX):
+            return True
+    return False
+
+
 def default_secret_path() -> Path:
-    """``$XDG_RUNTIME_DIR/kvdd/fabric.secret``, else ``~/.config/kvdd/fabric.secret``."""
+    """``$XDG_RUNTIME_DIR/kvdd/fabric.secret``, else ``~/.config/kvdd/fabric.secret``.
+
+    ``$XDG_RUNTIME_DIR`` is used only when it is an absolute path to a real directory (no
+    symbolic link) owned by this user, not under a world-writable directory such as ``/tmp``
+    (issue #11 finding F3: another user could own ``kvdd/`` there)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        return Path(runtime) / "kvdd" / "fabric.secret"
+    if runtime and os.path.isabs(runtime):
+        try:
+            st = os.lstat(runtime)
+        except OSError:
+            st = None
+        if (st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+                and not _world_writable(runtime)):
+            return Path(runtime) / "kvdd" / "fabric.secret"
     return Path.home() / ".config" / "kvdd" / "fabric.secret"
+
+
+def _check_secret_dir(directory: Path) -> None:
+    """The automatic secret's directory must be a real directory (no symbolic link) of this user
+    with mode 0700, not under a world-writable directory; SecretError (saying what to set)
+    otherwise."""
+    fix = (f"set {ENV_SECRET_FILE} to a file of yours (mode 0600) in a directory only you can "
+           f"write, or {ENV_SECRET}")
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise SecretError(f"secret directory {directory}: {exc.strerror}; {fix}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SecretError(f"secret directory {directory} is not a directory (a symbolic link?); "
+                          f"refusing it; {fix}")
+    if st.st_uid != os.geteuid():
+        raise SecretError(f"secret directory {directory} belongs to uid {st.st_uid}, not to this "
+                          f"user (uid {os.geteuid()}); refusing it; {fix}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise SecretError(f"secret directory {directory} has mode {stat.S_IMODE(st.st_mode):o}, "
+                          f"not 700; run `chmod 700 {directory}` or {fix}")
+    if _world_writable(str(directory.parent)):
+        raise SecretError(f"secret directory {directory} lies under a world-writable directory "
+                          f"(e.g. /tmp); refusing it; {fix}")
 
 
 def _read_checked(path: Path) -> bytes:
@@ -163,13 +211,29 @@ def _file_key(data: bytes, where: str) -> bytes:
     return _check_key(_decode(text), where)
 
 
+def _existing_file(path: Path) -> bytes:
+    """The per-user secret if it exists (its directory checked first), else FileNotFoundError."""
+    if not os.path.lexists(path.parent):
+        raise FileNotFoundError(errno.ENOENT, "no secret directory", str(path.parent))
+    _check_secret_dir(path.parent)
+    return _read_checked(path)
+
+
 def _user_file(path: Path) -> bytes:
     """Read the per-user secret, creating it first if absent (atomically, mode 0600)."""
+    try:
+        os.makedirs(path.parent.parent, mode=0o700, exist_ok=True)
+        os.mkdir(path.parent, 0o700)  # ours, 0700 (umask only removes bits)
+    except FileExistsError:
+        pass  # checked below, whoever made it
+    except OSError as exc:
+        raise SecretError(f"cannot create the secret directory {path.parent}: {exc.strerror}; "
+                          f"set {ENV_SECRET_FILE} or {ENV_SECRET}") from None
+    _check_secret_dir(path.parent)
     try:
         return _read_checked(path)
     except FileNotFoundError:
         pass  # first use: create it below
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = secrets.token_bytes(SECRET_BYTES)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -212,7 +276,7 @@ def load_secret(create: bool = True) -> Secret:
         return Secret(_file_key(data, f"secret file {path}"), f"file {path}")
     path = default_secret_path()
     try:
-        data = _user_file(path) if create else _read_checked(path)
+        data = _user_file(path) if create else _existing_file(path)
     except FileNotFoundError:
         raise SecretError(f"no secret yet: {path} is created on the first link") from None
     except OSError as exc:

@@ -13,11 +13,16 @@ How a link gets the path
 2. The initiator connects to that name (:func:`prove`); on the AF_UNIX socket both sides prove
    that they hold the session's key (HMAC-SHA256 over the session transcript with distinct role
    labels; the acceptor finds the session by the transcript's hash, which it learned in step 1,
-   and uses it once).  Each side reads ``SO_PEERCRED`` (pid, uid) of the socket: the kernel's word
-   on who is there.  Both require the peer's uid to equal their own, open a pidfd on the peer's pid
-   and hold it for the link's life (copies re-check it: a pid reused by a later process is never
-   read).  A last message after the pidfd is open closes the window in which the pid could have
-   been reused.
+   and uses it once).  Identity comes from the kernel, for *the message that carries the proof*:
+   both sockets have ``SO_PASSPIDFD`` on (Linux >= 6.5), so the kernel attaches to each received
+   message a pidfd (``SCM_PIDFD``) on the process that *sent* it.  Each side takes the pidfd that
+   came with the peer's HMAC proof (the initiator's hello, the acceptor's reply), reads its pid
+   (``/proc/self/fdinfo``) and uid (``/proc/<pid>/status``, confirmed by the pidfd being still alive
+   afterwards), requires the uid to equal its own, and holds that pidfd for the link's life
+   (copies re-check it: a pid reused by a later process is never read).  ``SO_PEERCRED`` is not
+   used for identity: it names the process that called ``listen()`` / ``connect()``, which need
+   not be the one answering (issue #11, finding F1); ``SCM_CREDENTIALS`` alone is not either (a
+   sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
 3. Each side, as the owner of the caches it serves over the link, creates the link's lease table
    (a sealed memfd: :mod:`.samehost_path`) and passes it over the socket with SCM_RIGHTS.
 
@@ -25,10 +30,9 @@ A fake peer that authenticated and announces another process's endpoint gets not
 holds no session with this transcript (it refuses at once), and cannot produce the proof.  A fake
 peer that runs the endpoint itself is attested as itself: the path then reads its own memory.
 
-Under Yama ``ptrace_scope = 1`` each owner admits its identity-proven reader with
-``PR_SET_PTRACER`` (one reader process per owner at a time: later readers replace earlier ones,
-which then get EPERM and fall back to TCP); ``ptrace_scope >= 2`` means TCP.  ``KVDD_SIM_XPROC=tcp``
-turns the path off.
+Under Yama ``ptrace_scope >= 1`` ``process_vm_*`` between unrelated processes is not permitted and
+the path is not offered (TCP; ``kvdd doctor`` says so): kvdd never calls ``PR_SET_PTRACER``, which
+would grant the peer full ptrace.  ``KVDD_SIM_XPROC=tcp`` turns the path off.
 """
 
 from __future__ import annotations
@@ -68,6 +72,15 @@ MAX_SETUPS = 16  # AF_UNIX connections being proven at once, per process
 MAX_PENDING = 256  # sessions waiting for their initiator, per process
 PENDING_TTL_S = 10.0  # a session not claimed within this is forgotten
 _M_HELLO, _M_REPLY, _M_FINAL, _M_ACK = b"H", b"R", b"F", b"K"
+
+#: ``SO_PASSPIDFD`` / ``SCM_PIDFD`` (Linux >= 6.5; Python 3.11's socket module lacks the names).
+#: The option number is the asm-generic one (``include/uapi/asm-generic/socket.h``), used by
+#: x86-64, aarch64, riscv, arm, s390, loongarch; alpha, mips, parisc, powerpc and sparc define
+#: their own, so there the path is not offered.  ``SCM_PIDFD`` is 4 everywhere (linux/socket.h).
+_GENERIC_SOCKET_ABI = {"x86_64", "aarch64", "arm64", "riscv64", "s390x", "loongarch64", "armv7l",
+                       "armv8l", "i686", "i386"}
+SO_PASSPIDFD = 76 if os.uname().machine in _GENERIC_SOCKET_ABI else None
+SCM_PIDFD = 4
 
 
 class SessionKeys(Protocol):
@@ -172,6 +185,34 @@ def _kernel_check() -> tuple[bool, str]:
     return _self_check
 
 
+_pidfd_check: tuple[bool, str] | None = None
+
+
+def _pidfd_passing() -> tuple[bool, str]:
+    """The kernel attaches the sender's pidfd to AF_UNIX messages (SO_PASSPIDFD; checked once)."""
+    global _pidfd_check
+    if _pidfd_check is None:
+        if SO_PASSPIDFD is None:
+            _pidfd_check = (False, f"SO_PASSPIDFD's number is not known for {os.uname().machine}")
+            return _pidfd_check
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            _pass_pidfd(b)
+            a.sendall(b"?")
+            _data, _fds, pidfd = _recv_msg(b)
+            ok = pidfd >= 0 and _pidfd_pid(pidfd) == os.getpid()
+            _close_fd(pidfd)
+            _pidfd_check = (ok, "" if ok else "/proc/self/fdinfo shows pids of another pid "
+                                              "namespace (mount a procfs of this one)")
+        except (OSError, SameHostRefused) as exc:
+            _pidfd_check = (False, f"the kernel does not pass pidfds on AF_UNIX sockets "
+                                   f"(SO_PASSPIDFD: {exc}; Linux >= 6.5 needed)")
+        finally:
+            a.close()
+            b.close()
+    return _pidfd_check
+
+
 def availability() -> tuple[bool, str]:
     """Whether links from this process may use the same-host path, and why (for ``kvdd doctor``)."""
     if _xproc is None:
@@ -184,14 +225,16 @@ def availability() -> tuple[bool, str]:
     ok, why = _kernel_check()
     if not ok:
         return False, why + ": same-host links use TCP"
+    ok, why = _pidfd_passing()
+    if not ok:
+        return False, why + ": same-host links use TCP"
     scope = ptrace_scope()
-    if scope is not None and scope >= 2:
-        return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between user "
-                       "processes: same-host links use TCP")
-    note = (" (Yama ptrace_scope=1: each owner admits its proven reader with PR_SET_PTRACER, one "
-            "reader process at a time; others use TCP)" if scope == 1 else "")
+    if scope is not None and scope >= 1:
+        return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between unrelated "
+                       "processes (kvdd does not grant ptrace with PR_SET_PTRACER): same-host "
+                       "links use TCP")
     return True, ("process_vm_readv/writev between processes of uid "
-                  f"{os.getuid()} on this boot, identity by SO_PEERCRED + pidfd{note}")
+                  f"{os.getuid()} on this boot, identity by SCM_PIDFD of the proof message")
 
 
 # ---- the hello extension ----------------------------------------------------------------------------
@@ -257,22 +300,62 @@ def _send(sock: socket.socket, kind: bytes, body: bytes = b"", fd: int = -1) -> 
         sock.sendall(msg)
 
 
-def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int]:
-    """One message of ``kind`` with a body of exactly ``size`` bytes, and the fd it carried (-1).
+def _pass_pidfd(sock: socket.socket) -> None:
+    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message ``sock`` gets."""
+    if SO_PASSPIDFD is None:
+        raise SameHostRefused("SO_PASSPIDFD is not known on this architecture")
+    sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
 
-    Any other message, a missing or extra fd, or a truncated message: SameHostRefused (every fd
+
+_ANC = socket.CMSG_SPACE(4) * 2 + 64  # one SCM_RIGHTS fd + one SCM_PIDFD (+ room to see extras)
+
+
+def _recv_msg(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """One message: its bytes, the fds it carried (SCM_RIGHTS) and the sender's pidfd (-1: none).
+
+    Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
+    data, anc, flags, _addr = sock.recvmsg(MAX_MSG, _ANC)
+    fds: list[int] = []
+    pidfd = -1
+    bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+    for level, kind, payload in anc:
+        if level != socket.SOL_SOCKET:
+            continue
+        got = [int.from_bytes(payload[i:i + 4], "little", signed=True)
+               for i in range(0, len(payload) - len(payload) % 4, 4)]
+        if kind == socket.SCM_RIGHTS:
+            fds.extend(got)
+        elif kind == SCM_PIDFD and got:
+            if pidfd >= 0 or len(got) != 1 or got[0] < 0:  # < 0: the kernel's error (sender gone)
+                bad = True
+            if got[0] >= 0 and pidfd < 0:
+                pidfd = got[0]
+            for extra in got[1:]:
+                if extra >= 0:
+                    fds.append(extra)
+    if bad:
+        for fd in fds + [pidfd]:
+            _close_fd(fd)
+        raise SameHostRefused("truncated message during the same-host proof")
+    return data, fds, pidfd
+
+
+def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]:
+    """One message of ``kind`` with a body of exactly ``size`` bytes, the fd it carried (-1) and
+    the pidfd of the process that sent it (-1 unless ``SO_PASSPIDFD`` is on).
+
+    Any other message, an extra fd, or a truncated message: SameHostRefused (every fd
     received is closed unless returned)."""
-    data, fds, flags, _addr = socket.recv_fds(sock, MAX_MSG, 1)
+    data, fds, pidfd = _recv_msg(sock)
     fd = fds[0] if fds else -1
-    for extra in fds[1:]:
-        os.close(extra)
-    ok = (not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) and
-          len(data) == len(_PROTO) + 1 + size and data.startswith(_PROTO + kind))
+    ok = (len(fds) <= 1 and len(data) == len(_PROTO) + 1 + size and
+          data.startswith(_PROTO + kind))
     if not ok:
-        _close_fd(fd)
+        for extra in fds + [pidfd]:
+            _close_fd(extra)
         raise SameHostRefused("unexpected message during the same-host proof" if data else
                               "the peer closed the AF_UNIX socket during the proof")
-    return data[len(_PROTO) + 1:], fd
+    return data[len(_PROTO) + 1:], fd, pidfd
 
 
 def _close_fd(fd: int) -> None:
@@ -280,28 +363,60 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
-def _attest(sock: socket.socket) -> tuple[int, int, int]:
-    """SO_PEERCRED of ``sock`` (same uid required), and a pidfd on that process."""
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid (in our pid namespace) of the process behind ``pidfd``: -1 exited, 0 elsewhere."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise SameHostRefused("the kernel's pidfd carries no pid (not a pidfd)")
+
+
+def _uids(pid: int) -> tuple[int, ...]:
+    """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                return tuple(int(x) for x in line.split()[1:5])
+    raise SameHostRefused(f"/proc/{pid}/status has no Uid line")
+
+
+def _attest(pidfd: int) -> tuple[int, int, int]:
+    """The identity of the process that sent the proof: ``(pid, uid, pidfd)`` from the pidfd the
+    kernel attached to that very message (SCM_PIDFD).  Same uid required; the pidfd is closed on
+    refusal, kept otherwise."""
     assert _xproc is not None
-    pid, uid, _gid = _xproc.peer_cred(sock.fileno())
-    if uid != os.getuid():
-        raise SameHostRefused(f"the process at the other end runs as uid {uid}, not {os.getuid()}")
-    if pid <= 0 or pid == os.getpid():
-        raise SameHostRefused("the kernel reports no usable peer process")
     try:
-        pidfd = _xproc.pidfd_open(pid)
-    except OSError as exc:
-        raise SameHostRefused(f"pidfd_open({pid}): {exc.strerror}") from None
-    return pid, uid, pidfd
-
-
-def _admit(pid: int) -> None:
-    """Yama scope 1: let the proven peer read this process (it may be the one reading us)."""
-    if ptrace_scope() == 1 and _xproc is not None:
+        usable, why = _pidfd_passing()  # also: /proc is of our pid namespace
+        if not usable:
+            raise SameHostRefused(why)
+        if pidfd < 0:
+            raise SameHostRefused("the kernel attached no pidfd to the proof (SO_PASSPIDFD)")
+        pid = _pidfd_pid(pidfd)
+        if pid <= 0 or pid == os.getpid():
+            raise SameHostRefused("the kernel reports no usable peer process")
         try:
-            _xproc.set_ptracer(pid)
-        except OSError as exc:
-            logger.info("kvdd same-host: PR_SET_PTRACER(%d) failed: %s", pid, exc)
+            uids = _uids(pid)
+        except OSError:
+            raise SameHostRefused("the peer process exited during the proof") from None
+        if not _xproc.pidfd_alive(pidfd):  # so the /proc read above was of this very process
+            raise SameHostRefused("the peer process exited during the proof")
+        if any(u != os.getuid() for u in uids):
+            raise SameHostRefused(f"the process at the other end runs as uid {uids[1]}, not "
+                                  f"{os.getuid()}")
+    except BaseException:
+        _close_fd(pidfd)
+        raise
+    return pid, uids[1], pidfd
+
+
+def _same_sender(pidfd: int, pid: int) -> None:
+    """A later message's sender (its SCM_PIDFD, closed here) must be the attested process."""
+    try:
+        if pidfd < 0 or _pidfd_pid(pidfd) != pid:
+            raise SameHostRefused("a later proof message came from another process")
+    finally:
+        _close_fd(pidfd)
 
 
 # ---- the initiator --------------------------------------------------------------------------------
@@ -326,13 +441,18 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
         link: SameHostLink | None = None
         try:
             sock.settimeout(timeout_s)
+            _pass_pidfd(sock)
             try:
                 sock.connect(name)
             except OSError as exc:
                 raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
             _send(sock, _M_HELLO, _sid(session) + _proof(session, b"initiator"))
-            body, fd = _recv(sock, _M_REPLY, 36)
-            pid, uid, pidfd = _attest(sock)
+            body, fd, sender = _recv(sock, _M_REPLY, 36)
+            try:
+                pid, uid, pidfd = _attest(sender)  # the process that sent the acceptor's proof
+            except BaseException:
+                _close_fd(fd)
+                raise
             link = SameHostLink(pid, uid, pidfd, fd, 0)
             proof, (slots,) = body[:32], struct.unpack("<I", body[32:])
             if not hmac.compare_digest(proof, _proof(session, b"acceptor")):
@@ -341,11 +461,12 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             if fd < 0 or slots > _max_slots():
                 raise SameHostRefused("the acceptor sent no usable lease table")
             link.table_slots = slots
-            _admit(pid)
             own_fd, own_slots = make_table()
             attach(link)
             _send(sock, _M_FINAL, struct.pack("<I", own_slots), own_fd)
-            _recv(sock, _M_ACK, 0)  # after our pidfd: the attested process is still there
+            _body, extra, sender = _recv(sock, _M_ACK, 0)
+            _close_fd(extra)
+            _same_sender(sender, pid)
             if not link.alive():
                 raise SameHostRefused("the peer process exited during the proof")
             return link
@@ -453,24 +574,25 @@ class Endpoint:
         attached = False
         try:
             conn.settimeout(SETUP_TIMEOUT_S)
-            body, fd = _recv(conn, _M_HELLO, 64)
+            _pass_pidfd(conn)  # the hello may be queued already: the kernel recorded its sender
+            body, fd, sender = _recv(conn, _M_HELLO, 64)
             _close_fd(fd)
-            pid, uid, pidfd = _attest(conn)
+            pid, uid, pidfd = _attest(sender)  # the process that sent the initiator's proof
             link = SameHostLink(pid, uid, pidfd)
             pending = self._claim(body[:32])
             if pending is None:
                 raise SameHostRefused("no session of this process has that transcript")
             if not hmac.compare_digest(body[32:], _proof(pending.session, b"initiator")):
                 raise SameHostRefused("the connecting process does not hold the session key")
-            _admit(pid)
             pending.table_fd, slots = pending.make_table()
             _send(conn, _M_REPLY, _proof(pending.session, b"acceptor") +
                   struct.pack("<I", slots), pending.table_fd)
             _close_fd(pending.table_fd)
             pending.table_fd = -1
-            body, fd = _recv(conn, _M_FINAL, 4)
+            body, fd, sender = _recv(conn, _M_FINAL, 4)
             (slots,) = struct.unpack("<I", body)
             link.table_fd, link.table_slots = fd, slots
+            _same_sender(sender, pid)
             if fd < 0 or slots > _max_slots():
                 raise SameHostRefused("the initiator sent no usable lease table")
             if not link.alive():

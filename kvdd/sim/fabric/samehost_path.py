@@ -13,8 +13,14 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
 * owner (:class:`ServedTable`): unregister sets the slot's state (no new copy starts), then waits
   until its in-flight count is zero; unlink and finalize do the same with the link's state word.
   The wait ends early when the reader process exited (its pidfd: a dead reader's counts are void)
-  and at the latest after the reader's own time limit plus a grace (a reader never copies past its
-  deadline; a count still nonzero then is garbage or a stuck reader: the link is closed for good).
+  and at the latest after ``MAX_LEASE_MS + DRAIN_GRACE_MS`` (the cap the TCP path uses too: a
+  living reader is waited for, SEMANTICS.md §10 rule 5, but not forever).  Once a wait ended
+  because the reader died or the cap passed, the link is closed for good (no new copy starts) and
+  no later unregister / unlink / finalize waits on this table again (issue #11 F2).  A reader's
+  lease never outlives ``min(its own time limit, MAX_LEASE_MS)``, and it checks that deadline right
+  before every ``process_vm`` system call, so only a reader stopped inside one system call (or
+  between that check and the call) for longer than the cap can still move bytes (at most
+  ``PVM_CHUNK``) after the owner's wait ended: see docs/security.md.
   All accesses are sequentially consistent, so a reader that the owner's wait did not count must
   see the owner's state word.
 
@@ -38,6 +44,7 @@ import numpy as np
 
 from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .samehost import SameHostLink, SameHostRefused
+from .wire import LEASE_GRACE_MS, MAX_LEASE_MS
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -58,8 +65,7 @@ __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
 STATE_UNREGISTERED = 1
 STATE_FINALIZED = 2
 STATE_CLOSED = 3
-DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
-MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
+DRAIN_GRACE_MS = LEASE_GRACE_MS  # beyond the cap, as on the TCP path
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
 
 
@@ -104,8 +110,10 @@ class ServedTable:
     from then on unregistering one of the entries revokes its slot and waits for the reader's
     copies (through ``ServedCache.add_drain``)."""
 
-    def __init__(self, entries: Mapping[int, ServedCache]) -> None:
+    def __init__(self, entries: Mapping[int, ServedCache], cap_ms: int = MAX_LEASE_MS) -> None:
+        """``cap_ms``: the longest time a living reader is waited for (tests shorten it)."""
         assert _xproc is not None
+        self.cap_ms = min(max(cap_ms, 0), MAX_LEASE_MS)
         self.entries = list(entries.values())
         self._fd = new_table_fd(len(self.entries))
         self.table = _xproc.LeaseTable(self._fd, len(self.entries), True)
@@ -116,6 +124,8 @@ class ServedTable:
         self._waiting = 0  # threads in _wait (they use the pidfd)
         self.reader_pid = 0
         self._wait_ms = 0
+        self.reader_limit_ms = 0  # the reader's own time limit as honoured (<= MAX_LEASE_MS)
+        self._waited_out = False  # the reader died or a wait hit the cap: never wait again
         self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
         self._closing = False
         self._closed = False
@@ -131,7 +141,9 @@ class ServedTable:
         with self._lock:
             self._pidfd = pidfd
             self.reader_pid = link.peer_pid
-            self._wait_ms = min(max(reader_wait_ms, 0), MAX_LEASE_MS) + DRAIN_GRACE_MS
+            self.reader_limit_ms = min(max(reader_wait_ms, 0), MAX_LEASE_MS)
+            # a living reader is waited for (§10 rule 5), up to the cap shared with TCP
+            self._wait_ms = self.cap_ms + DRAIN_GRACE_MS
         for slot, entry in enumerate(self.entries):
             hook = self._hook(slot)
             if entry.add_drain(hook):
@@ -161,7 +173,7 @@ class ServedTable:
     def _wait(self, slot: int | None) -> None:
         with self._lock:
             pidfd, wait_ms = self._pidfd, self._wait_ms
-            if pidfd < 0:  # never attached, or closed and done: no reader counts here
+            if pidfd < 0 or self._waited_out:  # no reader counts here (any more)
                 return
             self._waiting += 1
         try:
@@ -169,13 +181,16 @@ class ServedTable:
         finally:
             with self._lock:
                 self._waiting -= 1
+                if result:  # 1: the reader died; 2: the cap passed
+                    self._waited_out = True
                 last = self._closed and self._waiting == 0 and self._pidfd >= 0
                 if last:
                     os.close(self._pidfd)
                     self._pidfd = -1
-        if result == 2:  # garbage or a stuck reader: the link is over for good
-            logger.warning("kvdd same-host: reader pid %d still counted as copying after %d ms; "
-                           "closing its one-sided access", self.reader_pid, wait_ms)
+        if result:  # a dead reader, or garbage / a stopped reader: the link is over for good
+            if result == 2:
+                logger.warning("kvdd same-host: reader pid %d still counted as copying after %d "
+                               "ms; closing its one-sided access", self.reader_pid, wait_ms)
             self.table.revoke(-1, STATE_CLOSED)
 
     def close(self, state: int = STATE_CLOSED) -> None:
@@ -250,7 +265,8 @@ class OneSidedPeer:
             return None
         if state:
             return NOT_EXIST, None
-        return S_OK, OneSidedLease(rc, slot, time.monotonic() + timeout_ms / 1000.0, addrs)
+        limit_ms = min(timeout_ms, MAX_LEASE_MS)  # the owner waits no longer (TCP: the same)
+        return S_OK, OneSidedLease(rc, slot, time.monotonic() + limit_ms / 1000.0, addrs)
 
     def release(self, lease: OneSidedLease) -> None:
         if lease.entered:
@@ -281,7 +297,7 @@ class OneSidedPeer:
             return Status.LLM_FAILED
         except ProcessLookupError:  # the peer exited: certain death
             return TIMEOUT
-        except TimeoutError:
+        except TimeoutError:  # a copy that ran past the deadline too: the owner may have moved on
             return TIMEOUT
         except (ValueError, IndexError, TypeError):
             return Status.LLM_PARAM_INVALID
