@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
+__all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED", "MAX_LEASE_MS",
            "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
 
 
