@@ -58,7 +58,9 @@ __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
 STATE_UNREGISTERED = 1
 STATE_FINALIZED = 2
 STATE_CLOSED = 3
-DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
+STATE_ABORT = 4  # (_xproc.LEASE_ABORT) a copy still running stops at its next system call
+DRAIN_PATIENCE_MS = 1000  # the longest an unregister waits for a copy before aborting it
+DRAIN_GRACE_MS = 250  # after the abort (or beyond the reader's own time limit)
 MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
 
@@ -165,7 +167,13 @@ class ServedTable:
                 return
             self._waiting += 1
         try:
-            result = self.table.wait_idle(slot, wait_ms, pidfd)
+            # the reader's copies end by its own time limit; a copy still counted after
+            # DRAIN_PATIENCE_MS is aborted at its next system call (the lease-hog bound)
+            patience = min(wait_ms, DRAIN_PATIENCE_MS + DRAIN_GRACE_MS)
+            result = self.table.wait_idle(slot, patience, pidfd)
+            if result == 2:
+                self.table.revoke(-1 if slot is None else slot, STATE_ABORT)
+                result = self.table.wait_idle(slot, DRAIN_GRACE_MS, pidfd)
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -173,9 +181,9 @@ class ServedTable:
                 if last:
                     os.close(self._pidfd)
                     self._pidfd = -1
-        if result == 2:  # garbage or a stuck reader: the link is over for good
-            logger.warning("kvdd same-host: reader pid %d still counted as copying after %d ms; "
-                           "closing its one-sided access", self.reader_pid, wait_ms)
+        if result == 2:  # garbage or a reader stuck in a system call: over for good
+            logger.warning("kvdd same-host: reader pid %d still counted as copying after an "
+                           "abort; closing its one-sided access", self.reader_pid)
             self.table.revoke(-1, STATE_CLOSED)
 
     def close(self, state: int = STATE_CLOSED) -> None:
@@ -245,11 +253,11 @@ class OneSidedPeer:
         if timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
         state = self.table.enter(slot)
-        if state == STATE_CLOSED:  # the owner dropped the table: TCP carries this link from now
-            self.usable = False
-            return None
         if state:
-            return NOT_EXIST, None
+            if self.table.state(slot):  # unregistered (or its copy aborted)
+                return NOT_EXIST, None
+            self.usable = False  # the owner dropped the table: TCP carries this link from now
+            return None
         return S_OK, OneSidedLease(rc, slot, time.monotonic() + timeout_ms / 1000.0, addrs)
 
     def release(self, lease: OneSidedLease) -> None:
@@ -273,7 +281,8 @@ class OneSidedPeer:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd)
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd,
+                            leases=self.table, slot=lease.slot)
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -281,7 +290,7 @@ class OneSidedPeer:
             return Status.LLM_FAILED
         except ProcessLookupError:  # the peer exited: certain death
             return TIMEOUT
-        except TimeoutError:
+        except (TimeoutError, ConnectionAbortedError):  # our limit, or the owner's patience
             return TIMEOUT
         except (ValueError, IndexError, TypeError):
             return Status.LLM_PARAM_INVALID
