@@ -24,8 +24,9 @@ _log = logging.getLogger(__name__)
 DESCRIPTION = (
     "kvdd: a typed Python SDK for Huawei LLM-DataDist with a byte-exact simulator. "
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
-    "for byte), bench (simulator transfer speed), doctor (what this installation can do) and "
-    "cann-root (a simulated CANN root for C++ programs). "
+    "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
+    "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
+    "root for C++ programs). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -36,8 +37,10 @@ EXIT_INTERRUPTED = 130
 
 
 # ---- doctor ----------------------------------------------------------------------------------
-# One line per entry: (label, function returning the text).  To add a line, write a function that
-# returns one string (raise nothing: say "unavailable (why)") and append it to DOCTOR_LINES.
+# One entry per subject: (label, function).  The function returns the text of the line
+# "label: text", or a list of complete lines when the subject has several (each starting with
+# the label, e.g. one per simulated CANN root).  It raises nothing: say "unavailable (why)".
+# To add a line, write such a function and append it to DOCTOR_LINES.
 
 def _doctor_kvdd() -> str:
     from . import __version__
@@ -109,12 +112,12 @@ def _doctor_copy_kernels() -> str:
     return ", ".join(name for name, present in features.items() if present) or "plain memcpy"
 
 
-def _doctor_cann_root() -> str:
+def _doctor_cann_root() -> str | list[str]:
     from .cann import simulated_root_status
 
-    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated
-    lines = [line.removeprefix("simulated CANN root ") for line in simulated_root_status()]
-    return "; ".join(lines) or "none in use"
+    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated;
+    # one line per root, each "simulated CANN root (where): ..."
+    return simulated_root_status() or "none in use"
 
 
 def _doctor_fabric_secret() -> str:
@@ -125,7 +128,16 @@ def _doctor_fabric_secret() -> str:
     return describe_secret()  # where it comes from, never the secret; whether auth is off
 
 
-DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
+def _doctor_samehost() -> str:
+    from .sim.fabric.samehost import availability
+
+    ok, why = availability()
+    return f"{'one-sided' if ok else 'TCP'}: {why}"
+
+
+DoctorLine = Callable[[], "str | list[str]"]
+
+DOCTOR_LINES: list[tuple[str, DoctorLine]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
     ("backend sim", _doctor_backend("sim")),
@@ -135,12 +147,18 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
+    ("same-host links", _doctor_samehost),
 ]
 
 
 def _doctor(args: argparse.Namespace) -> int:
     for label, line in DOCTOR_LINES:
-        print(f"{label}: {line()}")
+        text = line()
+        if isinstance(text, str):
+            print(f"{label}: {text}")
+        else:
+            for full in text:
+                print(full)
     return 0
 
 

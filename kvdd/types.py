@@ -14,13 +14,16 @@ one row or block of one tensor.
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex, Union
 
 import numpy as np
 import numpy.typing as npt
+
+# Re-exported: kvdd.types has always offered them (the binding and users import them from here).
+from .dtypes import DataType, element_size, tensor_nbytes
+from .widths import INT32, INT64, UINT8, UINT16, UINT32, UINT64, check_int, check_int_seq
 
 __all__ = [
     "LlmRole",
@@ -33,6 +36,8 @@ __all__ = [
     "CacheIndex",
     "KvCacheExtParam",
     "RegisterCfg",
+    "element_size",
+    "tensor_nbytes",
     "check_int",
     "check_int_seq",
     "INT32",
@@ -42,103 +47,6 @@ __all__ = [
     "INT64",
     "UINT64",
 ]
-
-# (min, max) of the C++ integer types used by the API.
-INT32 = (-(2**31), 2**31 - 1)
-UINT8 = (0, 2**8 - 1)
-UINT16 = (0, 2**16 - 1)
-UINT32 = (0, 2**32 - 1)
-INT64 = (-(2**63), 2**63 - 1)
-UINT64 = (0, 2**64 - 1)
-
-_CTYPE_NAMES = {INT32: "int32", UINT8: "uint8", UINT16: "uint16", UINT32: "uint32",
-                INT64: "int64", UINT64: "uint64"}
-
-
-def check_int(name: str, value: object, width: tuple[int, int]) -> int:
-    """Return ``value`` as a Python int if it is an integer (not bool) within ``width``.
-
-    This is kvdd's one width check: the value types, the facade and the native binding all use it.
-
-    Parameters
-    ----------
-    name : str
-        The argument or field name, for the message.
-    value : object
-        An ``int`` or anything with ``__index__`` (numpy integers).
-    width : (int, int)
-        Inclusive (min, max), one of :data:`INT32`, :data:`UINT8`, ... :data:`UINT64`.
-
-    Returns
-    -------
-    int
-        ``operator.index(value)``.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not an integer (``bool`` and ``numpy.bool_`` included).
-    ValueError
-        ``value`` does not fit the C++ field; the message names the C++ type and its range.
-    """
-    if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
-        return value
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        ivalue = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
-    lo, hi = width
-    if not lo <= ivalue <= hi:
-        raise ValueError(
-            f"{name}={ivalue} does not fit the C++ field ({_CTYPE_NAMES.get(width, 'int')}: "
-            f"{lo}..{hi})"
-        )
-    return ivalue
-
-
-def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int, ...]:
-    """Return a sequence of integers (list, tuple, 1-D integer numpy array) as a tuple of ints.
-
-    Parameters
-    ----------
-    name : str
-        The argument name, for messages (items are named ``name[i]``).
-    value : object
-        The sequence.
-    width : (int, int)
-        Inclusive (min, max) of every item, as in :func:`check_int`.
-
-    Returns
-    -------
-    tuple of int
-
-    Raises
-    ------
-    TypeError
-        Not a sequence (``str``/``bytes`` included), a non-integer item or dtype.
-    ValueError
-        An array that is not 1-D, or an item outside ``width``.
-    """
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        # fast path: plain ints within the width (e.g. thousands of block ids)
-        items_: list[int] | tuple[int, ...] = value
-        if all(type(v) is int for v in items_) and (
-            not items_ or (width[0] <= min(items_) and max(items_) <= width[1])
-        ):
-            return tuple(items_)
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got an array of shape {value.shape}")
-        if value.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
-        items: Sequence[Any] = value.tolist()
-    elif isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a sequence of integers, not {type(value).__name__}")
-    else:
-        items = value
-    return tuple(check_int(f"{name}[{i}]", v, width) for i, v in enumerate(items))
 
 
 class LlmRole(enum.IntEnum):
@@ -154,183 +62,6 @@ class CachePlacement(enum.IntEnum):
 
     HOST = 0
     DEVICE = 1
-
-
-# value -> element size; ints are bytes, ("bits", n) are sub-byte types (SEMANTICS.md §5).
-_DT_TABLE: dict[str, tuple[int, int | tuple[str, int] | None]] = {
-    "DT_FLOAT": (0, 4), "DT_FLOAT16": (1, 2), "DT_INT8": (2, 1), "DT_INT32": (3, 4),
-    "DT_UINT8": (4, 1), "DT_INT16": (6, 2), "DT_UINT16": (7, 2), "DT_UINT32": (8, 4),
-    "DT_INT64": (9, 8), "DT_UINT64": (10, 8), "DT_DOUBLE": (11, 8), "DT_BOOL": (12, 1),
-    "DT_STRING": (13, 16), "DT_DUAL_SUB_INT8": (14, 1), "DT_DUAL_SUB_UINT8": (15, 1),
-    "DT_COMPLEX64": (16, 8), "DT_COMPLEX128": (17, 16), "DT_QINT8": (18, 1), "DT_QINT16": (19, 2),
-    "DT_QINT32": (20, 4), "DT_QUINT8": (21, 1), "DT_QUINT16": (22, 2), "DT_RESOURCE": (23, 8),
-    "DT_STRING_REF": (24, 16), "DT_DUAL": (25, 5), "DT_VARIANT": (26, 8), "DT_BF16": (27, 2),
-    "DT_UNDEFINED": (28, None), "DT_INT4": (29, ("bits", 4)), "DT_UINT1": (30, ("bits", 1)),
-    "DT_INT2": (31, ("bits", 2)), "DT_UINT2": (32, ("bits", 2)), "DT_COMPLEX32": (33, 4),
-    "DT_HIFLOAT8": (34, 1), "DT_FLOAT8_E5M2": (35, 1), "DT_FLOAT8_E4M3FN": (36, 1),
-    "DT_FLOAT8_E8M0": (37, 1), "DT_FLOAT6_E3M2": (38, ("bits", 6)),
-    "DT_FLOAT6_E2M3": (39, ("bits", 6)), "DT_FLOAT4_E2M1": (40, ("bits", 4)),
-    "DT_FLOAT4_E1M2": (41, ("bits", 4)), "DT_HIFLOAT4": (42, ("bits", 4)),
-}
-
-_NUMPY_NAMES: dict[str, str] = {
-    "DT_FLOAT": "float32", "DT_FLOAT16": "float16", "DT_INT8": "int8", "DT_INT32": "int32",
-    "DT_UINT8": "uint8", "DT_INT16": "int16", "DT_UINT16": "uint16", "DT_UINT32": "uint32",
-    "DT_INT64": "int64", "DT_UINT64": "uint64", "DT_DOUBLE": "float64", "DT_BOOL": "bool",
-    "DT_COMPLEX64": "complex64", "DT_COMPLEX128": "complex128",
-}
-_ML_DTYPES_NAMES: dict[str, str] = {
-    "DT_BF16": "bfloat16", "DT_FLOAT8_E5M2": "float8_e5m2", "DT_FLOAT8_E4M3FN": "float8_e4m3fn",
-    "DT_FLOAT8_E8M0": "float8_e8m0fnu",
-}
-
-class DataType(enum.IntEnum):
-    """``ge::DataType``: every value of docs/spec/SEMANTICS.md §5 (``DT_BF16 == 27``, ``DT_UNDEFINED == 28``).
-
-    Reserved value 5, ``DT_UNDEFINED`` and values outside the table are invalid for registration
-    (PARAM_INVALID); dtype fields of the value types still take any int32.
-    """
-
-    DT_FLOAT = 0
-    DT_FLOAT16 = 1
-    DT_INT8 = 2
-    DT_INT32 = 3
-    DT_UINT8 = 4
-    DT_INT16 = 6
-    DT_UINT16 = 7
-    DT_UINT32 = 8
-    DT_INT64 = 9
-    DT_UINT64 = 10
-    DT_DOUBLE = 11
-    DT_BOOL = 12
-    DT_STRING = 13
-    DT_DUAL_SUB_INT8 = 14
-    DT_DUAL_SUB_UINT8 = 15
-    DT_COMPLEX64 = 16
-    DT_COMPLEX128 = 17
-    DT_QINT8 = 18
-    DT_QINT16 = 19
-    DT_QINT32 = 20
-    DT_QUINT8 = 21
-    DT_QUINT16 = 22
-    DT_RESOURCE = 23
-    DT_STRING_REF = 24
-    DT_DUAL = 25
-    DT_VARIANT = 26
-    DT_BF16 = 27
-    DT_UNDEFINED = 28
-    DT_INT4 = 29
-    DT_UINT1 = 30
-    DT_INT2 = 31
-    DT_UINT2 = 32
-    DT_COMPLEX32 = 33
-    DT_HIFLOAT8 = 34
-    DT_FLOAT8_E5M2 = 35
-    DT_FLOAT8_E4M3FN = 36
-    DT_FLOAT8_E8M0 = 37
-    DT_FLOAT6_E3M2 = 38
-    DT_FLOAT6_E2M3 = 39
-    DT_FLOAT4_E2M1 = 40
-    DT_FLOAT4_E1M2 = 41
-    DT_HIFLOAT4 = 42
-
-    @property
-    def itemsize_bits(self) -> int | None:
-        """Element size in bits (16 for DT_BF16, 4 for DT_INT4); None for DT_UNDEFINED."""
-        size = _DT_TABLE[self.name][1]
-        if size is None:
-            return None
-        if isinstance(size, tuple):
-            return size[1]
-        return size * 8
-
-    @property
-    def numpy_dtype(self) -> np.dtype[Any] | None:
-        """The numpy (or ml_dtypes) dtype; None for sub-byte types and types without one."""
-        if self.name in _NUMPY_NAMES:
-            return np.dtype(_NUMPY_NAMES[self.name])
-        if self.name in _ML_DTYPES_NAMES:
-            import ml_dtypes
-
-            attr = getattr(ml_dtypes, _ML_DTYPES_NAMES[self.name], None)
-            return None if attr is None else np.dtype(attr)
-        return None
-
-
-def element_size(data_type: int) -> int | tuple[str, int] | None:
-    """Element size of a raw dtype value (docs/spec/SEMANTICS.md §5).
-
-    Parameters
-    ----------
-    data_type : int
-        A ``ge::DataType`` value.
-
-    Returns
-    -------
-    int or ("bits", int) or None
-        Bytes per element; ``("bits", n)`` for sub-byte types; None for ``DT_UNDEFINED``, the
-        reserved value 5 and values outside the table.
-    """
-    try:
-        return _DT_TABLE[DataType(data_type).name][1]
-    except ValueError:
-        return None
-
-
-def _wrap32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - 2**32 if v >= 2**31 else v
-
-
-def tensor_nbytes(shape: Sequence[int], data_type: int) -> int:
-    """T of docs/spec/SEMANTICS.md §2.1 (upstream's CalcTensorMemSize): bytes of one tensor.
-
-    Parameters
-    ----------
-    shape : Sequence[int]
-        The tensor's dims (int64).
-    data_type : int
-        A ``ge::DataType`` value.
-
-    Returns
-    -------
-    int
-        Product of the dims x element size; sub-byte types are rounded up to whole bytes after
-        upstream's int32 narrowing (§5).
-
-    Raises
-    ------
-    ValueError
-        With the reason, where upstream returns PARAM_INVALID: empty shape, a dim <= 0, int64
-        overflow, an invalid or undefined dtype.
-    """
-    if not shape:
-        raise ValueError("shape is empty")
-    elements = 1
-    for i, dim in enumerate(shape):
-        if dim <= 0:
-            raise ValueError(f"shape[{i}]={dim} is not positive")
-        elements *= dim
-        if elements > INT64[1]:
-            raise ValueError("element count overflows int64")
-    size = element_size(data_type)
-    if size is None:
-        raise ValueError(f"data_type {data_type} has no element size (invalid or undefined)")
-    if isinstance(size, tuple):
-        # upstream: CeilDiv(int32(elements * bits), 8) — narrowed to int32 first (SEMANTICS.md §5).
-        bits = elements * size[1]
-        if bits > INT64[1]:
-            raise ValueError("bit count overflows int64")
-        # CeilDiv(int32 a, 8) is `a / 8`, plus one when inexact: no `a + 7` that could overflow.
-        narrowed = _wrap32(bits)
-        nbytes = -(-narrowed // 8) if narrowed >= 0 else 0  # negative: T undefined (below)
-        if nbytes <= 0:
-            raise ValueError(f"sub-byte size overflows int32 upstream ({bits} bits)")
-        return nbytes
-    nbytes = elements * size
-    if nbytes > INT64[1]:
-        raise ValueError("byte size overflows int64")
-    return nbytes
 
 
 def _check_str(name: str, value: object) -> str:
@@ -664,3 +395,4 @@ class KvCacheExtParam:
 @dataclass(frozen=True)
 class RegisterCfg:
     """``llm_datadist::RegisterCfg``: reserved, no fields (ignored by RegisterKvCache, §3.7)."""
+

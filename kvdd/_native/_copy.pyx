@@ -22,11 +22,12 @@ How a call is executed
   < 512 bytes always use ``memmove``. The implementation is chosen at run time: AVX-512, AVX2 or
   SSE2 on x86-64, NEON (``stnp``) on aarch64, plain ``memmove`` elsewhere (``set_isa`` forces one).
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
-  run reads or writes: checked in O(K log K + J)), a CPU is free right now (runnable tasks in
-  /proc/loadavg), no 2-thread call stalled in the last 2 s, and the call is large enough for the
+  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
+  helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
   second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
-  latency of starting the helper and ``cost`` the measured one-thread time per byte of this
-  process's own calls (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
+  latency from posting work to the helper starting it (it grows when the other CPU is busy) and
+  ``cost`` the measured one-thread time per byte of this process's own calls
+  (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
   helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
   spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
   concurrent caller gets a helper created for its call). Both threads claim work items from a shared
@@ -83,6 +84,7 @@ cdef extern from "_copy_impl.h" nogil:
     uint64_t kvdd_threads_min_bytes()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
+    uint64_t kvdd_llc_bytes()
 
 # ---- tuning (process-wide; read once per call) -----------------------------------------------------
 
@@ -487,6 +489,12 @@ def cpu_features():
     """CPU features checked at run time (``{"avx2": True, ...}``), for ``kvdd doctor``."""
     return {kvdd_cpu_feature_name(i).decode(): bool(kvdd_cpu_feature_value(i))
             for i in range(kvdd_cpu_feature_count())}
+
+
+def cache_sizes():
+    """The cache sizes the thresholds are derived from: ``{"l2": bytes per core, "llc": bytes}``
+    (0: unknown), from Linux sysfs, else sysconf."""
+    return {"l2": kvdd_l2_bytes(), "llc": kvdd_llc_bytes()}
 
 
 def thread_stats():

@@ -10,6 +10,7 @@
 #include "_copy_impl.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -57,6 +58,42 @@ static int cpuid_leaf7_bit(int reg, int bit) {
 }
 #endif
 
+/* Size in bytes of cpu0's unified or data cache of `level` from /sys (0: unknown). */
+static uint64_t sysfs_cache_bytes(int level) {
+#if defined(__linux__)
+    for (int i = 0; i < 8; i++) {
+        char path[96], buf[32];
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) break;
+        ssize_t n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || atoi((buf[n] = 0, buf)) != level) continue;
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0 || buf[0] == 'I') continue; /* an instruction cache */
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0) continue;
+        buf[n] = 0;
+        char *end;
+        unsigned long long v = strtoull(buf, &end, 10);
+        if (*end == 'K') v <<= 10;
+        else if (*end == 'M') v <<= 20;
+        return (uint64_t)v;
+    }
+#else
+    (void)level;
+#endif
+    return 0;
+}
+
 static void detect_features(void) {
     online_cpus = sysconf(_SC_NPROCESSORS_ONLN);
 #if KVDD_X86
@@ -79,14 +116,14 @@ static void detect_features(void) {
     features[6] = 1;
     isa_mask |= 1u << KVDD_ISA_NEON;
 #endif
-    long llc = 0, l2 = 0;
+    /* Cache sizes: Linux sysfs (what the kernel was told, also in VMs), else sysconf. */
+    uint64_t l2 = sysfs_cache_bytes(2), llc = sysfs_cache_bytes(3);
 #if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (llc <= 0) llc = l2;
+    if (!l2 && sysconf(_SC_LEVEL2_CACHE_SIZE) > 0) l2 = (uint64_t)sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (!llc && sysconf(_SC_LEVEL3_CACHE_SIZE) > 0) llc = (uint64_t)sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    llc_bytes = llc > 0 ? (uint64_t)llc : 0;
-    l2_bytes = l2 > 0 ? (uint64_t)l2 : 0;
+    llc_bytes = llc ? llc : l2;
+    l2_bytes = l2;
     isa_best = KVDD_ISA_MEMCPY;
     for (int i = KVDD_ISA_COUNT - 1; i >= 0; i--) {
         if (isa_mask & (1u << i)) { isa_best = i; break; }
@@ -577,51 +614,10 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Runnable tasks on the machine other than the caller, from /proc/loadavg ("0.5 0.4 0.3 R/T pid");
- * -1 when unknown. About 10 us; read only for jobs of tens of MiB. */
-static int other_runnable(void) {
-#if defined(__linux__)
-    char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    const char *p = buf;
-    for (int field = 0; field < 3; field++) { /* skip the three load averages */
-        while (*p && *p != ' ') p++;
-        while (*p == ' ') p++;
-    }
-    char *end;
-    long running = strtol(p, &end, 10);
-    if (end == p || *end != '/') return -1;
-    return running > 0 ? (int)(running - 1) : 0;
-#else
-    return -1;
-#endif
-}
-
 int kvdd_auto_threads_allowed(void) {
-    if (now_ns() < atomic_load_explicit(&backoff_until_ns, memory_order_relaxed)) return 0;
-    /* A helper only helps if a CPU is free right now: on a busy machine it would be queued or
-     * descheduled mid-item, and the caller would wait for it. */
-    pthread_once(&features_once, detect_features);
-    long cpus = online_cpus;
-    /* /proc/loadavg costs ~10 us a read: read it at most every KVDD_LOADAVG_NS (per-layer pulls
-     * make hundreds of multi-MiB calls a second) */
-    static _Atomic int64_t read_at_ns = INT64_MIN / 2;
-    static _Atomic int cached_others = -1;
-    int64_t t = now_ns();
-    int others;
-    if (t - atomic_load_explicit(&read_at_ns, memory_order_relaxed) >= KVDD_LOADAVG_NS) {
-        others = other_runnable();
-        atomic_store_explicit(&cached_others, others, memory_order_relaxed);
-        atomic_store_explicit(&read_at_ns, t, memory_order_relaxed);
-    } else {
-        others = atomic_load_explicit(&cached_others, memory_order_relaxed);
-    }
-    return cpus < 2 || others < 0 || others < cpus - 1;
+    /* A busy machine shows in the measured start latency of the helper (kvdd_threads_min_bytes grows
+     * with it) and in stalls: after one, automatic mode stays on one thread for KVDD_BACKOFF_NS. */
+    return now_ns() >= atomic_load_explicit(&backoff_until_ns, memory_order_relaxed);
 }
 
 /* The cost model of the automatic thread choice, from this process's own calls: the latency from

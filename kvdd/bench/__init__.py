@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "streaming_threshold": _copy.get_streaming_threshold(),
             "threads_threshold": _copy.get_threads_threshold(),
             "threads_model": _copy.threads_model(),
+            "cache_sizes": _copy.cache_sizes(),
             "cpu_features": _copy.cpu_features(),
             "limits": list(LIMIT_NAMES),
             "stream_limit_tunables": f"glibc.cpu.x86_non_temporal_threshold={STREAM_THRESHOLD:#x}"

@@ -73,6 +73,9 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
             extra_us = (row["min_ms"] - one["min_ms"]) * 1e3 / row["calls"]
             why.append(f"{row['calls']} calls: {extra_us:.0f} us per call more than one pull_row of the same bytes "
                        f"({one['gbps']:.1f} GB/s, ratio {one['ratio']:.2f})")
+    if not why:  # nothing else measured: the copy itself
+        why.append(f"the copy itself: kvdd {row['gbps']:.1f} GB/s ({row['two_threads']:.0%} of calls on two threads) "
+                   f"against {row['limit']} {row['limit_gbps']:.1f} GB/s")
     return "; ".join(why)
 
 

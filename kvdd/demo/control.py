@@ -76,7 +76,6 @@ def send_error(ctl: Control | None, exc: BaseException) -> None:
         _log.debug("could not report %r to the %s side: %s", exc, ctl.peer, lost.message)
 
 
-
 @dataclass(frozen=True)
 class ReadyInfo:
     """Where a running prefill side can be reached."""

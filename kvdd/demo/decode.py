@@ -218,14 +218,28 @@ class DecodeSide:
             self._verify(r, self._blocks_expect(req, dst))
 
 
-
-
 def run_decode(opts: DemoOptions, prefill: Address, control: Address, log: Progress | None = None,
                mode: str = "decode") -> DemoReport:
-    """The decode side: register, connect, link, run and verify the five transfers, unlink.
+    """The decode side: connect, register, link, run and verify the five transfers, unlink.
 
-    ``prefill`` is the prefill's LLM-DataDist address, ``control`` its control channel.  Never raises
-    for a demo failure: the report's ``error`` says what failed (``report.ok``).
+    Parameters
+    ----------
+    opts : DemoOptions
+        The run's options (the same geometry and seed as the prefill side's).
+    prefill : (str, int)
+        The prefill's LLM-DataDist address (its ``llm.ListenIpInfo``).
+    control : (str, int)
+        The prefill's control channel; a refused connection is retried for 5 s, an unanswered
+        one for ``opts.timeout`` seconds.
+    log : Progress, optional
+        Progress lines.
+    mode : str
+        ``"decode"`` (one side of a two-command run), for the report.
+
+    Returns
+    -------
+    DemoReport
+        Never raises for a demo failure: ``report.error`` says what failed (``report.ok``).
     """
     return run_decode_side(opts, prefill[0], lambda: ReadyInfo(prefill, control), log, mode,
                            connect_first=True)

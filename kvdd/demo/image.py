@@ -219,8 +219,6 @@ def owner_map(block_tables: Sequence[Sequence[int]]) -> dict[int, tuple[int, int
     return {int(p): (r, j) for r, table in enumerate(block_tables) for j, p in enumerate(table)}
 
 
-
-
 def placement_for(dd: LlmDataDist) -> int:
     # The simulator keeps caches in host memory whatever the placement says.  On a real node the
     # demo's numpy arrays are host memory, so it registers them as HOST there.

@@ -104,7 +104,23 @@ DEFAULT_MODEL = "Qwen2.5-7B"
 
 
 def resolve_model(name: str) -> ModelSpec:
-    """The built-in model called ``name`` (case-insensitive; e.g. ``deepseek-r1`` is DeepSeek-V3)."""
+    """The built-in model called ``name``.
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`MODELS` or an alias of :data:`kvdd.models.ALIASES`, any case
+        (``deepseek-r1`` is DeepSeek-V3).
+
+    Returns
+    -------
+    ModelSpec
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name, listing the known ones.
+    """
     wanted = name.strip().lower()
     wanted = _MODEL_ALIASES.get(wanted, wanted).lower()
     for key, spec in MODELS.items():

@@ -19,10 +19,10 @@ DECODE_CLUSTER_ID = 2
 #: llm.SyncKvCacheWaitTime (ms): per-transfer timeout; generous so that large caches over a slow
 #: cross-process or cross-host link do not time out (the upstream default is 1000 ms).
 SYNC_WAIT_MS = 60000
+#: timeout_ms of the demo's LinkLlmClusters / UnlinkLlmClusters calls.
 LINK_TIMEOUT_MS = 10000
 
-
-
+#: (host, port).
 Address = tuple[str, int]
 
 
@@ -69,15 +69,17 @@ def datadist_options(listen: Address | None, transfer_backend: str) -> dict[str,
     return opts
 
 
-def ipv4(host: str) -> str:
-    """An IPv4 literal for ``host`` (ClusterInfo takes IPv4 literals only, SEMANTICS.md §3.5)."""
+def _is_ipv4_literal(host: str) -> bool:
     try:
         socket.inet_pton(socket.AF_INET, host)
-    except OSError:  # not a literal: resolve it below
-        is_literal = False
-    else:
-        is_literal = True
-    if is_literal:
+    except OSError:
+        return False
+    return True
+
+
+def ipv4(host: str) -> str:
+    """An IPv4 literal for ``host`` (ClusterInfo takes IPv4 literals only, SEMANTICS.md §3.5)."""
+    if _is_ipv4_literal(host):
         return host
     try:
         return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])

@@ -26,10 +26,30 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                 log: Progress | None = None, cancel: threading.Event | None = None) -> Json:
     """The prefill side: listen, register and fill, serve one decode side; return a summary.
 
-    ``on_ready`` is called once the caches are registered and both the LLM-DataDist listener and the
-    control channel accept connections; setting ``cancel`` stops waiting for a decode side.  Raises
-    :class:`DemoError` (or ``LLMError``) on failure, after telling the decode side when it is
-    connected.
+    Parameters
+    ----------
+    opts : DemoOptions
+        The run's options (listen address, control port, geometry, seed, timeout in seconds).
+    on_ready : callable, optional
+        Called once the caches are registered and both the LLM-DataDist listener and the control
+        channel accept connections.
+    log : Progress, optional
+        Progress lines.
+    cancel : threading.Event, optional
+        Set to stop waiting for a decode side.
+
+    Returns
+    -------
+    dict
+        The JSON summary (addresses, setup seconds, the push, ``source_intact``).
+
+    Raises
+    ------
+    DemoError
+        On any failure (a :class:`VerificationError` when its source caches changed), after
+        telling a connected decode side.
+    LLMError
+        A failing LLM-DataDist call.
     """
     log = log or Progress(False, "prefill")
     geom = opts.geometry

@@ -78,7 +78,6 @@ class DemoReport:
         }
 
 
-
 def render_geometry(opts: DemoOptions, mode: str, out: IO[str]) -> None:
     geom = opts.geometry
     m = geom.model

@@ -24,8 +24,20 @@ _log = logging.getLogger(__name__)
 
 
 def run_demo(opts: DemoOptions, *, in_process: bool = False) -> DemoReport:
-    """Run both sides: two OS processes (default; parent = decode, spawned child = prefill) or, with
-    ``in_process``, two threads of this process.  Never raises for a demo failure (see ``ok``)."""
+    """Run both sides: two OS processes (parent = decode, spawned child = prefill) or two threads.
+
+    Parameters
+    ----------
+    opts : DemoOptions
+        The run's options.
+    in_process : bool
+        Run the sides as two threads of this process instead.
+
+    Returns
+    -------
+    DemoReport
+        Never raises for a demo failure: see ``report.ok`` and ``report.error``.
+    """
     return _run_threads(opts) if in_process else _run_processes(opts)
 
 

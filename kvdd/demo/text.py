@@ -36,8 +36,6 @@ class Progress:
         self(f"{message}: done in {time.perf_counter() - t0:.2f} s")
 
 
-
-
 def plural(n: int, word: str) -> str:
     """``"1 block"``, ``"2 blocks"``."""
     return f"{n} {word}{'' if n == 1 else 's'}"

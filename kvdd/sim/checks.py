@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from ..options import is_ipv4_literal
 from ..status import PARAM_INVALID, Status
-from ..types import KvCacheExtParam
+from ..types import ClusterInfo, KvCacheExtParam
 
 if TYPE_CHECKING:
     from .entries import CacheEntry, Entity
@@ -23,7 +24,7 @@ __all__ = [
     "CACHE_TABLE_LIMIT", "REQUEST_LIMIT", "HARDWARE_UNCHECKED", "Rejected", "reject", "ext_valid",
     "require_ext", "Runs", "require_initialized", "require_local_cache", "require_link",
     "require_not_ragged", "require_remote_tensors", "require_tensor_count", "require_layer_multiple",
-    "require_inside_remote",
+    "require_inside_remote", "require_clusters",
 ]
 
 
@@ -54,6 +55,20 @@ def require_initialized(initialized: bool) -> None:
     """Step 1 of every call after Initialize: ``LLM_FAILED`` before it."""
     if not initialized:
         reject(Status.LLM_FAILED, "not initialized")
+
+
+def require_clusters(initialized: bool, clusters: Sequence[ClusterInfo], timeout_ms: int) -> None:
+    """Link/UnlinkLlmClusters steps 1-4 (§3.5, §3.6): initialized, timeout > 0, every IP an IPv4
+    literal (remote_ip_infos then local_ip_infos, cluster by cluster), clusters non-empty."""
+    require_initialized(initialized)
+    if timeout_ms <= 0:
+        reject(PARAM_INVALID, f"timeout {timeout_ms} ms must be > 0")
+    for i, cluster in enumerate(clusters):
+        for info in (*cluster.remote_ip_infos, *cluster.local_ip_infos):
+            if info.ip == "" or not is_ipv4_literal(info.ip):
+                reject(PARAM_INVALID, f"clusters[{i}]: IP {info.ip!r} is not an IPv4 literal")
+    if not clusters:
+        reject(PARAM_INVALID, "clusters is empty")
 
 
 def ext_valid(ext: KvCacheExtParam, equal_len: bool) -> bool:

@@ -19,7 +19,14 @@ from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
 from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
-from .checks import CACHE_TABLE_LIMIT, REQUEST_LIMIT, Rejected, reject, require_initialized
+from .checks import (
+    CACHE_TABLE_LIMIT,
+    REQUEST_LIMIT,
+    Rejected,
+    reject,
+    require_clusters,
+    require_initialized,
+)
 from .entries import CacheEntry, Entity
 from .fabric import LinkOffer, PeerHandle, RemoteCache
 from .memory import first_inaccessible
@@ -98,8 +105,8 @@ class SimBackend:
         return None if entity is None else str(getattr(entity.peer, "data_path", "in_process"))
 
     def _start_listening(self, ip: str, port: int) -> None:
-        if not (is_ipv4_literal(ip) or is_ipv6_literal(ip)):  # kvdd: never resolves a name
-            reject(FAILED, f"cannot listen on {ip!r}: not an IP address literal")
+        if not (is_ipv4_literal(ip) or is_ipv6_literal(ip)):  # msg_handler_plugin.cc GetAiFamily
+            reject(PARAM_INVALID, f"cannot listen on {ip!r}: not an IP address literal")
         try:
             self.listener = fabric.Listener(self, ip, port)
         except OSError as exc:
@@ -219,21 +226,9 @@ class SimBackend:
             self.listen_port_text = listen[2]
 
     # -- §3.5 / §3.6 links --------------------------------------------------------------------
-    @staticmethod
-    def _convert_clusters(initialized: bool, clusters: Sequence[ClusterInfo], timeout_ms: int) -> None:
-        require_initialized(initialized)  # step 1
-        if timeout_ms <= 0:  # step 2
-            reject(PARAM_INVALID, f"timeout {timeout_ms} ms must be > 0")
-        for i, cluster in enumerate(clusters):  # step 3
-            for info in (*cluster.remote_ip_infos, *cluster.local_ip_infos):
-                if info.ip == "" or not is_ipv4_literal(info.ip):
-                    reject(PARAM_INVALID, f"clusters[{i}]: IP {info.ip!r} is not an IPv4 literal")
-        if not clusters:  # step 4
-            reject(PARAM_INVALID, "clusters is empty")
-
     def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int) -> tuple[int, list[int]]:
         try:
-            self._convert_clusters(self.initialized, clusters, timeout_ms)
+            require_clusters(self.initialized, clusters, timeout_ms)  # steps 1-4
         except Rejected as exc:
             return self._rejected(exc), []
         status: int = S_OK
@@ -374,7 +369,7 @@ class SimBackend:
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int,
                             force: bool) -> tuple[int, list[int]]:
         try:
-            self._convert_clusters(self.initialized, clusters, timeout_ms)
+            require_clusters(self.initialized, clusters, timeout_ms)  # steps 1-4
         except Rejected as exc:
             return self._rejected(exc), []
         status: int = S_OK

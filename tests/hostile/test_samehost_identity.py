@@ -18,7 +18,7 @@ import pytest
 
 from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost
-from kvdd.sim.fabric.samehost_path import new_table_fd
+from kvdd.sim.fabric.samehost_path import check_table_fd, new_table_fd
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -91,7 +91,7 @@ def acceptor() -> Iterator[tuple[Session, Acceptor]]:
         a.close()
 
 
-def _prove(reply: bytes, s: Session, attached: list[samehost.SameHostLink] | None = None
+def _prove(reply: bytes, s: samehost.SessionKeys, attached: list[samehost.SameHostLink] | None = None
            ) -> samehost.SameHostLink:
     return samehost.prove(reply, s, lambda: (new_table_fd(2), 2),
                           lambda link: attached.append(link) if attached is not None else None)
@@ -105,7 +105,7 @@ def test_honest_proof_names_the_processes(acceptor: tuple[Session, Acceptor]) ->
         assert link.peer_pid == a.proc.pid and link.peer_uid == os.getuid()
         assert link.table_slots == 3 and link.table_fd >= 0 and seen == [link]
         assert link.alive()
-        samehost.check_table_fd(link.table_fd, 3, _xproc.LEASE_HEADER + 3 * _xproc.LEASE_SLOT)
+        check_table_fd(link.table_fd, 3, _xproc.LEASE_HEADER + 3 * _xproc.LEASE_SLOT)
         assert a.line() == f"LINK {os.getpid()} 2"  # the acceptor attested us, with our table
     finally:
         link.close()
@@ -224,3 +224,59 @@ def test_slow_and_garbage_connections_do_not_block_proofs(
     link.close()
     for c in idle:
         c.close()
+
+
+@dataclass(frozen=True)
+class BoundSession:
+    key: bytes
+    transcript: bytes
+    initiator: bool
+    channel: bytes
+
+
+_BOUND_ACCEPTOR = _ACCEPTOR.replace(
+    "    initiator: bool = False\n",
+    "    initiator: bool = False\n    channel: bytes = bytes.fromhex(sys.argv[3])\n")
+
+
+def test_relay_with_one_transcript_but_two_channels_is_refused() -> None:
+    """A relay holding the shared secret can give its two sessions (with us, with the victim) one
+    transcript and so one key; it cannot give them one TCP channel: the proof binds the channel
+    each side's kernel reports, and the victim refuses."""
+    key, transcript = secrets.token_bytes(32), secrets.token_bytes(32)
+    victim_channel = b"127.0.0.1|40001|127.0.0.1|5000"  # F -> V
+    our_channel = b"127.0.0.1|40002|127.0.0.1|6000"  # us -> F
+    def victim() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _BOUND_ACCEPTOR, key.hex(), transcript.hex(),
+                                 victim_channel.hex()], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+
+    for channel, honest in ((our_channel, False), (victim_channel, True)):
+        v = victim()
+        assert v.stdout is not None and v.stdin is not None
+        try:
+            reply = bytes.fromhex(v.stdout.readline().strip())
+            s = BoundSession(key, transcript, True, channel)
+            if honest:  # the same session on the same channel is proven
+                link = _prove(reply, s)
+                assert link.peer_pid == v.pid
+                link.close()
+            else:
+                with pytest.raises(samehost.SameHostRefused):
+                    _prove(reply, s)
+                assert v.stdout.readline().strip() == "LINK"  # the victim attached nothing
+        finally:
+            v.stdin.close()
+            v.wait(10)
+
+
+def test_doctor_says_whether_and_why(capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdd.cli import main
+    assert main(["doctor"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("same-host links:")]
+    assert line == [f"same-host links: one-sided: {samehost.availability()[1]}"]
+    monkeypatch.setenv(samehost.ENV_XPROC, "tcp")
+    assert main(["doctor"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("same-host links:")]
+    assert line == ["same-host links: TCP: KVDD_SIM_XPROC=tcp: same-host links use TCP"]

@@ -160,9 +160,16 @@ def _child_main(fd: int) -> None:
     objects: dict[int, Any] = {}
     objects[0] = _Root(objects)
     send_lock = threading.Lock()
+    device = os.environ.get(ENV_DEVICE_ID)
+    native_device = (int(device) if device is not None else kt.device_ids()[0]) \
+        if os.environ.get(ENV_BACKEND) == "native" else None
 
     def run(cid: int, oid: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
+            if native_device is not None:
+                # ACL contexts are per thread and each RPC runs on a new one: make this process's
+                # NPU current first, as a CANN program does on every thread that calls the library.
+                kt.acl_runtime().activate(native_device)
             target = objects[oid]
             value = getattr(target, method)(*_decode(args), **{k: _decode(v) for k, v in kwargs.items()})
             reply: tuple[Any, ...] = (cid, True, _encode(value))

@@ -550,6 +550,14 @@ def test_tuning_setters(restore_tuning: None) -> None:
             setter(1.5)  # type: ignore[arg-type]
 
 
+def test_cache_sizes() -> None:
+    sizes = _copy.cache_sizes()
+    assert set(sizes) == {"l2", "llc"} and all(isinstance(v, int) and v >= 0 for v in sizes.values())
+    assert sizes["llc"] >= sizes["l2"]
+    if sizes["l2"]:  # the streaming threshold follows the L2 size
+        assert _copy.DEFAULT_STREAMING_THRESHOLD == min(max(2 * sizes["l2"], 1 << 20), 4 << 20)
+
+
 def test_cpu_features() -> None:
     f = _copy.cpu_features()
     assert f and all(isinstance(k, str) and isinstance(v, bool) for k, v in f.items())

@@ -92,5 +92,7 @@ __all__ = [
     "ENV_SECRET_FILE",
 ]
 
-#: Environment variable selecting the same-host data path: ``auto`` (default) or ``tcp``.
-ENV_XPROC = "KVDD_SIM_XPROC"
+from .samehost import ENV_XPROC  # noqa: E402  (``auto`` (default) or ``tcp``)
+from .samehost_link import install as _install_samehost  # noqa: E402
+
+_install_samehost()  # the "samehost" extension: one-sided same-host links

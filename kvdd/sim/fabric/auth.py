@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,10 @@ class Session:
         The peer's ``/proc/sys/kernel/random/boot_id`` as it claims it (a hint, never a proof).
     auth_off : bool
         True when ``KVDD_FABRIC_AUTH=off``: the key is then derived from a public constant.
+    channel : bytes
+        The connection's endpoints as this side's kernel reports them, initiator's first
+        (:func:`channel_binding`): the same-host proof binds them, so a relay holding the secret,
+        which can give two sessions one transcript, cannot give them one channel.
     """
 
     key: bytes = field(repr=False)
@@ -89,6 +94,7 @@ class Session:
     peer_cluster_id: int = 0
     peer_boot_id: str = ""
     auth_off: bool = False
+    channel: bytes = b""
 
 
 def _decode(text: str) -> bytes | None:
@@ -226,6 +232,16 @@ def describe_secret() -> str:
         return (f"authentication OFF ({ENV_AUTH}=off): any process that reaches a listen port "
                 "may link (trusted networks only); bounds still apply")
     return f"{secret.source}, {len(secret.key)} bytes; peers must prove they hold the same secret"
+
+
+def channel_binding(sock: socket.socket, initiator: bool) -> bytes:
+    """``"initiator ip|port|acceptor ip|port"`` of a connected socket (b"" when unknown)."""
+    try:
+        mine, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+    except (OSError, TypeError, ValueError):
+        return b""
+    first, second = (mine, theirs) if initiator else (theirs, mine)
+    return f"{first[0]}|{first[1]}|{second[0]}|{second[1]}".encode()
 
 
 def generate_secret() -> str:

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from ...status import S_OK, TIMEOUT, Status
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretError, Session,
-                   load_secret, mac, session_key)
+                   channel_binding, load_secret, mac, session_key)
 from .channel import Channel
 from .extensions import accept_extensions, offer_extensions
 from .peers import InProcessPeer, RemotePeer
@@ -193,8 +193,10 @@ class RemoteConnection:
                           f"{ENV_SECRET} (or {ENV_SECRET_FILE}) on both sides (`kvdd fabric-secret` "
                           "makes one)")
         transcript = hashlib.sha256(t1 + answer).digest()
+        assert self.sock is not None
         return Session(session_key(secret.key, nonce_i, nonce_a, transcript), transcript, True,
-                       local.cluster_id, 0, "", secret.auth_off)
+                       local.cluster_id, 0, "", secret.auth_off,
+                       channel_binding(self.sock, initiator=True))
 
     # -- Connection -------------------------------------------------------------------------------
     def link(self, local: LinkOwner, force_link: bool) -> LinkResult:

@@ -23,7 +23,8 @@ import time
 from collections import OrderedDict
 
 from ...status import Status
-from .auth import NONCE_BYTES, SecretError, Session, load_secret, mac, session_key
+from .auth import (NONCE_BYTES, SecretError, Session, channel_binding, load_secret, mac,
+                   session_key)
 from .handshake import auth_refusal, mode_mismatch, serve_session, transcript_of
 from .logutil import warn_limited
 from .protocol import LinkOwner
@@ -243,8 +244,8 @@ class Listener:
         try:
             secret = load_secret()
         except SecretError as exc:
-            logger.error("kvdd fabric: cannot authenticate links to %s:%d: %s", self.ip,
-                         self.port, exc)
+            warn_limited(logger, "secret", "kvdd fabric: cannot authenticate links to %s:%d: %s",
+                         self.ip, self.port, exc)
             self._refuse(state, auth_refusal(Status.LLM_LINK_FAILED,
                                              "the peer has no usable fabric secret (see its log)"),
                          str(exc))
@@ -270,8 +271,8 @@ class Listener:
         if not hmac.compare_digest(proof, expected):
             self._refuse(state, auth_refusal(
                 Status.LLM_LINK_FAILED,
-                "authentication failed: the peer does not hold this process's fabric secret; set "
-                "the same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
+                "authentication failed: the two sides hold different fabric secrets; set the "
+                "same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
                 "(`kvdd fabric-secret` makes one)"), "wrong secret")
             return
         t1 = hashlib.sha256(state.t0 + proof).digest()
@@ -281,7 +282,8 @@ class Listener:
             raise ProtocolError("the peer does not read")
         transcript = hashlib.sha256(t1 + answer).digest()
         session = Session(session_key(state.key, state.nonce_i, state.nonce_a, transcript),
-                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off)
+                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off,
+                          channel_binding(state.sock, initiator=False))
         conn = state.sock
         self._pre.pop(conn, None)
         self._sel.unregister(conn)

@@ -33,7 +33,6 @@ turns the path off.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import logging
@@ -54,8 +53,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused", "Endpoint",
-           "availability", "offer", "accept", "prove", "endpoint", "ptrace_scope", "boot_id",
-           "seal_table_fd", "check_table_fd"]
+           "availability", "offer", "accept", "prove", "endpoint", "ptrace_scope", "boot_id"]
 
 #: The link extension's name in the authenticated hello / hello-reply.
 EXTENSION = "samehost"
@@ -93,7 +91,7 @@ class SameHostRefused(Exception):
 class SameHostLink:
     """One link's proven same-host identity: the peer process, held by a pidfd.
 
-    ``table_fd`` is the peer's lease table (sealed memfd, checked by :func:`check_table_fd`) with
+    ``table_fd`` is the peer's lease table (sealed memfd, checked by :func:`.samehost_path.check_table_fd`) with
     ``table_slots`` slots, or -1; ``own`` is whatever :class:`Endpoint` / :func:`prove` were given
     for this side's own table (returned to the caller untouched)."""
 
@@ -304,26 +302,6 @@ def _admit(pid: int) -> None:
             _xproc.set_ptracer(pid)
         except OSError as exc:
             logger.info("kvdd same-host: PR_SET_PTRACER(%d) failed: %s", pid, exc)
-
-
-def seal_table_fd(fd: int) -> None:
-    """Seal a lease table's memfd so neither side can resize it under the other (no SIGBUS)."""
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-
-
-def check_table_fd(fd: int, slots: int, size: int) -> None:
-    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
-    for ``slots`` slots; raises SameHostRefused otherwise."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        st = os.fstat(fd)
-    except OSError as exc:
-        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
-    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-    if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
-        raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
-                              f"not sealed or not {size} bytes for {slots} slots")
 
 
 # ---- the initiator --------------------------------------------------------------------------------

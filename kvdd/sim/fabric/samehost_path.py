@@ -26,6 +26,7 @@ refuse copies; it cannot make either side touch memory outside the registered ca
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
-from .samehost import SameHostLink, SameHostRefused, check_table_fd, seal_table_fd
+from .samehost import SameHostLink, SameHostRefused
 
 if TYPE_CHECKING:
     from ..memory import Region
@@ -50,7 +51,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
-           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd"]
+           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
 
 
 #: State words (0: open).  Slot: the cache was unregistered.  Link: the owner finalized / closed.
@@ -60,6 +61,26 @@ STATE_CLOSED = 3
 DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
 MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
+
+
+def seal_table_fd(fd: int) -> None:
+    """Seal a lease table's memfd so neither side can resize it under the other (no SIGBUS)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+
+
+def check_table_fd(fd: int, slots: int, size: int) -> None:
+    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
+    for ``slots`` slots; raises SameHostRefused otherwise."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
+        raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
+                              f"not sealed or not {size} bytes for {slots} slots")
 
 
 def new_table_fd(slots: int) -> int:
@@ -91,9 +112,12 @@ class ServedTable:
         for slot, entry in enumerate(self.entries):
             self.table.store(slot, 2, entry.cache_id)
         self._lock = threading.Lock()
-        self._link: SameHostLink | None = None
+        self._pidfd = -1  # the reader's, our own duplicate (closed by the last user after close)
+        self._waiting = 0  # threads in _wait (they use the pidfd)
+        self.reader_pid = 0
         self._wait_ms = 0
         self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
+        self._closing = False
         self._closed = False
 
     def take_fd(self) -> tuple[int, int]:
@@ -103,8 +127,10 @@ class ServedTable:
 
     def attach(self, link: SameHostLink, reader_wait_ms: int) -> None:
         """The reader is proven: its copies count from now; unregister waits for them."""
+        pidfd = os.dup(link.pidfd)
         with self._lock:
-            self._link = link
+            self._pidfd = pidfd
+            self.reader_pid = link.peer_pid
             self._wait_ms = min(max(reader_wait_ms, 0), MAX_LEASE_MS) + DRAIN_GRACE_MS
         for slot, entry in enumerate(self.entries):
             hook = self._hook(slot)
@@ -114,10 +140,15 @@ class ServedTable:
                 self.table.revoke(slot, STATE_UNREGISTERED)
 
     @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
     def reader_gone(self) -> bool:
         """True once the attached reader process exited (its table can be dropped)."""
-        link = self._link
-        return link is not None and not link.alive()
+        assert _xproc is not None
+        with self._lock:
+            return self._pidfd >= 0 and not self._closed and not _xproc.pidfd_alive(self._pidfd)
 
     def _hook(self, slot: int) -> Callable[[], None]:
         return lambda: self.drain(slot)
@@ -129,29 +160,41 @@ class ServedTable:
 
     def _wait(self, slot: int | None) -> None:
         with self._lock:
-            link, wait_ms = self._link, self._wait_ms
-        if link is None:
-            return
-        pidfd = link.pidfd
-        if pidfd < 0:  # the link was closed: the reader's counts are void
-            return
-        result = self.table.wait_idle(slot, wait_ms, pidfd)
+            pidfd, wait_ms = self._pidfd, self._wait_ms
+            if pidfd < 0:  # never attached, or closed and done: no reader counts here
+                return
+            self._waiting += 1
+        try:
+            result = self.table.wait_idle(slot, wait_ms, pidfd)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                last = self._closed and self._waiting == 0 and self._pidfd >= 0
+                if last:
+                    os.close(self._pidfd)
+                    self._pidfd = -1
         if result == 2:  # garbage or a stuck reader: the link is over for good
             logger.warning("kvdd same-host: reader pid %d still counted as copying after %d ms; "
-                           "closing its one-sided access", link.peer_pid, wait_ms)
+                           "closing its one-sided access", self.reader_pid, wait_ms)
             self.table.revoke(-1, STATE_CLOSED)
 
     def close(self, state: int = STATE_CLOSED) -> None:
-        """No new copy on any slot, wait for running ones (bounded), detach from the entries."""
+        """No new copy on any slot (the reader falls back to TCP), wait for running ones
+        (bounded), detach from the entries, drop the reader's pidfd."""
         self.table.revoke(-1, state)
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = True
         self._wait(None)
         for entry, hook in self._hooks:
             entry.remove_drain(hook)
         self._hooks.clear()
+        with self._lock:
+            self._closed = True
+            if self._waiting == 0 and self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -202,8 +245,11 @@ class OneSidedPeer:
         if timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
         state = self.table.enter(slot)
+        if state == STATE_CLOSED:  # the owner dropped the table: TCP carries this link from now
+            self.usable = False
+            return None
         if state:
-            return (TIMEOUT if state == STATE_CLOSED else NOT_EXIST), None
+            return NOT_EXIST, None
         return S_OK, OneSidedLease(rc, slot, time.monotonic() + timeout_ms / 1000.0, addrs)
 
     def release(self, lease: OneSidedLease) -> None:
@@ -220,11 +266,14 @@ class OneSidedPeer:
         if left_ms <= 0:
             return TIMEOUT
         addrs = lease.addrs
+        pidfd = self.link.pidfd
+        if pidfd < 0:  # closed: never copy without the attested process held
+            return TIMEOUT
         try:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=self.link.pidfd)
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd)
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -241,6 +290,7 @@ class OneSidedPeer:
         return S_OK
 
     def close(self) -> None:
-        """Stop using the path (the mapping goes with the last reference, never under a thread
-        still in :meth:`acquire` / :meth:`release`; the link's pidfd belongs to its creator)."""
+        """Stop using the path and drop the peer's pidfd (the engine never closes a handle while
+        one of its transfers runs; the mapping goes with the last reference)."""
         self.usable = False
+        self.link.close()

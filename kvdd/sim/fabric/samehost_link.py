@@ -1,0 +1,251 @@
+"""The ``"samehost"`` handshake extension: gives a link the one-sided same-host data path.
+
+Registered with :func:`kvdd.sim.fabric.register_extension` when the fabric is imported
+(:func:`install`).  Per link, in the authenticated handshake:
+
+* initiator ``offer``: version, uid, boot id, ``SyncKvCacheWaitTime`` (hints; b"" when this process
+  cannot use the path: :func:`~.samehost.availability`);
+* acceptor ``accept`` (the initiator's entry) then ``offer`` (its reply): when the hints match, its
+  endpoint expects the session and the reply names the endpoint; the acceptor's handle (comm) gets
+  a :class:`SameHostPath` that starts serving once the initiator proved itself;
+* initiator ``accept`` (the reply): runs the proof (:func:`~.samehost.prove`) at once; its handle
+  gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).
+
+Each side creates the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`)
+when the peer has proven itself, labelled by cache id, so a reader only ever uses a cache that both
+its own snapshot and the owner's table name.  Tables of readers that exited are dropped whenever a
+new link is proven here.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..memory import Region
+from .protocol import LinkOwner, RemoteCache
+from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, accept,
+                       availability, offer, prove)
+from .samehost_path import OneSidedLease, OneSidedPeer, ServedTable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SameHostPath", "install", "extension_offer", "extension_accept", "live_tables"]
+
+_WAIT = struct.Struct("<I")  # SyncKvCacheWaitTime (ms) of the side that sends the entry
+_STATE_TTL_S = 30.0
+_MAX_STATES = 1024
+MAX_TABLES_PER_READER = 64  # owner tables kept for one reader process (older links use TCP)
+
+
+class SameHostPath:
+    """A link's one-sided data path (:class:`~kvdd.sim.fabric.protocol.DataPath`).
+
+    ``name`` is ``"process_vm"`` while the path serves transfers, ``"tcp"`` before the proof
+    completed (acceptor side), after it failed, or after the kernel refused ``process_vm``."""
+
+    def __init__(self) -> None:
+        self.name = "tcp"
+        self._reader: OneSidedPeer | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def activate(self, reader: OneSidedPeer) -> None:
+        with self._lock:
+            if not self._closed:
+                self._reader = reader
+                self.name = "process_vm"
+                return
+        reader.close()
+
+    def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
+                timeout_ms: int) -> tuple[int, object] | None:
+        reader = self._reader
+        if reader is None:
+            return None
+        got = reader.acquire(rc, addrs, timeout_ms)
+        if got is None and not reader.usable:
+            self.name = "tcp"
+        return got
+
+    def release(self, lease: object) -> None:
+        assert self._reader is not None and isinstance(lease, OneSidedLease)
+        self._reader.release(lease)
+
+    def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
+             dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
+             timeout_ms: int) -> int:
+        assert self._reader is not None and isinstance(lease, OneSidedLease)
+        return self._reader.move(lease, tensors, dst, dst_off, src_off, length, False)
+
+    def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
+              src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,
+              timeout_ms: int) -> int:
+        assert self._reader is not None and isinstance(lease, OneSidedLease)
+        return self._reader.move(lease, tensors, src, src_off, dst_off, length, True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            reader, self._reader = self._reader, None
+            self.name = "tcp"
+        if reader is not None:
+            reader.close()
+
+
+class _LinkState:
+    """One handshake's same-host state between this side's two extension callbacks."""
+
+    def __init__(self, owner: LinkOwner | None, hints: bytes, peer_wait_ms: int) -> None:
+        self.owner = owner
+        self.hints = hints
+        self.peer_wait_ms = peer_wait_ms
+        self.path = SameHostPath()
+        self.created = time.monotonic()
+
+
+_lock = threading.Lock()
+# by session transcript: the initiator's owner (offer -> accept), the acceptor's path (accept ->
+# offer); entries of handshakes that never got to the second callback expire
+_states: dict[tuple[bool, bytes], _LinkState] = {}
+_tables: list[ServedTable] = []  # owner tables attached to proven readers, oldest first
+
+
+def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> None:
+    now = time.monotonic()
+    with _lock:
+        for key in [k for k, s in _states.items() if now - s.created > _STATE_TTL_S]:
+            del _states[key]
+        if len(_states) < _MAX_STATES:
+            _states[(initiator, bytes(session.transcript))] = state
+
+
+def _take(initiator: bool, session: SessionKeys) -> _LinkState | None:
+    with _lock:
+        return _states.pop((initiator, bytes(session.transcript)), None)
+
+
+def live_tables() -> int:
+    """Owner tables held now (they go when their reader process exits)."""
+    with _lock:
+        return len(_tables)
+
+
+def _sweep() -> None:
+    """Drop the tables (and pidfds) of readers that exited, and the oldest of a reader that has
+    more than MAX_TABLES_PER_READER (their links fall back to TCP): bounded fds and memory."""
+    with _lock:
+        gone = [t for t in _tables if t.closed or t.reader_gone]
+        per: dict[int, int] = {}
+        for t in reversed(_tables):
+            if t not in gone:
+                per[t.reader_pid] = per.get(t.reader_pid, 0) + 1
+                if per[t.reader_pid] > MAX_TABLES_PER_READER:
+                    gone.append(t)
+        for t in gone:
+            _tables.remove(t)
+    for t in gone:
+        t.close()
+
+
+def _make_table(owner: LinkOwner, holder: list[ServedTable]) -> tuple[int, int]:
+    """This side's table of the caches it serves now (registered before this moment; a reader
+    only uses those its own snapshot, taken at link time, also names)."""
+    _snap, entries = owner.snapshot_for_link()
+    table = ServedTable(entries if owner.initialized else {})
+    holder.append(table)
+    return table.take_fd()
+
+
+def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
+           reads: bool) -> None:
+    """Both proven: attach our table to the reader, start our reads of the peer (the reader
+    side owns ``link`` from then on; the table holds its own duplicate of the pidfd)."""
+    table.attach(link, peer_wait_ms)
+    with _lock:
+        _tables.append(table)
+    _sweep()
+    if not reads:
+        link.close()
+        return
+    try:
+        path.activate(OneSidedPeer(link))
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: not reading pid %d one-sided: %s", link.peer_pid, exc)
+        link.close()
+
+
+def _wait_ms(owner: LinkOwner) -> bytes:
+    return _WAIT.pack(max(0, min(owner.sync_wait_ms, 0xFFFFFFFF)))
+
+
+def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
+    """``offer`` of the extension, both roles (see the module docstring)."""
+    if session.initiator:
+        mine = offer()
+        if not mine:
+            return None
+        _put(True, session, _LinkState(owner, mine, 0))
+        return mine + _wait_ms(owner)
+    state = _take(False, session)
+    if state is None:  # the initiator did not offer, or offered something unusable
+        return None
+    _sweep()
+    holder: list[ServedTable] = []
+    reads = owner.transfer_backend == "comm"  # hixl: only the initiator has an entity
+    path = state.path
+
+    def on_link(link: SameHostLink | None) -> None:
+        if link is None:
+            for table in holder:
+                table.close()
+        else:
+            _ready(link, holder[-1], state.peer_wait_ms, path, reads)
+
+    reply = accept(state.hints, session, lambda: _make_table(owner, holder), on_link)
+    return reply + _wait_ms(owner) if reply else None
+
+
+def extension_accept(session: SessionKeys, value: bytes) -> object:
+    """``accept`` of the extension: the acceptor's pending path, the initiator's proven one, or
+    None (TCP)."""
+    if len(value) < _WAIT.size:
+        return None
+    body, (peer_wait_ms,) = value[:-_WAIT.size], _WAIT.unpack(value[-_WAIT.size:])
+    if not session.initiator:  # acceptor: the initiator's hints; the proof comes later
+        state = _LinkState(None, body, peer_wait_ms)
+        _put(False, session, state)
+        return state.path
+    mine = _take(True, session)
+    if mine is None or mine.owner is None:
+        return None
+    owner = mine.owner
+    _sweep()
+    holder: list[ServedTable] = []
+    path = mine.path
+    try:
+        link = prove(body, session, lambda: _make_table(owner, holder),
+                     lambda link: _ready(link, holder[-1], peer_wait_ms, path, True))
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: this link uses TCP: %s", exc)
+        for table in holder:
+            table.close()
+        return None
+    if path.name != "process_vm":
+        logger.info("kvdd same-host: peer pid %d proven, but its lease table is unusable: TCP",
+                    link.peer_pid)
+    return path
+
+
+def install() -> None:
+    """Register the extension with the fabric (once per process)."""
+    from .extensions import register_extension
+    ok, why = availability()
+    if not ok:
+        logger.debug("kvdd same-host path unavailable: %s", why)
+    register_extension(EXTENSION, extension_offer, extension_accept)
