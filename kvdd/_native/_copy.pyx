@@ -22,11 +22,13 @@ How a call is executed
   < 512 bytes always use ``memmove``. The implementation is chosen at run time: AVX-512, AVX2 or
   SSE2 on x86-64, NEON (``stnp``) on aarch64, plain ``memmove`` elsewhere (``set_isa`` forces one).
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
-  run reads or writes: checked in O(K log K + J)), a CPU is free right now (runnable tasks in
-  /proc/loadavg), no 2-thread call stalled in the last 2 s, and the call is large enough for the
+  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
+  helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
   second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
-  latency of starting the helper and ``cost`` the measured one-thread time per byte of this
-  process's own calls (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
+  latency from posting work to the helper starting it (it grows when the other CPU is busy) and
+  ``cost`` the measured one-thread time per byte of this process's own calls
+  (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
+  the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The
   helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
   spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
   concurrent caller gets a helper created for its call). Both threads claim work items from a shared
@@ -81,6 +83,7 @@ cdef extern from "_copy_impl.h" nogil:
     void kvdd_thread_stats(uint64_t out[4])
     int kvdd_auto_threads_allowed()
     uint64_t kvdd_threads_min_bytes()
+    int kvdd_threads_probe()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
     uint64_t kvdd_llc_bytes()
@@ -356,8 +359,12 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     r.job.chunk = _chunk_size
     r.job.threads = 1
     cdef uint64_t auto_min = <uint64_t>_threads_threshold if _threads_threshold >= 0 else kvdd_threads_min_bytes()
-    if r.total > 0 and (threads == 2 or (threads == 0 and r.total >= auto_min
-                                          and kvdd_auto_threads_allowed())):
+    cdef bint auto_two = False
+    if threads == 0 and r.total >= auto_min:
+        auto_two = kvdd_auto_threads_allowed()
+    elif threads == 0 and _threads_threshold < 0 and r.total >= (256 << 10) and kvdd_auto_threads_allowed():
+        auto_two = kvdd_threads_probe()  # now and then: keep the measured start latency current
+    if r.total > 0 and (threads == 2 or auto_two):
         if kvdd_job_independent(&r.job):
             r.job.threads = 2
     return r

@@ -614,51 +614,10 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Runnable tasks on the machine other than the caller, from /proc/loadavg ("0.5 0.4 0.3 R/T pid");
- * -1 when unknown. About 10 us; read only for jobs of tens of MiB. */
-static int other_runnable(void) {
-#if defined(__linux__)
-    char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return -1;
-    buf[n] = 0;
-    const char *p = buf;
-    for (int field = 0; field < 3; field++) { /* skip the three load averages */
-        while (*p && *p != ' ') p++;
-        while (*p == ' ') p++;
-    }
-    char *end;
-    long running = strtol(p, &end, 10);
-    if (end == p || *end != '/') return -1;
-    return running > 0 ? (int)(running - 1) : 0;
-#else
-    return -1;
-#endif
-}
-
 int kvdd_auto_threads_allowed(void) {
-    if (now_ns() < atomic_load_explicit(&backoff_until_ns, memory_order_relaxed)) return 0;
-    /* A helper only helps if a CPU is free right now: on a busy machine it would be queued or
-     * descheduled mid-item, and the caller would wait for it. */
-    pthread_once(&features_once, detect_features);
-    long cpus = online_cpus;
-    /* /proc/loadavg costs ~10 us a read: read it at most every KVDD_LOADAVG_NS (per-layer pulls
-     * make hundreds of multi-MiB calls a second) */
-    static _Atomic int64_t read_at_ns = INT64_MIN / 2;
-    static _Atomic int cached_others = -1;
-    int64_t t = now_ns();
-    int others;
-    if (t - atomic_load_explicit(&read_at_ns, memory_order_relaxed) >= KVDD_LOADAVG_NS) {
-        others = other_runnable();
-        atomic_store_explicit(&cached_others, others, memory_order_relaxed);
-        atomic_store_explicit(&read_at_ns, t, memory_order_relaxed);
-    } else {
-        others = atomic_load_explicit(&cached_others, memory_order_relaxed);
-    }
-    return cpus < 2 || others < 0 || others < cpus - 1;
+    /* A busy machine shows in the measured start latency of the helper (kvdd_threads_min_bytes grows
+     * with it) and in stalls: after one, automatic mode stays on one thread for KVDD_BACKOFF_NS. */
+    return now_ns() >= atomic_load_explicit(&backoff_until_ns, memory_order_relaxed);
 }
 
 /* The cost model of the automatic thread choice, from this process's own calls: the latency from
@@ -675,6 +634,11 @@ static void model_update(_Atomic int64_t *avg, int64_t sample) {
 void kvdd_threads_model(int64_t out[2]) {
     out[0] = atomic_load_explicit(&model_start_ns, memory_order_relaxed);
     out[1] = atomic_load_explicit(&model_ps_per_byte, memory_order_relaxed);
+}
+
+int kvdd_threads_probe(void) {
+    static _Atomic uint32_t n;
+    return atomic_fetch_add_explicit(&n, 1, memory_order_relaxed) % KVDD_PROBE_EVERY == 0;
 }
 
 uint64_t kvdd_threads_min_bytes(void) {

@@ -77,8 +77,6 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
 /* The resident helper thread spins this long for the next call before it sleeps. */
 #define KVDD_HELPER_SPIN_NS ((int64_t)200000)
-/* The runnable-task count of /proc/loadavg is re-read at most this often. */
-#define KVDD_LOADAVG_NS ((int64_t)10000000)
 /* After a 2-thread call stalled, automatic mode uses one thread for this long. */
 #define KVDD_BACKOFF_NS ((int64_t)2000000000)
 
@@ -88,6 +86,11 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 #define KVDD_MODEL_START_NS ((int64_t)30000)
 #define KVDD_MODEL_PS_PER_BYTE ((int64_t)100)
 uint64_t kvdd_threads_min_bytes(void);
+/* 1 for every KVDD_PROBE_EVERY-th call: a call of at least KVDD_CHUNK_MIN bytes that the model keeps on
+ * one thread then uses two anyway, so the measured start latency follows the machine (a model that
+ * learned "slow" on a busy machine would otherwise never measure again). */
+#define KVDD_PROBE_EVERY 32u
+int kvdd_threads_probe(void);
 void kvdd_threads_model(int64_t out[2]);
 /* Last-level cache size in bytes (0: unknown). */
 uint64_t kvdd_llc_bytes(void);
@@ -97,8 +100,7 @@ uint64_t kvdd_l2_bytes(void);
 /* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
  * stalls (calls after which automatic mode backed off to one thread). */
 void kvdd_thread_stats(uint64_t out[4]);
-/* 0 while automatic mode is backing off after a stall, or when no CPU is free for a helper right now
- * (runnable tasks other than the caller >= CPUs - 1, from /proc/loadavg on Linux). */
+/* 0 while automatic mode is backing off after a stall. */
 int kvdd_auto_threads_allowed(void);
 
 /* One contiguous copy with streaming stores of `isa` (memmove when they overlap or for KVDD_ISA_MEMCPY);
