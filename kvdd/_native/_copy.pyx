@@ -27,7 +27,8 @@ How a call is executed
   second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
   latency from posting work to the helper starting it (it grows when the other CPU is busy) and
   ``cost`` the measured one-thread time per byte of this process's own calls
-  (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
+  (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
+  the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The
   helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
   spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
   concurrent caller gets a helper created for its call). Both threads claim work items from a shared
@@ -82,6 +83,7 @@ cdef extern from "_copy_impl.h" nogil:
     void kvdd_thread_stats(uint64_t out[4])
     int kvdd_auto_threads_allowed()
     uint64_t kvdd_threads_min_bytes()
+    int kvdd_threads_probe()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
     uint64_t kvdd_llc_bytes()
@@ -357,8 +359,12 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     r.job.chunk = _chunk_size
     r.job.threads = 1
     cdef uint64_t auto_min = <uint64_t>_threads_threshold if _threads_threshold >= 0 else kvdd_threads_min_bytes()
-    if r.total > 0 and (threads == 2 or (threads == 0 and r.total >= auto_min
-                                          and kvdd_auto_threads_allowed())):
+    cdef bint auto_two = False
+    if threads == 0 and r.total >= auto_min:
+        auto_two = kvdd_auto_threads_allowed()
+    elif threads == 0 and _threads_threshold < 0 and r.total >= (256 << 10) and kvdd_auto_threads_allowed():
+        auto_two = kvdd_threads_probe()  # now and then: keep the measured start latency current
+    if r.total > 0 and (threads == 2 or auto_two):
         if kvdd_job_independent(&r.job):
             r.job.threads = 2
     return r

@@ -636,6 +636,11 @@ void kvdd_threads_model(int64_t out[2]) {
     out[1] = atomic_load_explicit(&model_ps_per_byte, memory_order_relaxed);
 }
 
+int kvdd_threads_probe(void) {
+    static _Atomic uint32_t n;
+    return atomic_fetch_add_explicit(&n, 1, memory_order_relaxed) % KVDD_PROBE_EVERY == 0;
+}
+
 uint64_t kvdd_threads_min_bytes(void) {
     /* Two threads save about half the one-thread time and cost the helper's start: worth it when
      * the saving is at least twice the start, i.e. bytes * cost / 2 >= 2 * start. */

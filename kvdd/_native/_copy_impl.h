@@ -86,6 +86,11 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 #define KVDD_MODEL_START_NS ((int64_t)30000)
 #define KVDD_MODEL_PS_PER_BYTE ((int64_t)100)
 uint64_t kvdd_threads_min_bytes(void);
+/* 1 for every KVDD_PROBE_EVERY-th call: a call of at least KVDD_CHUNK_MIN bytes that the model keeps on
+ * one thread then uses two anyway, so the measured start latency follows the machine (a model that
+ * learned "slow" on a busy machine would otherwise never measure again). */
+#define KVDD_PROBE_EVERY 32u
+int kvdd_threads_probe(void);
 void kvdd_threads_model(int64_t out[2]);
 /* Last-level cache size in bytes (0: unknown). */
 uint64_t kvdd_llc_bytes(void);
