@@ -37,8 +37,10 @@ EXIT_INTERRUPTED = 130
 
 
 # ---- doctor ----------------------------------------------------------------------------------
-# One line per entry: (label, function returning the text).  To add a line, write a function that
-# returns one string (raise nothing: say "unavailable (why)") and append it to DOCTOR_LINES.
+# One entry per subject: (label, function).  The function returns the text of the line
+# "label: text", or a list of complete lines when the subject has several (each starting with
+# the label, e.g. one per simulated CANN root).  It raises nothing: say "unavailable (why)".
+# To add a line, write such a function and append it to DOCTOR_LINES.
 
 def _doctor_kvdd() -> str:
     from . import __version__
@@ -110,12 +112,12 @@ def _doctor_copy_kernels() -> str:
     return ", ".join(name for name, present in features.items() if present) or "plain memcpy"
 
 
-def _doctor_cann_root() -> str:
+def _doctor_cann_root() -> str | list[str]:
     from .cann import simulated_root_status
 
-    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated
-    lines = [line.removeprefix("simulated CANN root ") for line in simulated_root_status()]
-    return "; ".join(lines) or "none in use"
+    # kvdd cann-root: the root named by ASCEND_HOME_PATH and the native build's, if simulated;
+    # one line per root, each "simulated CANN root (where): ..."
+    return simulated_root_status() or "none in use"
 
 
 def _doctor_fabric_secret() -> str:
@@ -133,7 +135,9 @@ def _doctor_samehost() -> str:
     return f"{'one-sided' if ok else 'TCP'}: {why}"
 
 
-DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
+DoctorLine = Callable[[], "str | list[str]"]
+
+DOCTOR_LINES: list[tuple[str, DoctorLine]] = [
     ("kvdd", _doctor_kvdd),
     ("build", _doctor_build),
     ("backend sim", _doctor_backend("sim")),
@@ -149,7 +153,12 @@ DOCTOR_LINES: list[tuple[str, Callable[[], str]]] = [
 
 def _doctor(args: argparse.Namespace) -> int:
     for label, line in DOCTOR_LINES:
-        print(f"{label}: {line()}")
+        text = line()
+        if isinstance(text, str):
+            print(f"{label}: {text}")
+        else:
+            for full in text:
+                print(full)
     return 0
 
 

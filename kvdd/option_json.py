@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 __all__ = ["SignedInt", "loads", "any_json", "mem_pool_config", "global_resource_config",
            "GlobalResourceConfig", "read_local_comm_res_file", "comm_res_version",
-           "COMM_RES_LIMIT", "LOCAL_COMM_RES_FILE_LIMIT"]
+           "adxl_engine_config", "selects_hixl_cs", "COMM_RES_LIMIT", "LOCAL_COMM_RES_FILE_LIMIT"]
 
 #: rank_table_device_json.h ``kMaxCommResSizeInBytes``: a comm resource at link time (bytes).
 COMM_RES_LIMIT = 64 * 1024
@@ -124,6 +124,7 @@ class GlobalResourceConfig:
     """What the simulator keeps of a valid ``llm.GlobalResourceConfig``."""
 
     local_comm_res_path: str | None
+    protocol_desc: bool = False  # a non-empty comm_resource_config.protocol_desc
 
 
 def global_resource_config(text: str) -> GlobalResourceConfig:
@@ -150,11 +151,13 @@ def global_resource_config(text: str) -> GlobalResourceConfig:
     _in_range(doc, "connect_pool.thread_num", 1, 64)
     _in_range(doc, "connect_pool.task_queue_capacity", 1, 65535)
     # ParseCommResourceConfig
+    protocol_desc = False
     if "comm_resource_config.protocol_desc" in doc:
         desc = doc["comm_resource_config.protocol_desc"]
         if not isinstance(desc, str) and not (isinstance(desc, list)
                                               and all(isinstance(d, str) for d in desc)):
             raise ValueError("comm_resource_config.protocol_desc must be a string or a list of strings")
+        protocol_desc = isinstance(desc, str) or bool(desc)
     _in_range(doc, "comm_resource_config.listen_port", 1, 65535)
     _in_range(doc, "comm_resource_config.qos", 0, 7)
     _in_range(doc, "comm_resource_config.max_active_channels", 1, _UINT32_MAX)
@@ -166,7 +169,66 @@ def global_resource_config(text: str) -> GlobalResourceConfig:
             raise ValueError("local_comm_res_path must be a string")
         if path == "":
             raise ValueError("local_comm_res_path must be a non-empty file path")
-    return GlobalResourceConfig(path)
+    return GlobalResourceConfig(path, protocol_desc)
+
+
+def selects_hixl_cs(local_comm_res: str | None, grc: GlobalResourceConfig | None) -> bool:
+    """engine_factory.cc ``CreateEngine`` on a non-V5 SoC: the HixlCS engine when the LocalCommRes
+    is a JSON object with ``"version": "1.3"`` or a protocol_desc is configured, else the comm
+    engine (adxl)."""
+    if local_comm_res:
+        doc = loads(local_comm_res)
+        if isinstance(doc, dict) and doc.get("version") == "1.3":
+            return True
+    return grc is not None and grc.protocol_desc
+
+
+_STREAM_DOUBLE = re.compile(r"[ \t\n\r\f\v]*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
+_MAX_CHANNEL = 512  # adxl_utils.h kDefaultMaxChannel
+
+
+def _flat(value: object) -> str:
+    """adxl_utils.cc ``JsonValueToString``: a string as is, anything else as ``dump()``."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def adxl_engine_config(text: str) -> None:
+    """The comm (adxl) engine's own read of ``llm.GlobalResourceConfig`` (adxl_inner_engine.cc
+    ``LoadGlobalResourceConfig``): present means parsed again, so an **empty** value fails here;
+    top-level values flattened to text; ``channel_pool.max_channel`` an int32 in [1, 512],
+    ``channel_pool.high_waterline`` / ``low_waterline`` doubles in (0, 1) that leave at least one
+    channel between the marks (max_channel only together with both), and
+    ``comm_resource_config.listen_port`` a uint32 in [1, 65535]."""
+    doc = loads(text)  # LoadJsonConfig: a parse error (also of "") is PARAM_INVALID
+    flat = {k: _flat(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
+    max_channel = _MAX_CHANNEL
+    if "channel_pool.max_channel" in flat:
+        m = _STREAM_INT.match(flat["channel_pool.max_channel"])
+        if m is None or not -(2**31) <= int(m.group(1)) < 2**31:
+            raise ValueError("channel_pool.max_channel is not an int32")
+        max_channel = int(m.group(1))
+        if not 0 < max_channel <= _MAX_CHANNEL:
+            raise ValueError(f"channel_pool.max_channel must be in [1, {_MAX_CHANNEL}]")
+    ratios: list[float] = []
+    for name in ("channel_pool.high_waterline", "channel_pool.low_waterline"):
+        if name in flat:
+            if _STREAM_DOUBLE.match(flat[name]) is None:
+                raise ValueError(f"{name} is not a number")
+            ratio = float(flat[name])
+            if not 0.0 < ratio < 1.0:
+                raise ValueError(f"{name} must be in (0, 1)")
+            ratios.append(ratio)
+    if len(ratios) == 2:
+        high = max(int(max_channel * ratios[0]), 1)
+        low = max(int(max_channel * ratios[1]), 1)
+        if high - low < 1:
+            raise ValueError("high_waterline must leave at least one channel above low_waterline")
+    elif "channel_pool.max_channel" in flat:
+        raise ValueError("channel_pool.max_channel needs both waterlines")
+    if "comm_resource_config.listen_port" in flat:
+        m = _STREAM_INT.match(flat["comm_resource_config.listen_port"])
+        if m is None or not 1 <= int(m.group(1)) <= 65535:
+            raise ValueError("comm_resource_config.listen_port must be in [1, 65535]")
 
 
 def read_local_comm_res_file(path: str) -> str:

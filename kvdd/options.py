@@ -239,7 +239,8 @@ class OptionRule:
     """How upstream parses one option in one place (SEMANTICS.md §3.2, §3.4, §3.5).
 
     ``scope`` names where: ``initialize`` (llm_datadist_impl.cc), ``factory`` (engine creation),
-    ``comm`` / ``hixl`` (the transfer engine's Initialize), ``cache`` (DataCacheEngine),
+    ``comm`` / ``hixl`` (the transfer engine's Initialize; ``hixl_comm_engine`` the HIXL comm engine's
+    own read), ``cache`` (DataCacheEngine),
     ``set_role_comm`` / ``set_role_hixl`` (SwitchRole), ``link_comm`` (rank-table generation).
     ``parse(key, text)`` returns the value or raises :class:`OptionError`.  ``empty`` says what an
     empty string means; ``env`` names the environment variable read when the value is absent or
@@ -303,6 +304,11 @@ OPTION_RULES: tuple[OptionRule, ...] = (
     _R(OPTION_GLOBAL_RESOURCE_CONFIG, "hixl", _json(option_json.global_resource_config),
        "hixl_options.cc HixlOptions::ParseGlobalResourceConfig (nlohmann::json)",
        "a JSON object; known keys range-checked", "skipped"),
+    _R(OPTION_GLOBAL_RESOURCE_CONFIG, "hixl_comm_engine", _json(option_json.adxl_engine_config),
+       "adxl_inner_engine.cc AdxlInnerEngine::LoadGlobalResourceConfig (LoadJsonConfig, "
+       "ParseChannelPoolConfig, ParseCommResourceListenPortConfig), " + _TO_NUMBER,
+       "parsed again (comm engine only): channel_pool.max_channel [1, 512] with both waterlines, "
+       "waterlines in (0, 1), comm_resource_config.listen_port [1, 65535]", "invalid"),
     _R(OPTION_LOCAL_COMM_RES, "hixl", _json(option_json.any_json),
        "engine_factory.cc EngineFactory::CreateEngine (nlohmann::json::parse)",
        "valid JSON (read from local_comm_res_path when absent or empty)", "absent"),

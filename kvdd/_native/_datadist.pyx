@@ -548,21 +548,22 @@ cdef class NativeBackend:
         """The TCP port this instance listens on, None when not listening.
 
         The real library has no call for it: the port comes from the ``llm.ListenIpInfo``
-        accepted by ``Initialize``/``SetRole`` (low 16 bits).  When port 0 was asked, the test
-        double reports the port it bound; on a real CANN install the binding cannot learn it and
-        reports 0 (choose a fixed port there).  ``KVDD_TESTDOUBLE_PORT_HOOK=0`` makes a test-double
-        build behave like a real install here (the conformance run "as on an Atlas node" sets it,
-        so nothing in it relies on the hook).
+        accepted by ``Initialize``/``SetRole`` (low 16 bits); on a real CANN install the binding
+        cannot learn which port 0 bound and reports 0 (choose a fixed port there).  A build
+        against kvdd's simulated CANN root asks the root instead, which knows exactly (also for
+        the internal listen keys and SetRole's normalized compares); ``KVDD_TESTDOUBLE_PORT_HOOK=0``
+        turns that off so the build behaves like a real install (the conformance run "as on an
+        Atlas node" sets it, so nothing in it relies on the hook).
         """
-        if self._listen < 0:
-            return None
-        if (self._listen == 0 and self._dd != NULL and kvdd_built_against_test_double()
+        if (self._dd != NULL and kvdd_built_against_test_double()
                 and os.environ.get("KVDD_TESTDOUBLE_PORT_HOOK", "1") != "0"):
             port = kvdd_td_listen_port(<void*>self._dd)
             if port >= 0:
                 return port
             if port == -1:
                 return None
+        if self._listen < 0:
+            return None
         return self._listen
 
     # ---- links ------------------------------------------------------------------------------

@@ -105,8 +105,8 @@ class SimBackend:
         return None if entity is None else str(getattr(entity.peer, "data_path", "in_process"))
 
     def _start_listening(self, ip: str, port: int) -> None:
-        if not (is_ipv4_literal(ip) or is_ipv6_literal(ip)):  # kvdd: never resolves a name
-            reject(FAILED, f"cannot listen on {ip!r}: not an IP address literal")
+        if not (is_ipv4_literal(ip) or is_ipv6_literal(ip)):  # msg_handler_plugin.cc GetAiFamily
+            reject(PARAM_INVALID, f"cannot listen on {ip!r}: not an IP address literal")
         try:
             self.listener = fabric.Listener(self, ip, port)
         except OSError as exc:

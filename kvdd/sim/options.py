@@ -14,7 +14,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..option_json import GlobalResourceConfig, read_local_comm_res_file
+from ..option_json import (
+    GlobalResourceConfig,
+    read_local_comm_res_file,
+    selects_hixl_cs,
+)
 from ..options import (
     OPTION_DEVICE_ID,
     OPTION_GLOBAL_RESOURCE_CONFIG,
@@ -31,8 +35,11 @@ from ..options import (
     OPTION_SYNC_CACHE_WAIT_TIME,
     OPTION_TRANSFER_BACKEND,
     OptionError,
+    is_ipv4_literal,
+    is_ipv6_literal,
     parse_option,
     rule,
+    to_number,
 )
 
 __all__ = ["InitPlan", "plan_initialize", "cache_engine_options", "switch_options",
@@ -117,7 +124,29 @@ def _plan_hixl(m: Mapping[str, str], device_id: int, env: Mapping[str, str]) -> 
             raise OptionError(f"option {OPTION_GLOBAL_RESOURCE_CONFIG}: {exc}") from None
     if comm_res is not None:
         parse_option("hixl", OPTION_LOCAL_COMM_RES, {OPTION_LOCAL_COMM_RES: comm_res})
-    return InitPlan("hixl", device_id, (ip, port), None, f"{ip}:{port}", None, False)
+    local_engine = f"{ip}:{port}"
+    if not selects_hixl_cs(comm_res, grc if isinstance(grc, GlobalResourceConfig) else None):
+        parse_option("hixl_comm_engine", OPTION_GLOBAL_RESOURCE_CONFIG, m)  # its own read
+    listen_ip, listen_port = _hixl_listen_info(local_engine)
+    return InitPlan("hixl", device_id, (listen_ip, listen_port), None, local_engine, None, False)
+
+
+def _hixl_listen_info(local_engine: str) -> tuple[str, int]:
+    """hixl_utils.cc ``ParseListenInfo`` of the engine name (both engines' Initialize): brackets or
+    ``Split(':')``, the first item an IP literal, the second (if any) a whole int32."""
+    lb, rb = local_engine.find("["), local_engine.find("]")
+    if lb != -1 and rb != -1 and lb < rb:
+        colon = local_engine.find(":", rb)
+        items = [local_engine[lb + 1: rb]] + ([] if colon == -1 else [local_engine[colon + 1:]])
+    else:
+        items = local_engine.split(":")
+    if not (is_ipv4_literal(items[0]) or is_ipv6_literal(items[0])):
+        raise OptionError(f"listen address {local_engine!r}: {items[0]!r} is not an IP literal "
+                          "(an IPv6 llm.ListenIp needs brackets on hixl)")
+    port = to_number(items[1], "int32") if len(items) > 1 else 0
+    if port is None:
+        raise OptionError(f"listen address {local_engine!r}: the port is not an int32")
+    return items[0], port
 
 
 def cache_engine_options(options: Mapping[str, str]) -> int:

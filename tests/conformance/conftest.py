@@ -35,7 +35,7 @@ import pytest
 import kvdd
 import kvdd.testing as kt
 
-from .harness import Node, World
+from .harness import Node, World, port_reported
 
 PeerFactory = Callable[[int, int], Node]
 
@@ -67,6 +67,23 @@ def _sim_only(request: pytest.FixtureRequest) -> None:
         return
     reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
     pytest.skip(f"simulator only: {reason}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_bound_port: checks which port llm.ListenIpInfo=...:0 (or the internal "
+        "listen keys) bound; skipped where listen_port cannot report it (a real CANN install)")
+
+
+@pytest.fixture(autouse=True)
+def _needs_bound_port(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("needs_bound_port") is None:
+        return
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("backend") if callspec is not None else None
+    if name is not None and not port_reported(name):
+        pytest.skip("needs the port that port 0 bound, which the real library cannot report "
+                    "(runs on the simulator, and on kvdd's simulated CANN root with its port hook)")
 
 
 @pytest.fixture(params=["comm", "hixl"])

@@ -17,6 +17,7 @@ under test ("D") is the only one tests may reach through ``.dd`` directly.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
@@ -71,11 +72,24 @@ def free_port() -> int:
     return port
 
 
+def port_reported(backend: str) -> bool:
+    """Whether ``listen_port`` of a ``backend`` node tells which port ``...:0`` bound: on the
+    simulator, and on a native build against kvdd's simulated CANN root unless its hook is off
+    (``KVDD_TESTDOUBLE_PORT_HOOK=0``); never on a real CANN install."""
+    if backend == "sim":
+        return True
+    try:
+        cfg = importlib.import_module("kvdd._build_config")
+    except ImportError:
+        return False
+    return bool(cfg.NATIVE_TEST_DOUBLE) and os.environ.get("KVDD_TESTDOUBLE_PORT_HOOK") != "0"
+
+
 def listen_address(backend: str) -> str:
-    """The ``llm.ListenIpInfo`` a node of ``backend`` listens on: port 0 (the simulator reports the
-    port it bound) on sim; a pre-chosen free port on native, whose real library cannot report
-    which port 0 bound (so the suite never relies on the test double's hook for it)."""
-    return f"{LOCALHOST}:{0 if backend == 'sim' else free_port()}"
+    """The ``llm.ListenIpInfo`` a node of ``backend`` listens on: port 0 where the bound port is
+    reported (:func:`port_reported`), else a free port chosen beforehand (so that the suite, on an
+    Atlas node and in CI's run "as on an Atlas node", never needs the port 0 bound)."""
+    return f"{LOCALHOST}:{0 if port_reported(backend) else free_port()}"
 
 
 # -- expected errors ----------------------------------------------------------------------------

@@ -47,9 +47,8 @@ from .harness import (
 DEV = {OPTION_DEVICE_ID: str(kt.device_ids()[0])}
 LISTEN0 = {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0"}
 HIXL = {OPTION_TRANSFER_BACKEND: "hixl"}
-#: For tests that check the port bound for port 0, which only the simulator can report.
-NEEDS_PORT0 = pytest.mark.sim_only(
-    reason="asks for port 0 and checks the port bound: the real library cannot report it")
+#: For tests that check the port bound for port 0, which the real library cannot report.
+NEEDS_PORT0 = pytest.mark.needs_bound_port
 
 
 def _listen(world: World) -> dict[str, str]:

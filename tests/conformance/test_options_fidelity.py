@@ -134,7 +134,7 @@ def test_comm_ignores_the_hixl_environment(world: World, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("grc,ok", [
-    ("", True), ("{}", True), ('{"unknown": [1, {}]}', True),
+    ("{}", True), ('{"unknown": [1, {}]}', True),
     ("[]", False), ("1", False), ('"x"', False), ("null", False), ("{", False),
     ('{"connect_pool.thread_num": 64}', True), ('{"connect_pool.thread_num": "8"}', True),
     ('{"connect_pool.thread_num": 0}', False), ('{"connect_pool.thread_num": 65}', False),
@@ -168,6 +168,42 @@ def test_hixl_global_resource_config(world: World, grc: str, ok: bool) -> None:
         _init_fails(d, opts)
 
 
+V13 = {OPTION_LOCAL_COMM_RES: '{"version": "1.3"}'}  # selects the HixlCS engine (engine_factory.cc)
+
+
+@pytest.mark.parametrize("grc,engine,ok", [
+    # HixlOptions skips an empty value, but the comm (adxl) engine parses it again and fails
+    ("", {}, False), ("", V13, True),
+    ('{"channel_pool.max_channel": 8, "channel_pool.high_waterline": 0.75, '
+     '"channel_pool.low_waterline": 0.25}', {}, True),
+    ('{"channel_pool.max_channel": 8}', {}, False),  # only together with both waterlines
+    ('{"channel_pool.max_channel": 8}', V13, True),  # the HixlCS engine does not read it
+    ('{"channel_pool.max_channel": 513, "channel_pool.high_waterline": 0.9, '
+     '"channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": 1.0, "channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": "0.5 ", "channel_pool.low_waterline": 0.1}', {}, False),
+    ('{"channel_pool.high_waterline": 0.5, "channel_pool.low_waterline": 0.5}', {}, False),
+    ('{"channel_pool.high_waterline": 0.5}', {}, True),
+])
+def test_hixl_comm_engine_reads_the_config_again(world: World, grc: str, engine: dict[str, str],
+                                                 ok: bool) -> None:
+    # §3.2.1: on the comm engine (the default on A2/A3 without a version 1.3 LocalCommRes or a
+    # protocol_desc), adxl_inner_engine.cc LoadGlobalResourceConfig parses the value again.
+    d = world.dut()
+    opts = {**DEV, **LISTEN0, **HIXL, **engine, OPTION_GLOBAL_RESOURCE_CONFIG: grc}
+    if ok:
+        _init_ok(d, opts)
+    else:
+        _init_fails(d, opts)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:4294967295", "127.0.0.1:2147483648", "[::1]:0"])
+def test_hixl_engine_name_must_parse(world: World, listen: str) -> None:
+    # §3.2.1: the engine name ip:to_string(port) is re-parsed by hixl_utils.cc ParseListenInfo:
+    # a port above INT32_MAX, or an IPv6 address (no brackets in the name), is PARAM_INVALID.
+    _init_fails(world.dut(), {**DEV, **HIXL, OPTION_LISTEN_IP_INFO: listen})
+
+
 @pytest.mark.parametrize("content,ok", [('{"version": "1.3"}', True), ("not json", False), ("", False)])
 def test_hixl_local_comm_res_path(world: World, tmp_path: Path, content: str, ok: bool) -> None:
     # hixl_options.cc ResolveLocalCommResFromFile: a regular file of 1 B..1 MiB, then valid JSON.
@@ -189,7 +225,7 @@ def test_hixl_local_comm_res_path_is_ignored_when_local_comm_res_is_given(world:
 
 
 @pytest.mark.parametrize("value,ok", [("not json", False), ("[1, 2", False), ('{"version": "1.9"}', True),
-                                      ("[]", True), ("", True)])
+                                      ("[]", True), ("", True), ('{"version": "1.3"}', True)])
 def test_hixl_local_comm_res_must_be_json(world: World, value: str, ok: bool) -> None:
     d = world.dut()
     opts = {**DEV, **LISTEN0, **HIXL, OPTION_LOCAL_COMM_RES: value}
@@ -218,6 +254,7 @@ def test_mem_pool_config_rejected(world: World, key: str, value: str) -> None:
 # -- §3.4 step 7: the internal keys at Initialize -------------------------------------------------
 
 
+@pytest.mark.needs_bound_port
 def test_comm_internal_listen_keys_listen(world: World) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, IP: LOCALHOST, PORT: "0"})
@@ -234,6 +271,7 @@ def test_comm_internal_listen_keys_rejected(world: World, opts: dict[str, str]) 
     _init_fails(world.dut(), {**DEV, **opts})
 
 
+@pytest.mark.needs_bound_port
 def test_listen_ip_info_overrides_the_internal_keys(world: World, transfer: str) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, **LISTEN0, **({} if transfer == "comm" else HIXL), IP: "bogus", PORT: "x"})
@@ -251,6 +289,7 @@ def test_comm_lone_listen_ip_generates_the_comm_resource(world: World) -> None:
     assert d.link(port, 1, local_ip=False) == [S]
 
 
+@pytest.mark.needs_bound_port
 def test_comm_listener_started_by_set_role_generates_no_comm_resource(world: World) -> None:
     # §3.5 b: only Initialize's listen IP (or llm.LocalCommRes) provides the comm resource.
     d, p = pair(world)
@@ -269,6 +308,7 @@ def test_hixl_listen_address_needs_both_internal_keys(world: World, opts: dict[s
     _init_fails(world.dut(), {**DEV, **HIXL, **opts})
 
 
+@pytest.mark.needs_bound_port
 def test_hixl_internal_listen_keys_satisfy_the_mandatory_address(world: World) -> None:
     d = world.dut()
     _init_ok(d, {**DEV, **HIXL, IP: LOCALHOST, PORT: "0"})
@@ -277,8 +317,9 @@ def test_hixl_internal_listen_keys_satisfy_the_mandatory_address(world: World) -
 
 @pytest.mark.parametrize("transfer_opts", [{}, HIXL])
 def test_listen_ip_must_be_a_literal(world: World, transfer_opts: dict[str, str]) -> None:
-    # kvdd addition (SEMANTICS.md §3.2.1 notes): a name is never resolved -> LLM_FAILED.
-    _init_fails(world.dut(), {**DEV, **transfer_opts, IP: "localhost", PORT: "0"}, FAILED)
+    # §3.2.1: a name is never resolved (comm: msg_handler_plugin.cc GetAiFamily; hixl:
+    # ParseListenInfo's CheckIp) -> PARAM_INVALID.
+    _init_fails(world.dut(), {**DEV, **transfer_opts, IP: "localhost", PORT: "0"})
 
 
 # -- §3.2 step 8 / §3.5 e: llm.LocalCommRes on comm -----------------------------------------------
@@ -322,6 +363,7 @@ def test_comm_local_comm_res_at_link(world: World, text: str, ok: bool) -> None:
 # -- §3.4 steps 4-5: SetRole compares -------------------------------------------------------------
 
 
+@pytest.mark.needs_bound_port
 @pytest.mark.parametrize("same", [f"{LOCALHOST}:00", f"{LOCALHOST}:+0", f"{LOCALHOST}: 0",
                                   f"[{LOCALHOST}]:0", "127.0.0.2:0"])
 def test_comm_set_role_compares_the_normalized_port(world: World, same: str) -> None:
@@ -333,6 +375,7 @@ def test_comm_set_role_compares_the_normalized_port(world: World, same: str) -> 
     assert d.listen_port == port
 
 
+@pytest.mark.needs_bound_port
 def test_comm_set_role_compares_raw_internal_port_text(world: World) -> None:
     # §3.4 step 7: a user's llm.ListenPort is stored and compared as given (not normalized).
     d = world.dut()
@@ -350,6 +393,7 @@ def test_comm_set_role_compares_raw_internal_port_text(world: World) -> None:
     assert d.listen_port == third
 
 
+@pytest.mark.needs_bound_port
 def test_comm_set_role_internal_keys(world: World) -> None:
     d = world.dut()
     d.initialize()
@@ -364,6 +408,7 @@ def test_comm_set_role_internal_keys(world: World) -> None:
     assert d.listen_port is None
 
 
+@pytest.mark.needs_bound_port
 @pytest.mark.parametrize("same", [f"[{LOCALHOST}]:0", f"{LOCALHOST}:+0", f"{LOCALHOST}:00",
                                   f"{LOCALHOST}: 0"])
 def test_hixl_set_role_compares_the_parsed_address(world: World, same: str) -> None:
@@ -374,6 +419,7 @@ def test_hixl_set_role_compares_the_parsed_address(world: World, same: str) -> N
     assert d.listen_port == port
 
 
+@pytest.mark.needs_bound_port
 def test_hixl_set_role_internal_keys(world: World) -> None:
     d = world.dut()
     d.initialize(transfer="hixl")

@@ -16,6 +16,7 @@ process's secret: they show what a *peer that authenticated* can cost, which the
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import struct
 import threading
@@ -181,10 +182,11 @@ def test_replayed_and_reflected_handshakes(victim: Victim) -> None:
 
 
 def test_other_secret_or_auth_off_is_refused_with_a_reason(
-        victim: Victim,
-        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+        victim: Victim, world: World, victim_proc: PeerProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A real instance with another secret, or with KVDD_FABRIC_AUTH=off, gets LLM_LINK_FAILED
-    whose message says what to set; the victim keeps no state of it."""
+    whose message says what to set; the victim keeps no state of it.  With KVDD_FABRIC_AUTH=off
+    on both sides the link is made."""
     p, port = victim.p, victim.port
     e = world.dut(3, LlmRole.DECODER)
     e.initialize()
@@ -198,8 +200,14 @@ def test_other_secret_or_auth_off_is_refused_with_a_reason(
     with pytest.raises(kvdd.LLMError, match=f"{ENV_AUTH}") as info:
         e.link(port, p.cluster_id)
     assert info.value.status == Status.LLM_LINK_FAILED
-    monkeypatch.delenv(ENV_AUTH)
     assert set(p.entity_keys()) == keys
+    victim_proc.root("setenv", ENV_AUTH, "off")  # off on both sides: links (trusted networks)
+    try:
+        assert e.link(port, p.cluster_id) == [S]
+    finally:
+        victim_proc.root("setenv", ENV_AUTH, None)
+    monkeypatch.delenv(ENV_AUTH)
+    assert e.unlink(port, p.cluster_id) == [S]  # authenticated again: unlinks
     assert e.link(port, p.cluster_id) == [S]  # the same instance with the right secret links
 
 
@@ -222,12 +230,17 @@ def test_other_protocol_version_gets_a_clear_refusal(
 # ---- resources before authentication -------------------------------------------------------------
 
 
-def test_idle_and_slowloris_do_not_starve_links(
-        victim: Victim) -> None:
+def test_idle_and_slowloris_do_not_starve_links(victim: Victim, world: World) -> None:
     """500 idle and 80 slowloris connections (each dripping an authentication hello, reconnecting
-    when dropped) are open; 40 of 40 legitimate links succeed, each within 1 s."""
+    when dropped) are open; 40 of 40 legitimate links succeed, each within 1 s, and D is served."""
     port = victim.port
     n_idle, n_slow, n_legit = (2000, 300, 200) if LONG else (500, 80, 40)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = n_idle + n_slow + 256
+    if soft < need:  # this process holds every attacking socket
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors (hard limit {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     idle = [rawpeer.connect(port) for _ in range(n_idle)]
     stop = threading.Event()
     hello = rawpeer.frame(wire.F_AUTH_HELLO, bytes(33))
@@ -262,6 +275,7 @@ def test_idle_and_slowloris_do_not_starve_links(
             times.append(time.monotonic() - t0)
             assert snap  # the victim's cache is visible to an authenticated link
             s.close()
+        victim.serve_d(world)  # and the linked peer is served meanwhile
     finally:
         stop.set()
         dripper.join()
@@ -334,7 +348,8 @@ def test_request_bomb_is_refused_without_work(
 def test_oversize_snapshots_are_refused(victim: Victim,
                                         victim_proc: PeerProcess) -> None:
     """A hello announcing 400k caches (16 MiB) is refused on its header; one of 40,000 caches
-    in 1.7 MB is refused on its count; neither leaves an entity or memory behind."""
+    in 1.7 MB is refused on its count, so are 9 extensions or 4 KiB of them; none leaves an
+    entity or memory behind."""
     p, port = victim.p, victim.port
     keys = set(p.entity_keys())
     with rawpeer.connect(port) as s:
@@ -347,6 +362,13 @@ def test_oversize_snapshots_are_refused(victim: Victim,
         rawpeer.authenticate(s)
         s.sendall(rawpeer.frame(wire.F_HELLO_LINK, body))
         assert _closed(s)
+    too_many = {f"x{i}": b"" for i in range(wire.MAX_EXTENSIONS + 1)}
+    too_big = {"x": bytes(wire.MAX_EXTENSION_BYTES)}
+    for exts in (too_many, too_big):  # hello extensions beyond their bounds
+        with rawpeer.connect(port) as s:
+            rawpeer.authenticate(s)
+            s.sendall(rawpeer.frame(wire.F_HELLO_LINK, rawpeer.hello_link(5556, extensions=exts)))
+            assert _closed(s)
     assert set(p.entity_keys()) == keys
 
 
@@ -389,3 +411,38 @@ def test_lease_hog_cannot_block_unregister(victim: Victim,
         ftype, rreq, body = rawpeer.read_frame(s)
         assert (ftype, rreq) == (wire.F_DONE, 7)
         assert struct.unpack("<I", body)[0] == Status.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_fake_acceptor_learns_nothing(victim: Victim, world: World) -> None:
+    """A listener without the secret posing as a peer: the initiator's link fails with
+    LLM_LINK_FAILED saying the peer did not prove it holds the secret, and it never sends its
+    hello (its cluster id, cache table and addresses) to that listener."""
+    d = victim.d
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received: list[bytes] = []
+
+    def fake() -> None:
+        conn, _addr = server.accept()
+        with conn:
+            conn.settimeout(5)
+            _t, _r, hello = rawpeer.read_frame(conn)
+            conn.sendall(rawpeer.frame(wire.F_AUTH_CHALLENGE, os.urandom(32) + hello[32:33]))
+            rawpeer.read_frame(conn)  # the initiator's proof (useless without the secret)
+            conn.sendall(rawpeer.frame(wire.F_AUTH_OK, os.urandom(32)))
+            try:
+                while chunk := conn.recv(65536):
+                    received.append(chunk)
+            except OSError:
+                pass  # reset by the initiator: what we expect
+
+    t = threading.Thread(target=fake)
+    t.start()
+    try:
+        with pytest.raises(kvdd.LLMError, match="did not prove") as info:
+            d.link(port, 9)
+        assert info.value.status == Status.LLM_LINK_FAILED
+    finally:
+        t.join(10)
+        server.close()
+    assert received == []

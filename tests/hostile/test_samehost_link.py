@@ -9,6 +9,7 @@ included) by the conformance harness."""
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import signal
 import socket
@@ -312,3 +313,21 @@ def test_spoofed_endpoint_reads_and_writes_nothing_in_a_third_process(
         t.join(30)
         srv.close()
         vs.close()
+
+
+def test_relinking_keeps_descriptors_bounded(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linking and unlinking again and again: this process keeps at most a bounded number of
+    owner tables (and pidfds) per reader process; the newest link is still one-sided."""
+    from kvdd.sim.fabric import samehost_link
+    monkeypatch.setattr(samehost_link, "MAX_TABLES_PER_READER", 3)
+    d, p, dh, ph = _setup(world)
+    port = p.listen_port or 0
+    fds0 = len(os.listdir("/proc/self/fd"))
+    for _ in range(12):
+        assert link(d, p) == [S]
+        assert _path(d, 1) == "process_vm"
+        assert d.unlink(port, 1, force=True) == [S]
+    assert len(os.listdir("/proc/self/fd")) - fds0 <= 3 + 2
+    assert link(d, p) == [S]
+    pull_cache_checked(world, d, ph, dh)
+    pull_cache_checked(world, p, dh, ph)

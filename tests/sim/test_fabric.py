@@ -1041,3 +1041,148 @@ def test_two_hosts_over_a_veth_pair(netns: tuple[str, str, str],
             for node in reversed(world.nodes):
                 node.close()
             cleanup()
+
+
+# ---- handshake extensions (the interface of the same-host data path) -----------------------------
+
+
+class _FakePath:
+    """A DataPath that takes nothing over (acquire -> None: TCP), recording what it saw."""
+
+    name = "fake"
+
+    def __init__(self, session: fabric.Session, value: bytes) -> None:
+        self.session = session
+        self.value = value
+        self.asked = 0
+        self.closed = False
+
+    def acquire(self, rc: fabric.RemoteCache, addrs: tuple[int, ...],
+                timeout_ms: int) -> tuple[int, object] | None:
+        self.asked += 1
+        return None
+
+    def release(self, lease: object) -> None:
+        raise AssertionError("never leased")
+
+    def read(self, lease: object, tensors: Any, src_off: np.ndarray, dst: Any,
+             dst_off: np.ndarray, length: np.ndarray, timeout_ms: int) -> int:
+        raise AssertionError("never leased")
+
+    def write(self, lease: object, tensors: Any, src: Any, src_off: np.ndarray,
+              dst_off: np.ndarray, length: np.ndarray, timeout_ms: int) -> int:
+        raise AssertionError("never leased")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_extensions_and_sessions_over_a_real_connection() -> None:
+    """Two instances of this process linked over a real TCP connection (RemoteConnection on the
+    listener's port): each side's offer reaches the other's accept with a session whose key and
+    transcript both sides share, the accepted DataPath becomes the link's data path, a transfer
+    it declines goes over TCP with the right bytes, and unlinking closes it."""
+    from kvdd.sim.engine import SimBackend
+    from kvdd.sim.entries import Entity
+    from kvdd.types import Cache, CacheDesc, CacheIndex, KvCacheExtParam, RegisterCfg
+
+    seen: list[_FakePath] = []
+
+    def offer(session: fabric.Session, owner: fabric.LinkOwner) -> bytes:
+        return f"{'I' if session.initiator else 'A'}{owner.cluster_id}".encode()
+
+    def accept(session: fabric.Session, value: bytes) -> object:
+        path = _FakePath(session, value)
+        seen.append(path)
+        return path
+
+    fabric.register_extension("fake", offer, accept)
+    a, b = SimBackend(71, 1), SimBackend(72, 2)
+    try:
+        assert a.initialize({"llm.DeviceId": "0", "llm.ListenIpInfo": "127.0.0.1:0"}) == S
+        assert b.initialize({"llm.DeviceId": "0", "llm.ListenIpInfo": "127.0.0.1:0"}) == S
+        src = np.arange(256, dtype=np.uint8)
+        dst = np.zeros(256, dtype=np.uint8)
+        desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(4, 64))
+        st, a_cache = a.register_kv_cache(desc, kvdd.tensor_addrs([src]), RegisterCfg())
+        assert st == S
+        st, b_cache = b.register_kv_cache(desc, kvdd.tensor_addrs([dst]), RegisterCfg())
+        assert st == S
+        port = a.listen_port
+        assert port
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        conn = fabric.RemoteConnection(sock, time.monotonic() + 5)
+        res = conn.link(b, True)
+        conn.close()
+        assert res.status == S and isinstance(res.handle, fabric.RemotePeer)
+        assert res.handle.data_path == "fake"
+        mine = res.handle.session
+        assert mine.initiator and mine.local_cluster_id == 72 and mine.peer_cluster_id == 71
+        theirs = a.entities[72].peer
+        assert isinstance(theirs, fabric.RemotePeer)
+        assert not theirs.session.initiator and theirs.session.peer_cluster_id == 72
+        assert theirs.session.key == mine.key and len(mine.key) == 32
+        assert theirs.session.transcript == mine.transcript
+        assert sorted(p.value for p in seen) == [b"A71", b"I72"]
+        b.entities[71] = Entity(res.handle, ("127.0.0.1", port))  # what LinkLlmClusters keeps
+        idx = CacheIndex(cluster_id=71, cache_id=a_cache, batch_index=1)
+        cache = Cache(cache_id=b_cache, cache_desc=desc, tensor_addrs=[int(dst.ctypes.data)])
+        assert b.pull_kv_cache(idx, cache, 2, -1, KvCacheExtParam()) == S
+        assert (dst[128:192] == src[64:128]).all() and not dst[:128].any() and not dst[192:].any()
+        path = next(p for p in seen if p.session.initiator)
+        assert path.asked == 1  # asked first, declined: the bytes went over TCP
+        res.handle.close()
+        assert path.closed
+    finally:
+        fabric.unregister_extension("fake")
+        b.finalize()
+        a.finalize()
+
+
+# ---- the owner's streaming of a request (kvdd.sim.fabric.serving) ---------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_served_runs_stream_exactly(seed: int) -> None:
+    """RunPlan.send / receive move exactly the bytes of runs (off[j], length[j]) of tensors k
+    (k outer, j inner), with short runs staged in chunks, long runs direct, DATA frames of any
+    size on receive, and nothing outside the runs touched."""
+    from kvdd._native._copy import Region
+    from kvdd.sim.fabric.serving import RunPlan, check_request
+
+    rng = np.random.default_rng(seed)
+    t_bytes = 1 << 23
+    src = [rng.integers(0, 256, t_bytes, dtype=np.uint8) for _ in range(3)]
+    dst = [rng.integers(0, 256, t_bytes, dtype=np.uint8) for _ in range(3)]
+    src_r = [Region(int(a.ctypes.data), t_bytes, a) for a in src]
+    dst_r = [Region(int(a.ctypes.data), t_bytes, a) for a in dst]
+    lengths = np.where(rng.random(400) < 0.1, rng.integers(70 << 10, 200 << 10, 400),
+                       rng.integers(0, 50_000, 400)).astype(np.int64)
+    lengths[:200] = rng.integers(1, 40, 200)  # a long stretch of tiny runs
+    starts = np.sort(rng.integers(0, t_bytes - (200 << 10), 400)).astype(np.int64)
+    tensors = np.array([2, 0, 2], np.int64)
+    assert check_request(3, t_bytes, tensors, starts, lengths) == S
+    expected = [d.copy() for d in dst]
+    # reference: the byte stream, then scattered into the same runs of the destination tensors
+    stream = np.concatenate([src[k][o:o + n] for k in tensors.tolist()
+                             for o, n in zip(starts.tolist(), lengths.tolist())])
+    pos = 0
+    for k in tensors.tolist():
+        for o, n in zip(starts.tolist(), lengths.tolist()):
+            expected[k][o:o + n] = stream[pos:pos + n]
+            pos += n
+    a, b = socket.socketpair()
+    sender = RunPlan(src_r, tensors, starts, lengths)
+    assert sender.total == len(stream)
+    done = threading.Thread(target=sender.send, args=(a, 5))
+    done.start()
+    RunPlan(dst_r, tensors, starts, lengths).receive(b, 5, wire.read_header)
+    done.join()
+    a.close()
+    b.close()
+    for got, exp in zip(dst, expected):
+        assert np.array_equal(got, exp)
+    assert check_request(3, t_bytes, np.array([3]), starts, lengths) == Status.LLM_PARAM_INVALID
+    bad = starts.copy()
+    bad[-1] = t_bytes - int(lengths[-1]) + 1
+    assert check_request(3, t_bytes, tensors, bad, lengths) == Status.LLM_PARAM_INVALID

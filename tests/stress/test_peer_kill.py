@@ -274,10 +274,13 @@ def test_peer_killed_mid_transfer_long(xproc: None, watchdog: float, monkeypatch
     print(kill_rounds(40 if PROFILE == "long" else 20, 2, monkeypatch))
 
 
-def test_serving_side_faults_reach_other_processes(xproc: None, watchdog: float) -> None:
+def test_serving_side_faults_reach_other_processes(xproc: None, watchdog: float,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer process started with ``KVDD_SIM_FAULTS='...:serve=1'`` serves slowly: a caller whose
     llm.SyncKvCacheWaitTime is shorter than the injected delay times out (and its link is broken,
-    §10 rule 8); a patient caller gets exact bytes.  Nothing is injected into the caller."""
+    §10 rule 8); a patient caller gets exact bytes.  Nothing is injected into the caller.  Over
+    TCP: the same-host one-sided path needs no serving (tests/hostile/test_samehost_link.py)."""
+    monkeypatch.setenv("KVDD_SIM_XPROC", "tcp")
     child = spawn(60, 60, "transfer:delay_ms=400:serve=1")
     callers = []
     try:

@@ -18,6 +18,7 @@ earlier.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -35,6 +36,7 @@ from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .. import faults
 from .protocol import LinkOwner, ServedCache
 from .leases import Lease
+from .logutil import warn_limited
 from .serving import RunPlan, check_request
 from .streams import Cursor, Layout, send_stream
 from .watchdog import WATCHDOG
@@ -129,10 +131,8 @@ class Channel:
 
     def kill(self) -> None:
         """Abort the connection (errors, deadlines): both directions stop at once."""
-        try:
+        with contextlib.suppress(OSError):  # already closed: nothing to abort
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         if not self._started:
             self._on_dead()
 
@@ -193,14 +193,10 @@ class Channel:
             p.failed = True
             p.event.set()
         self._closed_wr.set()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
         with _endpoint_lock:
             chans = _endpoints.get(self.owner)
             if chans is not None:
@@ -241,8 +237,10 @@ class Channel:
                     return
                 else:
                     raise ProtocolError(f"unexpected frame type {ftype} on a link")
-        except (OSError, ProtocolError, struct.error) as exc:  # a dead socket or a misbehaving peer
+        except OSError as exc:  # the peer closed or died, or we closed
             logger.debug("kvdd fabric %s: connection ends: %s", self.label, exc)
+        except (ProtocolError, struct.error) as exc:  # an authenticated peer broke the protocol
+            warn_limited(logger, "protocol", "kvdd fabric %s: closing the link: %s", self.label, exc)
         except Exception:  # a bug: log it; the connection ends and transfers get LLM_TIMEOUT
             logger.exception("kvdd fabric %s: reader failed", self.label)
         finally:

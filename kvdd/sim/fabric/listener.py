@@ -244,8 +244,8 @@ class Listener:
         try:
             secret = load_secret()
         except SecretError as exc:
-            logger.error("kvdd fabric: cannot authenticate links to %s:%d: %s", self.ip,
-                         self.port, exc)
+            warn_limited(logger, "secret", "kvdd fabric: cannot authenticate links to %s:%d: %s",
+                         self.ip, self.port, exc)
             self._refuse(state, auth_refusal(Status.LLM_LINK_FAILED,
                                              "the peer has no usable fabric secret (see its log)"),
                          str(exc))
@@ -271,8 +271,8 @@ class Listener:
         if not hmac.compare_digest(proof, expected):
             self._refuse(state, auth_refusal(
                 Status.LLM_LINK_FAILED,
-                "authentication failed: the peer does not hold this process's fabric secret; set "
-                "the same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
+                "authentication failed: the two sides hold different fabric secrets; set the "
+                "same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
                 "(`kvdd fabric-secret` makes one)"), "wrong secret")
             return
         t1 = hashlib.sha256(state.t0 + proof).digest()

@@ -40,6 +40,7 @@ __all__ = ["SameHostPath", "install", "extension_offer", "extension_accept", "li
 _WAIT = struct.Struct("<I")  # SyncKvCacheWaitTime (ms) of the side that sends the entry
 _STATE_TTL_S = 30.0
 _MAX_STATES = 1024
+MAX_TABLES_PER_READER = 64  # owner tables kept for one reader process (older links use TCP)
 
 
 class SameHostPath:
@@ -56,10 +57,11 @@ class SameHostPath:
 
     def activate(self, reader: OneSidedPeer) -> None:
         with self._lock:
-            if self._closed:
+            if not self._closed:
+                self._reader = reader
+                self.name = "process_vm"
                 return
-            self._reader = reader
-            self.name = "process_vm"
+        reader.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, object] | None:
@@ -111,7 +113,7 @@ _lock = threading.Lock()
 # by session transcript: the initiator's owner (offer -> accept), the acceptor's path (accept ->
 # offer); entries of handshakes that never got to the second callback expire
 _states: dict[tuple[bool, bytes], _LinkState] = {}
-_tables: list[tuple[ServedTable, SameHostLink]] = []  # owner tables with their proven readers
+_tables: list[ServedTable] = []  # owner tables attached to proven readers, oldest first
 
 
 def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> None:
@@ -135,14 +137,20 @@ def live_tables() -> int:
 
 
 def _sweep() -> None:
-    """Drop the tables (and pidfds) of readers that exited."""
+    """Drop the tables (and pidfds) of readers that exited, and the oldest of a reader that has
+    more than MAX_TABLES_PER_READER (their links fall back to TCP): bounded fds and memory."""
     with _lock:
-        gone = [(t, link) for t, link in _tables if t.reader_gone]
-        for item in gone:
-            _tables.remove(item)
-    for table, link in gone:
-        table.close()
-        link.close()
+        gone = [t for t in _tables if t.closed or t.reader_gone]
+        per: dict[int, int] = {}
+        for t in reversed(_tables):
+            if t not in gone:
+                per[t.reader_pid] = per.get(t.reader_pid, 0) + 1
+                if per[t.reader_pid] > MAX_TABLES_PER_READER:
+                    gone.append(t)
+        for t in gone:
+            _tables.remove(t)
+    for t in gone:
+        t.close()
 
 
 def _make_table(owner: LinkOwner, holder: list[ServedTable]) -> tuple[int, int]:
@@ -156,15 +164,20 @@ def _make_table(owner: LinkOwner, holder: list[ServedTable]) -> tuple[int, int]:
 
 def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
            reads: bool) -> None:
-    """Both proven: attach our table to the reader, start our reads of the peer."""
+    """Both proven: attach our table to the reader, start our reads of the peer (the reader
+    side owns ``link`` from then on; the table holds its own duplicate of the pidfd)."""
     table.attach(link, peer_wait_ms)
     with _lock:
-        _tables.append((table, link))
-    if reads:
-        try:
-            path.activate(OneSidedPeer(link))
-        except SameHostRefused as exc:
-            logger.info("kvdd same-host: not reading pid %d one-sided: %s", link.peer_pid, exc)
+        _tables.append(table)
+    _sweep()
+    if not reads:
+        link.close()
+        return
+    try:
+        path.activate(OneSidedPeer(link))
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: not reading pid %d one-sided: %s", link.peer_pid, exc)
+        link.close()
 
 
 def _wait_ms(owner: LinkOwner) -> bytes:

@@ -58,7 +58,9 @@ __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
 STATE_UNREGISTERED = 1
 STATE_FINALIZED = 2
 STATE_CLOSED = 3
-DRAIN_GRACE_MS = 250  # beyond the reader's own time limit
+STATE_ABORT = 4  # (_xproc.LEASE_ABORT) a copy still running stops at its next system call
+DRAIN_PATIENCE_MS = 1000  # the longest an unregister waits for a copy before aborting it
+DRAIN_GRACE_MS = 250  # after the abort (or beyond the reader's own time limit)
 MAX_LEASE_MS = 600_000  # the longest reader time limit an owner honours
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
 
@@ -112,9 +114,12 @@ class ServedTable:
         for slot, entry in enumerate(self.entries):
             self.table.store(slot, 2, entry.cache_id)
         self._lock = threading.Lock()
-        self._link: SameHostLink | None = None
+        self._pidfd = -1  # the reader's, our own duplicate (closed by the last user after close)
+        self._waiting = 0  # threads in _wait (they use the pidfd)
+        self.reader_pid = 0
         self._wait_ms = 0
         self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
+        self._closing = False
         self._closed = False
 
     def take_fd(self) -> tuple[int, int]:
@@ -124,8 +129,10 @@ class ServedTable:
 
     def attach(self, link: SameHostLink, reader_wait_ms: int) -> None:
         """The reader is proven: its copies count from now; unregister waits for them."""
+        pidfd = os.dup(link.pidfd)
         with self._lock:
-            self._link = link
+            self._pidfd = pidfd
+            self.reader_pid = link.peer_pid
             self._wait_ms = min(max(reader_wait_ms, 0), MAX_LEASE_MS) + DRAIN_GRACE_MS
         for slot, entry in enumerate(self.entries):
             hook = self._hook(slot)
@@ -135,10 +142,15 @@ class ServedTable:
                 self.table.revoke(slot, STATE_UNREGISTERED)
 
     @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
     def reader_gone(self) -> bool:
         """True once the attached reader process exited (its table can be dropped)."""
-        link = self._link
-        return link is not None and not link.alive()
+        assert _xproc is not None
+        with self._lock:
+            return self._pidfd >= 0 and not self._closed and not _xproc.pidfd_alive(self._pidfd)
 
     def _hook(self, slot: int) -> Callable[[], None]:
         return lambda: self.drain(slot)
@@ -150,29 +162,47 @@ class ServedTable:
 
     def _wait(self, slot: int | None) -> None:
         with self._lock:
-            link, wait_ms = self._link, self._wait_ms
-        if link is None:
-            return
-        pidfd = link.pidfd
-        if pidfd < 0:  # the link was closed: the reader's counts are void
-            return
-        result = self.table.wait_idle(slot, wait_ms, pidfd)
-        if result == 2:  # garbage or a stuck reader: the link is over for good
-            logger.warning("kvdd same-host: reader pid %d still counted as copying after %d ms; "
-                           "closing its one-sided access", link.peer_pid, wait_ms)
+            pidfd, wait_ms = self._pidfd, self._wait_ms
+            if pidfd < 0:  # never attached, or closed and done: no reader counts here
+                return
+            self._waiting += 1
+        try:
+            # the reader's copies end by its own time limit; a copy still counted after
+            # DRAIN_PATIENCE_MS is aborted at its next system call (the lease-hog bound)
+            patience = min(wait_ms, DRAIN_PATIENCE_MS + DRAIN_GRACE_MS)
+            result = self.table.wait_idle(slot, patience, pidfd)
+            if result == 2:
+                self.table.revoke(-1 if slot is None else slot, STATE_ABORT)
+                result = self.table.wait_idle(slot, DRAIN_GRACE_MS, pidfd)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                last = self._closed and self._waiting == 0 and self._pidfd >= 0
+                if last:
+                    os.close(self._pidfd)
+                    self._pidfd = -1
+        if result == 2:  # garbage or a reader stuck in a system call: over for good
+            logger.warning("kvdd same-host: reader pid %d still counted as copying after an "
+                           "abort; closing its one-sided access", self.reader_pid)
             self.table.revoke(-1, STATE_CLOSED)
 
     def close(self, state: int = STATE_CLOSED) -> None:
-        """No new copy on any slot, wait for running ones (bounded), detach from the entries."""
+        """No new copy on any slot (the reader falls back to TCP), wait for running ones
+        (bounded), detach from the entries, drop the reader's pidfd."""
         self.table.revoke(-1, state)
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = True
         self._wait(None)
         for entry, hook in self._hooks:
             entry.remove_drain(hook)
         self._hooks.clear()
+        with self._lock:
+            self._closed = True
+            if self._waiting == 0 and self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -224,7 +254,10 @@ class OneSidedPeer:
             return TIMEOUT, None
         state = self.table.enter(slot)
         if state:
-            return (TIMEOUT if state == STATE_CLOSED else NOT_EXIST), None
+            if self.table.state(slot):  # unregistered (or its copy aborted)
+                return NOT_EXIST, None
+            self.usable = False  # the owner dropped the table: TCP carries this link from now
+            return None
         return S_OK, OneSidedLease(rc, slot, time.monotonic() + timeout_ms / 1000.0, addrs)
 
     def release(self, lease: OneSidedLease) -> None:
@@ -241,11 +274,15 @@ class OneSidedPeer:
         if left_ms <= 0:
             return TIMEOUT
         addrs = lease.addrs
+        pidfd = self.link.pidfd
+        if pidfd < 0:  # closed: never copy without the attested process held
+            return TIMEOUT
         try:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=self.link.pidfd)
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd,
+                            leases=self.table, slot=lease.slot)
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -253,7 +290,7 @@ class OneSidedPeer:
             return Status.LLM_FAILED
         except ProcessLookupError:  # the peer exited: certain death
             return TIMEOUT
-        except TimeoutError:
+        except (TimeoutError, ConnectionAbortedError):  # our limit, or the owner's patience
             return TIMEOUT
         except (ValueError, IndexError, TypeError):
             return Status.LLM_PARAM_INVALID
@@ -262,6 +299,7 @@ class OneSidedPeer:
         return S_OK
 
     def close(self) -> None:
-        """Stop using the path (the mapping goes with the last reference, never under a thread
-        still in :meth:`acquire` / :meth:`release`; the link's pidfd belongs to its creator)."""
+        """Stop using the path and drop the peer's pidfd (the engine never closes a handle while
+        one of its transfers runs; the mapping goes with the last reference)."""
         self.usable = False
+        self.link.close()

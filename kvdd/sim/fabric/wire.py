@@ -70,7 +70,10 @@ MAX_EXTENSION_BYTES = 4096  # their names and values, in all
 MAX_LEASES = 64  # outstanding leases per connection (a peer needs one at a time)
 MAX_JOBS = 16  # queued requests per connection
 MAX_QUEUED_BYTES = 8 << 20  # their payload bytes
-MAX_RUNS = 1 << 24  # tensors x runs of one READ/WRITE served to another process
+# tensors x runs of one READ/WRITE served to another process: above what LLM-DataDist's 2 MiB
+# request limit lets a pull ask (K + 2G <= 131064; a push layer would need > 16k tensors per layer
+# to reach it), so no real transfer is refused, while a request bomb costs nothing
+MAX_RUNS = 1 << 31
 LEASE_GRACE_MS = 250
 MAX_LEASE_MS = 60_000  # the longest SyncKvCacheWaitTime an owner honours for a peer's lease
 CLOSE_LINGER_S = 2.0

@@ -22,6 +22,8 @@ def pvm_copy(
     timeout_ms: int = -1,
     chunk: int = ...,
     pidfd: int = -1,
+    leases: LeaseTable | None = None,
+    slot: int = -1,
 ) -> int: ...
 def pvm_read_bytes(pid: int, addr: int, nbytes: int) -> bytes: ...
 def pvm_bench(pid: int, local: Region, remote: int, nbytes: int, write: bool) -> int: ...
@@ -43,6 +45,7 @@ LEASE_HEADER: int
 LEASE_SLOT: int
 LEASE_MAGIC: int
 LEASE_MAX_SLOTS: int
+LEASE_ABORT: int
 
 class LeaseTable:
     slots: int
