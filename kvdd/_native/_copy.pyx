@@ -5,7 +5,8 @@
 The engine builds :class:`Region` handles for memory it has validated (registered tensors) and asks
 for runs ``(src_off, dst_off, length)`` applied to each (source, destination) tensor pair. This module
 checks every run against every region again, snapshots the request into C memory (so nothing a Python
-thread does meanwhile can move it out of bounds) and copies without the GIL (_copy_impl.c).
+thread does meanwhile can move it out of bounds) and copies without the GIL (C: _copy_kernels.c for
+the per-run loops, _copy_impl.c for jobs and threads).
 
 How a call is executed
 ----------------------
@@ -24,10 +25,12 @@ How a call is executed
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
   run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
   helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
-  second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
-  latency from posting work to the helper starting it (it grows when the other CPU is busy) and
+  second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
+  2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
+  the end for the item the helper is still copying, which grows when the other CPU is busy) and
   ``cost`` the measured one-thread time per byte of this process's own calls
-  (:func:`threads_model`); ``set_threads_threshold`` fixes a size instead. The
+  (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
+  the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The
   helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
   spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
   concurrent caller gets a helper created for its call). Both threads claim work items from a shared
@@ -82,6 +85,7 @@ cdef extern from "_copy_impl.h" nogil:
     void kvdd_thread_stats(uint64_t out[4])
     int kvdd_auto_threads_allowed()
     uint64_t kvdd_threads_min_bytes()
+    int kvdd_threads_probe()
     void kvdd_threads_model(int64_t out[2])
     uint64_t kvdd_l2_bytes()
     uint64_t kvdd_llc_bytes()
@@ -357,8 +361,12 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     r.job.chunk = _chunk_size
     r.job.threads = 1
     cdef uint64_t auto_min = <uint64_t>_threads_threshold if _threads_threshold >= 0 else kvdd_threads_min_bytes()
-    if r.total > 0 and (threads == 2 or (threads == 0 and r.total >= auto_min
-                                          and kvdd_auto_threads_allowed())):
+    cdef bint auto_two = False
+    if threads == 0 and r.total >= auto_min:
+        auto_two = kvdd_auto_threads_allowed()
+    elif threads == 0 and _threads_threshold < 0 and r.total >= (256 << 10) and kvdd_auto_threads_allowed():
+        auto_two = kvdd_threads_probe()  # now and then: keep the measured start latency current
+    if r.total > 0 and (threads == 2 or auto_two):
         if kvdd_job_independent(&r.job):
             r.job.threads = 2
     return r
@@ -570,13 +578,14 @@ def set_threads_threshold(nbytes):
 
 
 def threads_model():
-    """The measured costs behind the automatic thread choice: ``start_us`` (latency of starting the
-    second thread), ``one_thread_gbps`` (one thread's copy speed, from this process's calls of at
+    """The measured costs behind the automatic thread choice: ``extra_us`` (what a 2-thread call
+    costs its caller beyond its own share: posting the work, waiting for the helper's last item),
+    ``one_thread_gbps`` (one thread's copy speed, from this process's calls of at
     least 256 KiB) and ``min_bytes`` (calls from this size use two threads when the threshold is
     None)."""
     cdef int64_t out[2]
     kvdd_threads_model(out)
-    return {"start_us": out[0] / 1e3, "one_thread_gbps": 1e3 / out[1] if out[1] > 0 else float("inf"),
+    return {"extra_us": out[0] / 1e3, "one_thread_gbps": 1e3 / out[1] if out[1] > 0 else float("inf"),
             "min_bytes": kvdd_threads_min_bytes()}
 
 

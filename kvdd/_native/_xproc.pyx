@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-# cython: embedsignature=True, embedsignature.format=python, autotestdict=False
+# cython: embedsignature=True, embedsignature.format=python, autotestdict=False, auto_pickle=False
 """One-sided access to another process's memory on this host (Linux ``process_vm_readv`` /
 ``process_vm_writev``), for the simulator's same-host cross-process data path.
 
@@ -136,6 +136,12 @@ cdef int _gather(object arr, int64_t *out, Py_ssize_t n, str what) except -1:
     return 0
 
 
+cdef enum:
+    _ABORT = 4  # LEASE_ABORT: a state word at least this stops a running copy between calls
+
+cdef class LeaseTable
+
+
 cdef struct _Job:
     pid_t pid
     bint write
@@ -151,6 +157,9 @@ cdef struct _Job:
     uint64_t done         # bytes moved
     int err               # errno of the failure, 0 on success
     bint timed_out
+    uint64_t *abort_word  # a lease-table slot state word: >= _ABORT stops the copy, or NULL
+    uint64_t *abort_link  # the table's link state word (same meaning), or NULL
+    bint aborted
 
 
 cdef void _run(_Job *job) noexcept nogil:
@@ -192,6 +201,10 @@ cdef void _run(_Job *job) noexcept nogil:
             # this point starts no copy once its lease is over
             if job.deadline >= 0 and _now_ns() > job.deadline:
                 job.timed_out = True
+                return
+            if job.abort_word != NULL and (kvdd_load(job.abort_word) >= _ABORT or
+                                           kvdd_load(job.abort_link) >= _ABORT):
+                job.aborted = True
                 return
             if job.write:
                 r = process_vm_writev(job.pid, &liov[i], <unsigned long>(n - i), &riov[i],
@@ -241,9 +254,13 @@ cdef inline bint _pidfd_exited(int fd) noexcept nogil:
         return r != 0
 
 
+#: A lease-table state at least this stops a running copy at its next system call.
+LEASE_ABORT = _ABORT
+
+
 def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
              write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK,
-             pidfd: int = -1) -> int:
+             pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1) -> int:
     """Copy runs between this process's regions and another process's memory.
 
     For ``k in range(len(local))``, for ``j in range(len(length))``::
@@ -275,6 +292,10 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         after the copy (GIL released), so a pid reused by a later process is never trusted:
         ``ProcessLookupError`` when it has exited (before: nothing moved; after: the bytes are not
         to be trusted).  Negative: no check.
+    leases, slot : LeaseTable, int, keyword-only
+        The lease this copy runs under: between system calls, a slot or link state of at least
+        :data:`LEASE_ABORT` (the owner gave up waiting) stops it (``ConnectionAbortedError``; the
+        destination holds a prefix).
 
     Returns
     -------
@@ -316,6 +337,12 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
     job.done = 0
     job.err = 0
     job.timed_out = False
+    job.aborted = False
+    job.abort_word = NULL
+    job.abort_link = NULL
+    if leases is not None:
+        job.abort_word = leases._slot(slot) + _S_STATE
+        job.abort_link = leases.base + _H_STATE
     job.deadline = -1 if timeout_ms < 0 else _now_ns() + <int64_t>timeout_ms * 1000000
     cdef uintptr_t addrs_small[2 * _SMALL + 1]
     cdef int64_t runs_small[3 * _SMALL + 1]
@@ -384,6 +411,8 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
                       f"{strerror(job.err).decode(errors='replace')} after {job.done} bytes")
     if job.timed_out:
         raise TimeoutError(f"pvm_copy: {timeout_ms} ms passed after {job.done} bytes")
+    if job.aborted:
+        raise ConnectionAbortedError(f"pvm_copy: the owner revoked the lease after {job.done} bytes")
     return job.done
 
 

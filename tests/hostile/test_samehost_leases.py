@@ -192,27 +192,31 @@ def test_scribbled_table_is_survived_and_bounded() -> None:
     try:
         m = mmap.mmap(p.fd, _xproc.LEASE_HEADER + 2 * _xproc.LEASE_SLOT)
         rng = np.random.default_rng(11)
+        seen = set()
         for trial in range(20):
             m[:] = rng.integers(0, 256, len(m), dtype=np.uint8).tobytes()
-            if trial % 3 == 0:  # sometimes plausible: zero states, huge or zero counts
-                m[64:128] = bytes(8) + bytes(56)
+            if trial < 6:  # plausible first: both state words zero, the count anything
+                m[16:24] = bytes(8)
+                m[72:80] = bytes(8)
             dst = _arena(200 + trial)
             before = dst.copy()
             st = _pull(p, 3, dst)
-            assert st in (Status.LLM_SUCCESS, Status.LLM_KV_CACHE_NOT_EXIST, Status.LLM_TIMEOUT)
-            assert st != -1  # the labels were read once, at attach: garbage now cannot move them
+            seen.add(int(st))
+            # success, not found, or "not this path" (-1: the reader now leaves the link to TCP)
+            assert st in (Status.LLM_SUCCESS, Status.LLM_KV_CACHE_NOT_EXIST, -1)
             assert np.array_equal(dst[:GUARD], before[:GUARD])
             assert np.array_equal(dst[-GUARD:], before[-GUARD:])
             if st == Status.LLM_SUCCESS:
                 assert np.array_equal(dst[GUARD:-GUARD], p.entries[0].arena[GUARD:-GUARD])
             else:
                 assert np.array_equal(dst, before)
+        assert Status.LLM_SUCCESS in seen and len(seen) >= 2
         m[:] = b"\xff" * len(m)  # every count nonzero for good
         m.close()
         t0 = time.monotonic()
         p.entries[1].unregister()
         took = time.monotonic() - t0
-        assert 0.09 < took < 0.35 + 1.0  # 100 ms + 250 ms grace, never unbounded
+        assert 0.09 < took < 0.35 + 1.0  # the cap (100 ms) + 250 ms, with an abort: bounded
         assert p.served.table.state(-1) == STATE_CLOSED
     finally:
         p.served.close()
@@ -284,3 +288,33 @@ def test_a_closed_table_sends_the_reader_to_tcp(pair: Pair) -> None:
     assert _pull(pair, 3, _arena(1)) == Status.LLM_SUCCESS
     pair.served.close()
     assert _pull(pair, 3, _arena(2)) == -1 and _pull(pair, 5, _arena(3)) == -1
+
+
+def test_a_lease_hog_cannot_hold_unregister() -> None:
+    """A living reader that announced a 10-minute wait and keeps a slot counted forever: the
+    owner's unregister aborts it after DRAIN_PATIENCE_MS, waits for the still-counted living
+    reader (§10 rule 5) up to the owner's cap (60 s; shortened to 2 s here) + grace, and returns;
+    the link's one-sided access is closed for good (issue #11 review F2/F4)."""
+    from kvdd.sim.fabric.samehost_path import DRAIN_GRACE_MS
+    entries = [FakeEntry(1, _arena(1))]
+    served = ServedTable({1: entries[0]}, 2000)  # type: ignore[dict-item]
+    fd, _slots = served.take_fd()
+    code = ("import sys, time; from kvdd._native import _xproc\n"
+            "t = _xproc.LeaseTable(int(sys.argv[1]), 1)\nassert t.enter(0) == 0\n"
+            "print('in', flush=True)\ntime.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(fd)], pass_fds=(fd,),
+                             stdout=subprocess.PIPE, text=True)
+    os.close(fd)
+    try:
+        served.attach(samehost.SameHostLink(child.pid, os.getuid(), _xproc.pidfd_open(child.pid)),
+                      600_000)
+        assert child.stdout is not None and child.stdout.readline().strip() == "in"
+        t0 = time.monotonic()
+        entries[0].unregister()
+        took = time.monotonic() - t0
+        assert (2000 + DRAIN_GRACE_MS) / 1e3 * 0.9 < took < 5.0
+        assert served.table.state(-1) == STATE_CLOSED and child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+        served.close()

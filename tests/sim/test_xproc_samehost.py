@@ -204,3 +204,32 @@ def test_pvm_bench_runs_moves_exactly_the_runs() -> None:
         _xproc.pvm_bench_runs(os.getpid(), Region(int(dst.ctypes.data), dst.nbytes, dst),
                               int(src.ctypes.data), np.array([1 << 16], np.int64),
                               np.array([0], np.int64), np.array([1], np.int64), False)
+
+
+def test_pvm_copy_stops_when_its_lease_is_aborted() -> None:
+    """An owner that gave up waiting sets the slot (or link) state to LEASE_ABORT: a running copy
+    stops at its next system call; lower states (no new copy) do not stop it."""
+    fd = _table_fd(2)
+    try:
+        table = _xproc.LeaseTable(fd, 2, True)
+    finally:
+        os.close(fd)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    runs = 16
+    args = (os.getpid(), [Region(int(dst.ctypes.data), dst.nbytes, dst)], [int(src.ctypes.data)],
+            src.nbytes, np.arange(runs, dtype=np.int64) * 4096, np.arange(runs, dtype=np.int64) * 4096,
+            np.full(runs, 4096, np.int64), False)
+    table.revoke(1, _xproc.LEASE_ABORT - 1)  # "no new copy": a running one finishes
+    assert _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=1) == 1 << 16
+    dst[:] = 0
+    table.revoke(1, _xproc.LEASE_ABORT)
+    with pytest.raises(ConnectionAbortedError, match="after 4096 bytes"):
+        _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=1)
+    assert dst[:4096].any() and not dst[4096:].any()  # one system call, then it stopped
+    assert _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=0) == 1 << 16  # another slot
+    table.revoke(-1, _xproc.LEASE_ABORT)  # the whole link
+    with pytest.raises(ConnectionAbortedError):
+        _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=0)
+    with pytest.raises(IndexError):
+        _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=2)

@@ -12,8 +12,10 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   ``SyncKvCacheWaitTime``.
 * owner (:class:`ServedTable`): unregister sets the slot's state (no new copy starts), then waits
   until its in-flight count is zero; unlink and finalize do the same with the link's state word.
-  The wait ends early when the reader process exited (its pidfd: a dead reader's counts are void)
-  and at the latest after ``MAX_LEASE_MS + DRAIN_GRACE_MS`` (the cap the TCP path uses too: a
+  After DRAIN_PATIENCE_MS of waiting the owner aborts the copy (state STATE_ABORT: the reader
+  checks it, like its deadline, right before every system call and stops).  The wait ends when
+  the count is zero, early when the reader process exited (its pidfd: a dead reader's counts are
+  void), and at the latest after ``MAX_LEASE_MS + DRAIN_GRACE_MS`` (the cap the TCP path uses too: a
   living reader is waited for, SEMANTICS.md §10 rule 5, but not forever).  Once a wait ended
   because the reader died or the cap passed, the link is closed for good (no new copy starts) and
   no later unregister / unlink / finalize waits on this table again (issue #11 F2).  A reader's
@@ -23,6 +25,10 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   ``PVM_CHUNK``) after the owner's wait ended: see docs/security.md.
   All accesses are sequentially consistent, so a reader that the owner's wait did not count must
   see the owner's state word.
+
+Limit: a reader stopped *inside* one ``process_vm_writev`` (or between its last check and the
+call) for longer than the cap could still finish that one call after the owner's unregister
+returned; on hardware a late RDMA write is the same hazard.
 
 The table is untrusted input for both sides: a peer may scribble anything into it.  Indices are
 checked against the slot count each side mapped; values are only compared with zero; nothing read
@@ -65,6 +71,8 @@ __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED",
 STATE_UNREGISTERED = 1
 STATE_FINALIZED = 2
 STATE_CLOSED = 3
+STATE_ABORT = 4  # (_xproc.LEASE_ABORT) a copy still running stops at its next system call
+DRAIN_PATIENCE_MS = 1000  # how long an unregister waits for a copy before aborting it
 DRAIN_GRACE_MS = LEASE_GRACE_MS  # beyond the cap, as on the TCP path
 PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
 
@@ -177,7 +185,14 @@ class ServedTable:
                 return
             self._waiting += 1
         try:
-            result = self.table.wait_idle(slot, wait_ms, pidfd)
+            # a copy still counted after DRAIN_PATIENCE_MS is aborted at its next system call;
+            # a living reader still counted then is waited for (§10 rule 5) up to the cap
+            t0 = time.monotonic()
+            result = self.table.wait_idle(slot, min(wait_ms, DRAIN_PATIENCE_MS), pidfd)
+            if result == 2:
+                self.table.revoke(-1 if slot is None else slot, STATE_ABORT)
+                left = wait_ms - int((time.monotonic() - t0) * 1000)
+                result = self.table.wait_idle(slot, max(left, 0), pidfd)
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -260,11 +275,11 @@ class OneSidedPeer:
         if timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
         state = self.table.enter(slot)
-        if state == STATE_CLOSED:  # the owner dropped the table: TCP carries this link from now
-            self.usable = False
-            return None
         if state:
-            return NOT_EXIST, None
+            if self.table.state(slot):  # unregistered (or its copy aborted)
+                return NOT_EXIST, None
+            self.usable = False  # the owner dropped the table: TCP carries this link from now
+            return None
         limit_ms = min(timeout_ms, MAX_LEASE_MS)  # the owner waits no longer (TCP: the same)
         return S_OK, OneSidedLease(rc, slot, time.monotonic() + limit_ms / 1000.0, addrs)
 
@@ -289,7 +304,8 @@ class OneSidedPeer:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd)
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd,
+                            leases=self.table, slot=lease.slot)
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -297,7 +313,8 @@ class OneSidedPeer:
             return Status.LLM_FAILED
         except ProcessLookupError:  # the peer exited: certain death
             return TIMEOUT
-        except TimeoutError:  # a copy that ran past the deadline too: the owner may have moved on
+        except (TimeoutError, ConnectionAbortedError):  # our limit (also a copy that ran past
+            # it: the owner may have moved on), or the owner's abort
             return TIMEOUT
         except (ValueError, IndexError, TypeError):
             return Status.LLM_PARAM_INVALID

@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 
 import numpy as np
+from typing_extensions import disjoint_base
 
 from kvdd._native._copy import Region
 
@@ -22,6 +23,8 @@ def pvm_copy(
     timeout_ms: int = -1,
     chunk: int = ...,
     pidfd: int = -1,
+    leases: LeaseTable | None = None,
+    slot: int = -1,
 ) -> int: ...
 def pvm_read_bytes(pid: int, addr: int, nbytes: int) -> bytes: ...
 def pvm_bench(pid: int, local: Region, remote: int, nbytes: int, write: bool) -> int: ...
@@ -43,10 +46,12 @@ LEASE_HEADER: int
 LEASE_SLOT: int
 LEASE_MAGIC: int
 LEASE_MAX_SLOTS: int
+LEASE_ABORT: int
 
+@disjoint_base
 class LeaseTable:
     slots: int
-    def __init__(self, fd: int, slots: int, init: bool = False) -> None: ...
+    def __new__(cls, fd: int, slots: int, init: bool = False) -> LeaseTable: ...
     def close(self) -> None: ...
     def header(self) -> tuple[int, int, int]: ...
     def enter(self, slot: int) -> int: ...
