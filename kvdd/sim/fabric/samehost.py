@@ -54,6 +54,9 @@ try:  # always built on Linux; absent elsewhere → TCP only
 except ImportError:  # pragma: no cover
     _xproc = None  # type: ignore[assignment]
 
+from .samehost_attest import (SameHostRefused, attest, pass_pidfd, pidfd_passing,
+                              recv_msg, same_sender)
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused", "Endpoint",
@@ -73,16 +76,6 @@ MAX_PENDING = 256  # sessions waiting for their initiator, per process
 PENDING_TTL_S = 10.0  # a session not claimed within this is forgotten
 _M_HELLO, _M_REPLY, _M_FINAL, _M_ACK = b"H", b"R", b"F", b"K"
 
-#: ``SO_PASSPIDFD`` / ``SCM_PIDFD`` (Linux >= 6.5; Python 3.11's socket module lacks the names).
-#: The option number is the asm-generic one (``include/uapi/asm-generic/socket.h``), used by
-#: x86-64, aarch64, riscv, arm, s390, loongarch; alpha, mips, parisc, powerpc and sparc define
-#: their own, so there the path is not offered.  ``SCM_PIDFD`` is 4 everywhere (linux/socket.h).
-_GENERIC_SOCKET_ABI = {"x86_64", "aarch64", "arm64", "riscv64", "s390x", "loongarch64", "armv7l",
-                       "armv8l", "i686", "i386"}
-SO_PASSPIDFD = 76 if os.uname().machine in _GENERIC_SOCKET_ABI else None
-SCM_PIDFD = 4
-
-
 class SessionKeys(Protocol):
     """What the proof needs of an authenticated session (the handshake's ``Session``)."""
 
@@ -94,10 +87,6 @@ class SessionKeys(Protocol):
 
     @property
     def initiator(self) -> bool: ...
-
-
-class SameHostRefused(Exception):
-    """The same-host path is not used for this link (the message says why); TCP carries it."""
 
 
 @dataclass
@@ -185,34 +174,6 @@ def _kernel_check() -> tuple[bool, str]:
     return _self_check
 
 
-_pidfd_check: tuple[bool, str] | None = None
-
-
-def _pidfd_passing() -> tuple[bool, str]:
-    """The kernel attaches the sender's pidfd to AF_UNIX messages (SO_PASSPIDFD; checked once)."""
-    global _pidfd_check
-    if _pidfd_check is None:
-        if SO_PASSPIDFD is None:
-            _pidfd_check = (False, f"SO_PASSPIDFD's number is not known for {os.uname().machine}")
-            return _pidfd_check
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            _pass_pidfd(b)
-            a.sendall(b"?")
-            _data, _fds, pidfd = _recv_msg(b)
-            ok = pidfd >= 0 and _pidfd_pid(pidfd) == os.getpid()
-            _close_fd(pidfd)
-            _pidfd_check = (ok, "" if ok else "/proc/self/fdinfo shows pids of another pid "
-                                              "namespace (mount a procfs of this one)")
-        except (OSError, SameHostRefused) as exc:
-            _pidfd_check = (False, f"the kernel does not pass pidfds on AF_UNIX sockets "
-                                   f"(SO_PASSPIDFD: {exc}; Linux >= 6.5 needed)")
-        finally:
-            a.close()
-            b.close()
-    return _pidfd_check
-
-
 def availability() -> tuple[bool, str]:
     """Whether links from this process may use the same-host path, and why (for ``kvdd doctor``)."""
     if _xproc is None:
@@ -225,7 +186,7 @@ def availability() -> tuple[bool, str]:
     ok, why = _kernel_check()
     if not ok:
         return False, why + ": same-host links use TCP"
-    ok, why = _pidfd_passing()
+    ok, why = pidfd_passing()
     if not ok:
         return False, why + ": same-host links use TCP"
     scope = ptrace_scope()
@@ -300,53 +261,13 @@ def _send(sock: socket.socket, kind: bytes, body: bytes = b"", fd: int = -1) -> 
         sock.sendall(msg)
 
 
-def _pass_pidfd(sock: socket.socket) -> None:
-    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message ``sock`` gets."""
-    if SO_PASSPIDFD is None:
-        raise SameHostRefused("SO_PASSPIDFD is not known on this architecture")
-    sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
-
-
-_ANC = socket.CMSG_SPACE(4) * 2 + 64  # one SCM_RIGHTS fd + one SCM_PIDFD (+ room to see extras)
-
-
-def _recv_msg(sock: socket.socket) -> tuple[bytes, list[int], int]:
-    """One message: its bytes, the fds it carried (SCM_RIGHTS) and the sender's pidfd (-1: none).
-
-    Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
-    data, anc, flags, _addr = sock.recvmsg(MAX_MSG, _ANC)
-    fds: list[int] = []
-    pidfd = -1
-    bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
-    for level, kind, payload in anc:
-        if level != socket.SOL_SOCKET:
-            continue
-        got = [int.from_bytes(payload[i:i + 4], "little", signed=True)
-               for i in range(0, len(payload) - len(payload) % 4, 4)]
-        if kind == socket.SCM_RIGHTS:
-            fds.extend(got)
-        elif kind == SCM_PIDFD and got:
-            if pidfd >= 0 or len(got) != 1 or got[0] < 0:  # < 0: the kernel's error (sender gone)
-                bad = True
-            if got[0] >= 0 and pidfd < 0:
-                pidfd = got[0]
-            for extra in got[1:]:
-                if extra >= 0:
-                    fds.append(extra)
-    if bad:
-        for fd in fds + [pidfd]:
-            _close_fd(fd)
-        raise SameHostRefused("truncated message during the same-host proof")
-    return data, fds, pidfd
-
-
 def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]:
     """One message of ``kind`` with a body of exactly ``size`` bytes, the fd it carried (-1) and
     the pidfd of the process that sent it (-1 unless ``SO_PASSPIDFD`` is on).
 
     Any other message, an extra fd, or a truncated message: SameHostRefused (every fd
     received is closed unless returned)."""
-    data, fds, pidfd = _recv_msg(sock)
+    data, fds, pidfd = recv_msg(sock, MAX_MSG)
     fd = fds[0] if fds else -1
     ok = (len(fds) <= 1 and len(data) == len(_PROTO) + 1 + size and
           data.startswith(_PROTO + kind))
@@ -361,62 +282,6 @@ def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]
 def _close_fd(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
-
-
-def _pidfd_pid(pidfd: int) -> int:
-    """The pid (in our pid namespace) of the process behind ``pidfd``: -1 exited, 0 elsewhere."""
-    with open(f"/proc/self/fdinfo/{pidfd}") as f:
-        for line in f:
-            if line.startswith("Pid:"):
-                return int(line.split()[1])
-    raise SameHostRefused("the kernel's pidfd carries no pid (not a pidfd)")
-
-
-def _uids(pid: int) -> tuple[int, ...]:
-    """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Uid:"):
-                return tuple(int(x) for x in line.split()[1:5])
-    raise SameHostRefused(f"/proc/{pid}/status has no Uid line")
-
-
-def _attest(pidfd: int) -> tuple[int, int, int]:
-    """The identity of the process that sent the proof: ``(pid, uid, pidfd)`` from the pidfd the
-    kernel attached to that very message (SCM_PIDFD).  Same uid required; the pidfd is closed on
-    refusal, kept otherwise."""
-    assert _xproc is not None
-    try:
-        usable, why = _pidfd_passing()  # also: /proc is of our pid namespace
-        if not usable:
-            raise SameHostRefused(why)
-        if pidfd < 0:
-            raise SameHostRefused("the kernel attached no pidfd to the proof (SO_PASSPIDFD)")
-        pid = _pidfd_pid(pidfd)
-        if pid <= 0 or pid == os.getpid():
-            raise SameHostRefused("the kernel reports no usable peer process")
-        try:
-            uids = _uids(pid)
-        except OSError:
-            raise SameHostRefused("the peer process exited during the proof") from None
-        if not _xproc.pidfd_alive(pidfd):  # so the /proc read above was of this very process
-            raise SameHostRefused("the peer process exited during the proof")
-        if any(u != os.getuid() for u in uids):
-            raise SameHostRefused(f"the process at the other end runs as uid {uids[1]}, not "
-                                  f"{os.getuid()}")
-    except BaseException:
-        _close_fd(pidfd)
-        raise
-    return pid, uids[1], pidfd
-
-
-def _same_sender(pidfd: int, pid: int) -> None:
-    """A later message's sender (its SCM_PIDFD, closed here) must be the attested process."""
-    try:
-        if pidfd < 0 or _pidfd_pid(pidfd) != pid:
-            raise SameHostRefused("a later proof message came from another process")
-    finally:
-        _close_fd(pidfd)
 
 
 # ---- the initiator --------------------------------------------------------------------------------
@@ -441,7 +306,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
         link: SameHostLink | None = None
         try:
             sock.settimeout(timeout_s)
-            _pass_pidfd(sock)
+            pass_pidfd(sock)
             try:
                 sock.connect(name)
             except OSError as exc:
@@ -449,7 +314,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             _send(sock, _M_HELLO, _sid(session) + _proof(session, b"initiator"))
             body, fd, sender = _recv(sock, _M_REPLY, 36)
             try:
-                pid, uid, pidfd = _attest(sender)  # the process that sent the acceptor's proof
+                pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
             except BaseException:
                 _close_fd(fd)
                 raise
@@ -466,7 +331,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             _send(sock, _M_FINAL, struct.pack("<I", own_slots), own_fd)
             _body, extra, sender = _recv(sock, _M_ACK, 0)
             _close_fd(extra)
-            _same_sender(sender, pid)
+            same_sender(sender, pid)
             if not link.alive():
                 raise SameHostRefused("the peer process exited during the proof")
             return link
@@ -574,10 +439,10 @@ class Endpoint:
         attached = False
         try:
             conn.settimeout(SETUP_TIMEOUT_S)
-            _pass_pidfd(conn)  # the hello may be queued already: the kernel recorded its sender
+            pass_pidfd(conn)  # the hello may be queued already: the kernel recorded its sender
             body, fd, sender = _recv(conn, _M_HELLO, 64)
             _close_fd(fd)
-            pid, uid, pidfd = _attest(sender)  # the process that sent the initiator's proof
+            pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof
             link = SameHostLink(pid, uid, pidfd)
             pending = self._claim(body[:32])
             if pending is None:
@@ -592,7 +457,7 @@ class Endpoint:
             body, fd, sender = _recv(conn, _M_FINAL, 4)
             (slots,) = struct.unpack("<I", body)
             link.table_fd, link.table_slots = fd, slots
-            _same_sender(sender, pid)
+            same_sender(sender, pid)
             if fd < 0 or slots > _max_slots():
                 raise SameHostRefused("the initiator sent no usable lease table")
             if not link.alive():

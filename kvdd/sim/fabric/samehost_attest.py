@@ -1,0 +1,165 @@
+"""Which process sent a message: the kernel's word for the same-host proof (issue #11, F1).
+
+``SO_PASSPIDFD`` (Linux >= 6.5) makes the kernel attach to every message an AF_UNIX socket
+receives a pidfd (``SCM_PIDFD``) on the process that *sent* that message.  The same-host proof
+(:mod:`.samehost`) takes the pidfd that came with the peer's HMAC proof of the session key and
+holds it for the link's life: the process attested is the one that proved the key, whoever called
+``listen()`` / ``connect()`` (``SO_PEERCRED`` names those, and a key holder can let them exit so
+that their pid is reused by a third process).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+try:  # always built on Linux; absent elsewhere → TCP only
+    from ..._native import _xproc
+except ImportError:  # pragma: no cover
+    _xproc = None  # type: ignore[assignment]
+
+__all__ = ["SameHostRefused", "SO_PASSPIDFD", "SCM_PIDFD", "pidfd_passing", "pass_pidfd",
+           "recv_msg", "pidfd_pid", "uids_of", "attest", "same_sender", "close_fd"]
+
+
+def close_fd(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
+
+
+#: ``SO_PASSPIDFD`` / ``SCM_PIDFD`` (Linux >= 6.5; Python 3.11's socket module lacks the names).
+#: The option number is the asm-generic one (``include/uapi/asm-generic/socket.h``), used by
+#: x86-64, aarch64, riscv, arm, s390, loongarch; alpha, mips, parisc, powerpc and sparc define
+#: their own, so there the path is not offered.  ``SCM_PIDFD`` is 4 everywhere (linux/socket.h).
+_GENERIC_SOCKET_ABI = {"x86_64", "aarch64", "arm64", "riscv64", "s390x", "loongarch64", "armv7l",
+                       "armv8l", "i686", "i386"}
+SO_PASSPIDFD = 76 if os.uname().machine in _GENERIC_SOCKET_ABI else None
+SCM_PIDFD = 4
+
+
+class SameHostRefused(Exception):
+    """The same-host path is not used for this link (the message says why); TCP carries it."""
+
+
+_pidfd_check: tuple[bool, str] | None = None
+
+
+def pidfd_passing() -> tuple[bool, str]:
+    """The kernel attaches the sender's pidfd to AF_UNIX messages (SO_PASSPIDFD; checked once)."""
+    global _pidfd_check
+    if _pidfd_check is None:
+        if SO_PASSPIDFD is None:
+            _pidfd_check = (False, f"SO_PASSPIDFD's number is not known for {os.uname().machine}")
+            return _pidfd_check
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pass_pidfd(b)
+            a.sendall(b"?")
+            _data, _fds, pidfd = recv_msg(b, 64)
+            ok = pidfd >= 0 and pidfd_pid(pidfd) == os.getpid()
+            close_fd(pidfd)
+            _pidfd_check = (ok, "" if ok else "/proc/self/fdinfo shows pids of another pid "
+                                              "namespace (mount a procfs of this one)")
+        except (OSError, SameHostRefused) as exc:
+            _pidfd_check = (False, f"the kernel does not pass pidfds on AF_UNIX sockets "
+                                   f"(SO_PASSPIDFD: {exc}; Linux >= 6.5 needed)")
+        finally:
+            a.close()
+            b.close()
+    return _pidfd_check
+
+
+def pass_pidfd(sock: socket.socket) -> None:
+    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message ``sock`` gets."""
+    if SO_PASSPIDFD is None:
+        raise SameHostRefused("SO_PASSPIDFD is not known on this architecture")
+    sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
+
+
+_ANC = socket.CMSG_SPACE(4) * 2 + 64  # one SCM_RIGHTS fd + one SCM_PIDFD (+ room to see extras)
+
+
+def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
+    """One message: its bytes, the fds it carried (SCM_RIGHTS) and the sender's pidfd (-1: none).
+
+    Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
+    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC)
+    fds: list[int] = []
+    pidfd = -1
+    bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+    for level, kind, payload in anc:
+        if level != socket.SOL_SOCKET:
+            continue
+        got = [int.from_bytes(payload[i:i + 4], "little", signed=True)
+               for i in range(0, len(payload) - len(payload) % 4, 4)]
+        if kind == socket.SCM_RIGHTS:
+            fds.extend(got)
+        elif kind == SCM_PIDFD and got:
+            if pidfd >= 0 or len(got) != 1 or got[0] < 0:  # < 0: the kernel's error (sender gone)
+                bad = True
+            if got[0] >= 0 and pidfd < 0:
+                pidfd = got[0]
+            for extra in got[1:]:
+                if extra >= 0:
+                    fds.append(extra)
+    if bad:
+        for fd in fds + [pidfd]:
+            close_fd(fd)
+        raise SameHostRefused("truncated message during the same-host proof")
+    return data, fds, pidfd
+
+
+def pidfd_pid(pidfd: int) -> int:
+    """The pid (in our pid namespace) of the process behind ``pidfd``: -1 exited, 0 elsewhere."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise SameHostRefused("the kernel's pidfd carries no pid (not a pidfd)")
+
+
+def uids_of(pid: int) -> tuple[int, ...]:
+    """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                return tuple(int(x) for x in line.split()[1:5])
+    raise SameHostRefused(f"/proc/{pid}/status has no Uid line")
+
+
+def attest(pidfd: int) -> tuple[int, int, int]:
+    """The identity of the process that sent the proof: ``(pid, uid, pidfd)`` from the pidfd the
+    kernel attached to that very message (SCM_PIDFD).  Same uid required; the pidfd is closed on
+    refusal, kept otherwise."""
+    assert _xproc is not None
+    try:
+        usable, why = pidfd_passing()  # also: /proc is of our pid namespace
+        if not usable:
+            raise SameHostRefused(why)
+        if pidfd < 0:
+            raise SameHostRefused("the kernel attached no pidfd to the proof (SO_PASSPIDFD)")
+        pid = pidfd_pid(pidfd)
+        if pid <= 0 or pid == os.getpid():
+            raise SameHostRefused("the kernel reports no usable peer process")
+        try:
+            uids = uids_of(pid)
+        except OSError:
+            raise SameHostRefused("the peer process exited during the proof") from None
+        if not _xproc.pidfd_alive(pidfd):  # so the /proc read above was of this very process
+            raise SameHostRefused("the peer process exited during the proof")
+        if any(u != os.getuid() for u in uids):
+            raise SameHostRefused(f"the process at the other end runs as uid {uids[1]}, not "
+                                  f"{os.getuid()}")
+    except BaseException:
+        close_fd(pidfd)
+        raise
+    return pid, uids[1], pidfd
+
+
+def same_sender(pidfd: int, pid: int) -> None:
+    """A later message's sender (its SCM_PIDFD, closed here) must be the attested process."""
+    try:
+        if pidfd < 0 or pidfd_pid(pidfd) != pid:
+            raise SameHostRefused("a later proof message came from another process")
+    finally:
+        close_fd(pidfd)
