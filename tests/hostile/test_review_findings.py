@@ -338,3 +338,78 @@ def test_f3_secret_dir_must_be_ours_and_0700(secret_env: Path,
         squat.rmdir()
     assert len(auth.load_secret().key) == 32  # created by us, 0700: fine
     assert stat.S_IMODE(os.lstat(squat).st_mode) == 0o700
+
+
+_PID_REUSE = _RAW + r"""
+import subprocess, threading
+name = b"\0kvdd-sh-review-" + os.urandom(8).hex().encode()
+ls = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+ls.bind(name)
+k = os.fork()
+if k == 0:
+    ls.listen(8); os._exit(0)
+os.waitpid(k, 0)
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(k - 1))
+VICTIM = (
+    "import ctypes, sys\n"
+    "buf = ctypes.create_string_buffer(b'V' * 64, 64)\n"
+    "print(ctypes.addressof(buf), flush=True); sys.stdin.readline()\n"
+    "print(buf.raw.hex(), flush=True)\n")
+v = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     text=True)
+v_addr = int(v.stdout.readline())
+def serve():
+    conn, _ = ls.accept()
+    conn.settimeout(10)
+    try:
+        socket.recv_fds(conn, 512, 1)
+        fd = new_table_fd(1); t = _xproc.LeaseTable(fd, 1, True); t.store(0, 2, 7)
+        socket.send_fds(conn, [P + b"R" + proof(b"acceptor") + struct.pack("<I", 1)], [fd])
+        socket.recv_fds(conn, 512, 1)
+        conn.sendall(P + b"K")
+    except OSError:
+        pass
+threading.Thread(target=serve, daemon=True).start()
+HONEST = (
+    "import sys, numpy as np\n"
+    "from kvdd.sim.fabric import samehost\n"
+    "from kvdd.sim.fabric.samehost_path import OneSidedPeer, new_table_fd\n"
+    "from kvdd.sim.fabric.protocol import RemoteCache\n"
+    "from kvdd._native._copy import Region\n"
+    "class S: pass\n"
+    "s = S(); s.key = bytes.fromhex(sys.argv[1]); s.transcript = bytes.fromhex(sys.argv[2])\n"
+    "s.initiator = True; s.channel = b''\n"
+    "link = samehost.prove(samehost.offer() + bytes.fromhex(sys.argv[3]), s,\n"
+    "                      lambda: (new_table_fd(0), 0), lambda l: None)\n"
+    "r = OneSidedPeer(link); rc = RemoteCache(7, 1, 64, 1, 64, False, 7)\n"
+    "src = np.full(64, 0x41, np.uint8); one = np.array([0], np.int64)\n"
+    "st, lease = r.acquire(rc, (int(sys.argv[4]),), 5000)\n"
+    "st = r.move(lease, [0], [Region(int(src.ctypes.data), 64, src)], one, one,\n"
+    "            np.array([64], np.int64), True)\n"
+    "print(link.peer_pid, int(st), flush=True)\n")
+c = subprocess.run([sys.executable, "-c", HONEST, key.hex(), tr.hex(), name.hex(), str(v_addr)],
+                   capture_output=True, text=True, timeout=30)
+v.stdin.write("\n"); v.stdin.flush()
+print(k, v.pid, os.getpid(), c.stdout.strip(), v.stdout.readline().strip(), flush=True)
+v.wait(10)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare (a private pid namespace to reuse a pid)")
+def test_f1_reused_pid_of_the_listen_caller_is_never_touched() -> None:
+    """The review's repro: K called listen() and exited, its pid now names a victim V; the key
+    holder M answers the proof.  The honest initiator attests M (pid 1 in the namespace), never V,
+    and V's memory is unchanged (before: it attested V and wrote 64 bytes into it)."""
+    s = _Session(initiator=False)
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                          _PID_REUSE, s.key.hex(), s.transcript.hex()],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0 and "unshare" in out.stderr:
+        pytest.skip(f"unshare failed: {out.stderr.strip()[-200:]}")
+    k, v, m, attested, status, victim = out.stdout.split()
+    assert k == v  # the pid was reused
+    assert attested == m == "1"  # the sender of the proof, not the victim
+    assert bytes.fromhex(victim) == b"V" * 64  # (the write, if any, went to M's own memory)
+    assert int(status) in (Status.LLM_SUCCESS, Status.LLM_FAILED, Status.LLM_TIMEOUT)
