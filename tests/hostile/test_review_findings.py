@@ -85,6 +85,7 @@ if k == 0:
 _, fds, _, _ = socket.recv_fds(ours, 16, 1)
 conn = socket.socket(fileno=fds[0])
 conn.settimeout(10)
+conn.setsockopt(socket.SOL_SOCKET, 76, 1)  # SO_PASSPIDFD: the kernel then always records M
 print(k, flush=True)
 sid = hashlib.sha256(P + b" session\0" + tr).digest()
 try:

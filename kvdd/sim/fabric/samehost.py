@@ -384,6 +384,7 @@ class Endpoint:
         self.name = b"\0kvdd-sh-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.name)
+        pass_pidfd(self._sock)  # inherited by accepted sockets: a hello is attested from the start
         self._sock.listen(64)
         self._lock = threading.Lock()
         self._pending: dict[bytes, _Pending] = {}
@@ -439,7 +440,7 @@ class Endpoint:
         attached = False
         try:
             conn.settimeout(SETUP_TIMEOUT_S)
-            pass_pidfd(conn)  # the hello may be queued already: the kernel recorded its sender
+            pass_pidfd(conn)  # (inherited from the listener already; harmless)
             body, fd, sender = _recv(conn, _M_HELLO, 64)
             _close_fd(fd)
             pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof

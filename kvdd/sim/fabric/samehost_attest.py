@@ -70,7 +70,12 @@ def pidfd_passing() -> tuple[bool, str]:
 
 
 def pass_pidfd(sock: socket.socket) -> None:
-    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message ``sock`` gets."""
+    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message ``sock`` gets.
+
+    Set it on the sending side's socket too: recent kernels (6.18 here) record a message's
+    sender only when one of the two sockets asks for it (or the receiver is not accepted yet), so
+    a message sent just after ``accept()`` but before the acceptor's setsockopt would carry none
+    (it is then refused, never misattributed)."""
     if SO_PASSPIDFD is None:
         raise SameHostRefused("SO_PASSPIDFD is not known on this architecture")
     sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
