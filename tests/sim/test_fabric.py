@@ -587,9 +587,15 @@ def test_silent_peer_times_out(own_world: World, own_proc: PeerProcess) -> None:
     pull_cache_checked(world, d, ph, dh)
 
 
+#: Rows of 2 x 64 KiB: above wire.SMALL_BYTES, so a pull takes a LEASE before its READ (a small
+#: transfer's lease lives only inside its one LEASE_READ / LEASE_WRITE request)
+LEASED = Spec(n=2, dtype=DataType.DT_UINT8, shape=(4, 1 << 16))
+
+
 def _reader_setup(world: World, p_wait: str) -> tuple[Node, ProcessNode, CacheHandle, CacheHandle]:
-    """D owns the cache; P (other process) reads it over a link P initiated."""
-    d, p, dh, ph = _setup(world, d_listen=True, p_extra={WAIT: p_wait})
+    """D owns the cache; P (other process) reads it over a link P initiated (rows big enough
+    for a separate LEASE: the tests hold the transfer between lease and READ)."""
+    d, p, dh, ph = _setup(world, d_listen=True, p_extra={WAIT: p_wait}, spec=LEASED)
     assert link(p, d) == [S]
     return d, p, dh, ph
 
@@ -765,7 +771,7 @@ def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
             s.sendall(_hdr(wire.F_HELLO_LINK, 100)[:rng.randrange(1, 12)])
         elif case == 2:  # bad magic / version / type
             s.sendall(rng.choice([_hdr(1, 10, magic=b"XX"), _hdr(1, 10, version=9),
-                                  _hdr(rng.randrange(22, 256), 10)]) + bytes(10))
+                                  _hdr(rng.randrange(24, 256), 10)]) + bytes(10))
         elif case == 3:  # oversized frame
             s.sendall(_hdr(rng.choice([wire.F_HELLO_LINK, wire.F_HELLO_UNLINK, wire.F_DATA]),
                            rng.choice([wire.MAX_HELLO + 1, 0xFFFFFFFF])))
