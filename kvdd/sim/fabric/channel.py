@@ -45,7 +45,8 @@ from .. import faults
 from .protocol import LinkOwner, ServedCache
 from .leases import Lease
 from .logutil import warn_limited
-from .serving import RunPlan, check_request, gather_small, receive_small, scatter_small, small_total
+from .serving import RunPlan, check_request
+from .small import serve_small_read, serve_small_write
 from .streams import Cursor, Layout, send_stream
 from .watchdog import WATCHDOG
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
@@ -236,9 +237,10 @@ class Channel:
                     if any(inj.serve for inj in faults.active()):  # a slow server: worker's job
                         self._enqueue(ftype, req, payload)
                     else:
-                        self._answer(req, self._serve_small_read(req, payload))
+                        self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
                 elif ftype == F_LEASE_WRITE:
-                    self._answer(req, self._serve_small_write(req, payload))
+                    self._answer(req, serve_small_write(self.owner, self._grant_small, self.sock, req,
+                                                         payload))
                 elif ftype == F_WRITE:
                     self._serve_write(req, payload)
                 elif ftype == F_RELEASE:
@@ -370,7 +372,7 @@ class Channel:
                     self._serve_read(req, payload)
                 elif ftype == F_LEASE_READ:
                     assert not isinstance(payload, int)
-                    self._send_raw(self._serve_small_read(req, payload))
+                    self._send_raw(serve_small_read(self.owner, self._grant_small, req, payload))
                 elif ftype in (_J_REPLY, _J_SEND):
                     assert not isinstance(payload, int)
                     self._send_raw(payload)
@@ -496,47 +498,6 @@ class Channel:
         if not entry.acquire():  # unregistered (§10 rule 2)
             return NOT_EXIST, None
         return S_OK, entry
-
-    def _serve_small_read(self, req: int, payload: bytes | bytearray) -> bytes:
-        """A LEASE_READ: the checks of LEASE and READ, then its DATA and DONE in one buffer
-        copied out while the cache is held (the lease covers exactly this copy)."""
-        cache_id, tensors, off, length = decode_request(payload)
-        total = small_total(tensors, length)
-        faults.on_serve(self.owner, "lease")
-        status, entry = self._grant_small(cache_id)
-        if entry is None:
-            return frame(F_DONE, req, struct.pack("<I", status))
-        try:
-            status = check_request(entry.n, entry.T, tensors, off, length)
-            if status != S_OK:
-                return frame(F_DONE, req, struct.pack("<I", status))
-            faults.on_serve(self.owner, "read", total)
-            return gather_small(entry.regions, tensors, off, length, total, req,
-                                frame(F_DONE, req, struct.pack("<I", S_OK)))
-        finally:
-            entry.release()
-
-    def _serve_small_write(self, req: int, payload: bytes | bytearray) -> bytes:
-        """A LEASE_WRITE and its DATA (staged first, so a stalled peer holds no cache): the
-        checks of LEASE and WRITE, the copy into the cache while it is held; the DONE frame.
-        Runs outside the cache end the connection, as for a WRITE."""
-        cache_id, tensors, off, length = decode_request(payload)
-        total = small_total(tensors, length)
-        if np.any(length < 0):
-            raise ProtocolError("refused LEASE_WRITE (negative length)")
-        stage = receive_small(self.sock, req, total, read_header)
-        faults.on_serve(self.owner, "lease")
-        status, entry = self._grant_small(cache_id)
-        if entry is not None:
-            try:
-                status = check_request(entry.n, entry.T, tensors, off, length)
-                if status != S_OK:
-                    raise ProtocolError(f"refused LEASE_WRITE (status {status:#x})")
-                faults.on_serve(self.owner, "write", total)
-                scatter_small(entry.regions, tensors, off, length, stage)
-            finally:
-                entry.release()
-        return frame(F_DONE, req, struct.pack("<I", status))
 
     # -- requests of this end -----------------------------------------------------------------------
     def send_oneway(self, ftype: int, payload: bytes) -> None:

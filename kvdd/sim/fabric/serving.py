@@ -20,11 +20,10 @@ import numpy as np
 from ...status import Status
 from ..memory import Region, copy_runs
 from .streams import region_view, sendmsg_all
-from .wire import (F_DATA, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, SMALL_BYTES,
-                   SMALL_MAX_RUNS, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, recv_into)
+from .wire import (F_DATA, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
+                   STAGE_RUN_BYTES, ProtocolError, recv_into)
 
-__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "small_total", "gather_small",
-           "receive_small", "scatter_small"]
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS"]
 
 SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
 #                   as one DATA frame gathered from the tensors (zero-copy, one system call)
@@ -164,59 +163,3 @@ class RunPlan:
         if left:
             raise ProtocolError("more DATA than the WRITE holds")
 
-
-# ---- small transfers in one request (LEASE_READ / LEASE_WRITE, served by the reader thread) ----
-
-
-def small_total(tensors: np.ndarray, length: np.ndarray) -> int:
-    """The bytes of a LEASE_READ / LEASE_WRITE; ProtocolError beyond SMALL_MAX_RUNS tensors x runs
-    or SMALL_BYTES (a correct peer sends those as LEASE + READ / WRITE instead)."""
-    if len(tensors) * len(length) > SMALL_MAX_RUNS:
-        raise ProtocolError(f"a small request of {len(tensors)} x {len(length)} runs")
-    total = sum(n for n in length.tolist() if n > 0) * len(tensors)
-    if total > SMALL_BYTES:
-        raise ProtocolError(f"a small request of {total} bytes")
-    return int(total)
-
-
-def gather_small(regions: Sequence[Region], tensors: np.ndarray, off: np.ndarray,
-                 length: np.ndarray, total: int, req: int, tail: bytes) -> bytes:
-    """A checked small READ's answer in one buffer: its DATA frame (none for 0 bytes), then
-    ``tail`` (the DONE frame).  Copies out of the cache: the caller holds the lease meanwhile."""
-    parts: list[bytes | memoryview] = []
-    if total:
-        parts.append(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, total))
-        pairs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
-        for k in tensors.tolist():
-            mv = region_view(regions[k])
-            parts.extend(mv[o:o + n] for o, n in pairs)
-    parts.append(tail)
-    return b"".join(parts)
-
-
-def receive_small(sock: socket.socket, req: int, total: int,
-                  read_header: HeaderReader) -> bytearray:
-    """A small WRITE's DATA frames (exactly ``total`` bytes) into a staging buffer."""
-    stage = bytearray(total)
-    mv = memoryview(stage)
-    pos = 0
-    while pos < total:
-        ftype, freq, n = read_header(sock)
-        if ftype != F_DATA or freq != req or n > total - pos:
-            raise ProtocolError("WRITE data expected")
-        recv_into(sock, mv[pos:pos + n])
-        pos += n
-    return stage
-
-
-def scatter_small(regions: Sequence[Region], tensors: np.ndarray, off: np.ndarray,
-                  length: np.ndarray, stage: bytearray) -> None:
-    """A checked small WRITE's staged bytes into the cache (the caller holds the lease)."""
-    src = memoryview(stage)
-    pairs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
-    pos = 0
-    for k in tensors.tolist():
-        mv = region_view(regions[k])
-        for o, n in pairs:
-            mv[o:o + n] = src[pos:pos + n]
-            pos += n
