@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvdd.cli import main as cli_main
 from kvdd.demo import DEFAULT_MODEL, DemoError, DemoOptions, Geometry, control, resolve_model, run_decode, run_prefill
 from kvdd.demo.control import ReadyInfo
 from kvdd.sim.fabric import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, AuthError, Secret, authenticate_socket,
@@ -201,4 +202,22 @@ def test_decode_without_a_usable_secret_fails_in_one_line(
     assert report.error is not None
     assert "no usable secret for the control channel" in report.error.message
     assert "Traceback" not in report.error.message
+    assert thread.is_alive() and "error" not in out
+
+
+def test_cli_decode_with_another_secret_says_what_to_set(
+        prefill: tuple[ReadyInfo, dict[str, Any], threading.Thread], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ready, out, thread = prefill
+    monkeypatch.setenv(ENV_SECRET, SECRET_B)
+    host, port = ready.listen
+    code = cli_main(["demo", "--role", "decode", "--quick", "--no-progress", "--json",
+                     "--connect", f"{host}:{port}", "--control-port", str(ready.control[1])])
+    captured = capsys.readouterr()
+    assert code == 1
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvdd demo: FAILED: authentication with"), captured.err
+    assert ENV_SECRET in lines[0] and "Traceback" not in captured.err
+    for secret in (SECRET_A, SECRET_B):
+        assert secret not in captured.err and secret not in captured.out
     assert thread.is_alive() and "error" not in out
