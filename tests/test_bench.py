@@ -162,7 +162,7 @@ def test_target_rows(doc: dict[str, Any]) -> None:
             assert (r["limited_by"] != "") == (not r["met"]), key
     assert {t["target"] for t in tg["summary"]} == {">= 64 tensors, 16-32 KiB runs", "per-layer pull, 1024 tokens"}
     model = tg["threads_model"]
-    assert _positive(model["start_us"]) and _positive(model["one_thread_gbps"]) and model["min_bytes"] >= 256 * KiB
+    assert _positive(model["extra_us"]) and _positive(model["one_thread_gbps"]) and model["min_bytes"] >= 256 * KiB
 
 
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,8 +24,9 @@ How a call is executed
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
   run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
   helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
-  second thread to pay: by default from ``4 x start / cost`` bytes, where ``start`` is the measured
-  latency from posting work to the helper starting it (it grows when the other CPU is busy) and
+  second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
+  2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
+  the end for the item the helper is still copying, which grows when the other CPU is busy) and
   ``cost`` the measured one-thread time per byte of this process's own calls
   (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
   the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The
@@ -576,13 +577,14 @@ def set_threads_threshold(nbytes):
 
 
 def threads_model():
-    """The measured costs behind the automatic thread choice: ``start_us`` (latency of starting the
-    second thread), ``one_thread_gbps`` (one thread's copy speed, from this process's calls of at
+    """The measured costs behind the automatic thread choice: ``extra_us`` (what a 2-thread call
+    costs its caller beyond its own share: posting the work, waiting for the helper's last item),
+    ``one_thread_gbps`` (one thread's copy speed, from this process's calls of at
     least 256 KiB) and ``min_bytes`` (calls from this size use two threads when the threshold is
     None)."""
     cdef int64_t out[2]
     kvdd_threads_model(out)
-    return {"start_us": out[0] / 1e3, "one_thread_gbps": 1e3 / out[1] if out[1] > 0 else float("inf"),
+    return {"extra_us": out[0] / 1e3, "one_thread_gbps": 1e3 / out[1] if out[1] > 0 else float("inf"),
             "min_bytes": kvdd_threads_min_bytes()}
 
 

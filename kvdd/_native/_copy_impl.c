@@ -537,7 +537,6 @@ typedef struct {
     _Atomic uint64_t next;
     _Atomic uint64_t done;
     _Atomic int refs;
-    _Atomic int64_t helper_start_ns; /* when the helper began (0: not yet) */
 } shared_state;
 
 static void release_state(shared_state *st) {
@@ -620,10 +619,12 @@ int kvdd_auto_threads_allowed(void) {
     return now_ns() >= atomic_load_explicit(&backoff_until_ns, memory_order_relaxed);
 }
 
-/* The cost model of the automatic thread choice, from this process's own calls: the latency from
- * creating the helper to its first instruction, and the time per byte of one-thread copies of at
- * least KVDD_CHUNK_MIN bytes (both exponential moving averages, weight 1/8). */
-static _Atomic int64_t model_start_ns = KVDD_MODEL_START_NS;
+/* The cost model of the automatic thread choice, from this process's own calls: what a 2-thread call
+ * costs its caller beyond its own share of the work (posting the work or starting a helper, plus
+ * waiting at the end for the item the helper is still copying: a helper that starts late costs
+ * nothing else, it only does less), and the time per byte of one-thread copies of at least
+ * KVDD_CHUNK_MIN bytes (both exponential moving averages, weight 1/8). */
+static _Atomic int64_t model_cost_ns = KVDD_MODEL_COST_NS;
 static _Atomic int64_t model_ps_per_byte = KVDD_MODEL_PS_PER_BYTE;
 
 static void model_update(_Atomic int64_t *avg, int64_t sample) {
@@ -632,7 +633,7 @@ static void model_update(_Atomic int64_t *avg, int64_t sample) {
 }
 
 void kvdd_threads_model(int64_t out[2]) {
-    out[0] = atomic_load_explicit(&model_start_ns, memory_order_relaxed);
+    out[0] = atomic_load_explicit(&model_cost_ns, memory_order_relaxed);
     out[1] = atomic_load_explicit(&model_ps_per_byte, memory_order_relaxed);
 }
 
@@ -642,9 +643,9 @@ int kvdd_threads_probe(void) {
 }
 
 uint64_t kvdd_threads_min_bytes(void) {
-    /* Two threads save about half the one-thread time and cost the helper's start: worth it when
-     * the saving is at least twice the start, i.e. bytes * cost / 2 >= 2 * start. */
-    int64_t start = atomic_load_explicit(&model_start_ns, memory_order_relaxed);
+    /* Two threads save up to half the one-thread time and cost the caller `extra`: worth it when
+     * the saving is at least twice that, i.e. bytes * cost / 2 >= 2 * extra. */
+    int64_t start = atomic_load_explicit(&model_cost_ns, memory_order_relaxed);
     int64_t ps = atomic_load_explicit(&model_ps_per_byte, memory_order_relaxed);
     if (ps < 1) ps = 1;
     uint64_t n = (uint64_t)(start > 0 ? start : 0) * 4000u / (uint64_t)ps;
@@ -652,7 +653,6 @@ uint64_t kvdd_threads_min_bytes(void) {
 }
 
 static void run_helper_share(shared_state *st) {
-    atomic_store_explicit(&st->helper_start_ns, now_ns(), memory_order_relaxed);
     uint64_t mine = work(st);
     atomic_fetch_add_explicit(&stat_helper_chunks, mine, memory_order_relaxed);
     release_state(st);
@@ -754,7 +754,8 @@ static void *res_main(void *arg) {
     return NULL;
 }
 
-/* Post `st` to the resident helper (starting it if needed); 0 when it is taken or cannot start. */
+/* Post `st` to the resident helper (starting it if needed): 1, or 2 when this call started it; 0 when
+ * it is taken or cannot start. */
 static int post_resident(shared_state *st) {
     int idle = 0;
     if (!atomic_compare_exchange_strong_explicit(&res_busy, &idle, 1, memory_order_acq_rel,
@@ -762,12 +763,13 @@ static int post_resident(shared_state *st) {
         return 0;
     pthread_once(&res_once, res_init);
     pthread_mutex_lock(&res_mu);
+    int created = 0;
     if (!res_running) {
         pthread_attr_t attr;
         if (pthread_attr_init(&attr) == 0) {
             pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
             pthread_attr_setstacksize(&attr, 256 * 1024);
-            res_running = pthread_create(&res_thread, &attr, res_main, NULL) == 0;
+            res_running = created = pthread_create(&res_thread, &attr, res_main, NULL) == 0;
             pthread_attr_destroy(&attr);
         }
         res_cpu = -1;
@@ -788,7 +790,7 @@ static int post_resident(shared_state *st) {
     atomic_store_explicit(&res_post, st, memory_order_release);
     if (res_sleeping) pthread_cond_signal(&res_cv);
     pthread_mutex_unlock(&res_mu);
-    return 1;
+    return created ? 2 : 1;
 }
 
 /* After the caller's work: take the post back if the helper never took it (then it is not busy). */
@@ -826,9 +828,8 @@ static uint64_t run_two(const kvdd_job *job) {
     atomic_init(&st->next, 0);
     atomic_init(&st->done, 0);
     atomic_init(&st->refs, 2);
-    atomic_init(&st->helper_start_ns, 0);
 
-    int64_t created = now_ns();
+    int64_t posted = now_ns();
     int resident = post_resident(st);
     if (!resident && !start_helper(st)) atomic_store_explicit(&st->refs, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&stat_calls, 1, memory_order_relaxed);
@@ -850,12 +851,13 @@ static uint64_t run_two(const kvdd_job *job) {
     }
     int64_t t2 = now_ns();
     if (resident && retract_resident(st)) release_state(st); /* the helper's reference, never taken */
-    int64_t began = atomic_load_explicit(&st->helper_start_ns, memory_order_relaxed);
-    model_update(&model_start_ns, (began ? began : t2) - created);
+    /* The first call of the resident helper pays for creating it once: not a cost of later calls. */
+    if (resident != 2) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
     /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) or that
      * did nothing during 2 ms of our work means the other CPU is busy: automatic mode then stays on
      * one thread for KVDD_BACKOFF_NS. */
-    if ((t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) || (mine == st->nchunks && t1 - t0 > 2000000)) {
+    if (resident != 2 &&
+        ((t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) || (mine == st->nchunks && t1 - t0 > 2000000))) {
         atomic_fetch_add_explicit(&stat_stalls, 1, memory_order_relaxed);
         atomic_store_explicit(&backoff_until_ns, t2 + KVDD_BACKOFF_NS, memory_order_relaxed);
     }

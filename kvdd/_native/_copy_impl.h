@@ -81,14 +81,15 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 #define KVDD_BACKOFF_NS ((int64_t)2000000000)
 
 /* The automatic thread choice (threads=0 without a fixed threshold): two threads from
- * kvdd_threads_min_bytes(), computed from this process's measured costs (kvdd_threads_model: out[0] the
- * helper's start latency in ns, out[1] one thread's copy time in ps per byte), initially these: */
-#define KVDD_MODEL_START_NS ((int64_t)30000)
+ * kvdd_threads_min_bytes(), computed from this process's measured costs (kvdd_threads_model: out[0] what
+ * a 2-thread call costs its caller beyond its share in ns, out[1] one thread's copy time in ps per
+ * byte), initially these: */
+#define KVDD_MODEL_COST_NS ((int64_t)30000)
 #define KVDD_MODEL_PS_PER_BYTE ((int64_t)100)
 uint64_t kvdd_threads_min_bytes(void);
 /* 1 for every KVDD_PROBE_EVERY-th call: a call of at least KVDD_CHUNK_MIN bytes that the model keeps on
- * one thread then uses two anyway, so the measured start latency follows the machine (a model that
- * learned "slow" on a busy machine would otherwise never measure again). */
+ * one thread then uses two anyway, so the measured cost follows the machine (a model that learned
+ * "expensive" on a busy machine would otherwise never measure again). */
 #define KVDD_PROBE_EVERY 32u
 int kvdd_threads_probe(void);
 void kvdd_threads_model(int64_t out[2]);

@@ -29,7 +29,7 @@ def print_report(doc: Mapping[str, Any], file: IO[str] | None = None) -> None:
     env, cfg = doc["environment"], doc["config"]
     model = cfg["threads_model"]
     threads = (f"{fmt(cfg['threads_threshold'])}B (fixed)" if cfg["threads_threshold"] is not None else
-               f"{fmt(model['min_bytes'])}B (measured: helper start {model['start_us']:.0f} us, one thread "
+               f"{fmt(model['min_bytes'])}B (measured: 2-thread extra {model['extra_us']:.0f} us, one thread "
                f"{model['one_thread_gbps']:.1f} GB/s)")
     print(f"# {env.get('cpu', env['machine'])}, {env['cpus']} CPUs, Python {env['python']}; copy kernel "
           f"isa={cfg['isa']}, streaming >= {fmt(cfg['streaming_threshold'])}B, auto 2 threads >= {threads}",

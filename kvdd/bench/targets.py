@@ -64,7 +64,7 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
     per_call = row["bytes"] // row["calls"]
     if row["limit"].endswith("_2t") and row["two_threads"] < 0.5:
         reason = (f"{per_call / MiB:.1f} MiB per call is below the 2-thread size {model['min_bytes'] / MiB:.1f} MiB "
-                  f"(helper start {model['start_us']:.0f} us, one thread {model['one_thread_gbps']:.1f} GB/s)"
+                  f"(2-thread extra {model['extra_us']:.0f} us, one thread {model['one_thread_gbps']:.1f} GB/s)"
                   if per_call < model["min_bytes"] else
                   "a recent 2-thread call stalled (its helper was descheduled: the other CPU was busy), so "
                   "automatic mode stayed on one thread")

@@ -128,16 +128,18 @@ class PeerPool:
         return node
 
     def _spawn(self) -> Any:
-        ids = kt.device_ids()
-        k = len(self.procs)
         if not self.one_per_process:
-            proc = self._peer_proc.PeerProcess(backend=self.backend, device_id=ids[-1])
+            proc = self._peer_proc.PeerProcess(backend=self.backend)
             self.procs.append(proc)
             return proc
-        if k + 1 >= len(ids):
-            pytest.skip(f"needs {k + 2} NPUs in ${kt.ENV_DEVICE_IDS} (the node under test and "
-                        f"{k + 1} peer processes), has {len(ids)}: {ids}")
-        proc = self._peer_proc.PeerProcess(backend=self.backend, device_id=ids[k + 1])
+        ids = kt.device_ids()
+        taken = {proc.device_id for proc in self.procs}
+        free = [i for i in ids[1:] if i not in taken]
+        if not free:
+            k = len(self.procs) + 1
+            pytest.skip(f"needs {k + 1} NPUs in ${kt.ENV_DEVICE_IDS} (the node under test and "
+                        f"{k} peer processes), has {len(ids)}: {ids}")
+        proc = self._peer_proc.PeerProcess(backend=self.backend, device_id=free[0])
         self.procs.append(proc)
         return proc
 

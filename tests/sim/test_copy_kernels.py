@@ -316,7 +316,7 @@ def test_default_thresholds_choose_paths() -> None:
     assert _copy.get_threads_threshold() == _copy.DEFAULT_THREADS_THRESHOLD is None  # by measured cost
     assert (1 << 20) <= _copy.DEFAULT_STREAMING_THRESHOLD <= (4 << 20)
     model = _copy.threads_model()
-    assert model["start_us"] > 0 and model["one_thread_gbps"] > 0
+    assert model["extra_us"] > 0 and model["one_thread_gbps"] > 0
     assert model["min_bytes"] >= 256 << 10
     assert "CopyPlan(" in repr(small)
 

@@ -18,6 +18,11 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   All accesses are sequentially consistent, so a reader that the owner's wait did not count must
   see the owner's state word.
 
+Limit: the owner waits at most DRAIN_PATIENCE_MS for a counted copy, then aborts it (the reader
+stops at its next system call of at most PVM_CHUNK bytes).  A reader descheduled *inside* one
+``process_vm_writev`` for longer than that could still finish that one call after the owner's
+unregister returned; on hardware a late RDMA write is the same hazard.
+
 The table is untrusted input for both sides: a peer may scribble anything into it.  Indices are
 checked against the slot count each side mapped; values are only compared with zero; nothing read
 from it is used as an address or a size.  Garbage can make the owner wait (bounded, as above) or
