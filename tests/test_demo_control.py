@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kvdd.cli import main as cli_main
-from kvdd.demo import DEFAULT_MODEL, DemoError, DemoOptions, Geometry, control, resolve_model, run_decode, run_prefill
+from kvdd.demo import (DEFAULT_MODEL, DemoError, DemoOptions, Geometry, control, resolve_model, run_decode,
+                       run_demo, run_prefill)
 from kvdd.demo.control import ReadyInfo
 from kvdd.sim.fabric import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, AuthError, Secret, authenticate_socket,
                              load_secret)
@@ -221,3 +222,10 @@ def test_cli_decode_with_another_secret_says_what_to_set(
     for secret in (SECRET_A, SECRET_B):
         assert secret not in captured.err and secret not in captured.out
     assert thread.is_alive() and "error" not in out
+
+
+def test_auth_off_on_both_sides_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_AUTH, "off")
+    report = run_demo(quick(), in_process=True)
+    assert report.error is None, report.error.message
+    assert report.ok and report.source_intact is True
