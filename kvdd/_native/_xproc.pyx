@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-# cython: embedsignature=True, embedsignature.format=python, autotestdict=False
+# cython: embedsignature=True, embedsignature.format=python, autotestdict=False, auto_pickle=False
 """One-sided access to another process's memory on this host (Linux ``process_vm_readv`` /
 ``process_vm_writev``), for the simulator's same-host cross-process data path.
 

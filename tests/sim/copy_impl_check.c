@@ -1,4 +1,4 @@
-/* Byte check of every copy-kernel path of kvdd/_native/_copy_impl.c, in C, for the paths Python cannot
+/* Byte check of every copy-kernel path of kvdd/_native/_copy_kernels.c and _copy_impl.c, in C, for the paths Python cannot
  * force on this machine: tests/sim/test_copy_kernels.py builds it natively and for aarch64 (NEON)
  * with a cross compiler, and runs it (under qemu-user for aarch64) when it can.
  *
@@ -7,6 +7,7 @@
  * checked against memmove on a copy of the whole buffer (so bytes outside the run are checked too),
  * plus overlapping runs (memmove semantics). Prints "ok <cases>" and exits 0, or the first mismatch
  * and exits 1. */
+#include "_copy_kernels.c"
 #include "_copy_impl.c"
 
 #include <stdio.h>

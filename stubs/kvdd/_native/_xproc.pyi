@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 
 import numpy as np
+from typing_extensions import disjoint_base
 
 from kvdd._native._copy import Region
 
@@ -47,9 +48,10 @@ LEASE_MAGIC: int
 LEASE_MAX_SLOTS: int
 LEASE_ABORT: int
 
+@disjoint_base
 class LeaseTable:
     slots: int
-    def __init__(self, fd: int, slots: int, init: bool = False) -> None: ...
+    def __new__(cls, fd: int, slots: int, init: bool = False) -> LeaseTable: ...
     def close(self) -> None: ...
     def header(self) -> tuple[int, int, int]: ...
     def enter(self, slot: int) -> int: ...
