@@ -42,6 +42,9 @@ either      error      message (the sender gives up)
 ==========  =========  ===================================================================
 
 Prefill finalizes only after ``done``, so the decode side never reads from a finalized peer.
+Before any line, both sides prove they hold the fabric secret (the link handshake's mutual
+challenge-response, ``KVDD_FABRIC_AUTH=off`` honoured; docs/security.md); prefill refuses any
+connection that fails it and keeps waiting; every line is at most ``control.MAX_LINE`` bytes.
 
 Modes
 -----

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import Cache, CacheIndex, CachePlacement, ClusterInfo, IpInfo, KvCacheExtParam, LlmDataDist, LlmRole
-from .control import Control, ReadyInfo, send_error
+from .control import Control, ReadyInfo, accept_control, control_secret, send_error
 from .errors import DemoError, Json, VerificationError
 from .geometry import Geometry
 from .image import CacheImage, UnitExpect, allocate, fill_and_register, owner_map, prefill_block_expect, prefill_row_expect
@@ -58,6 +58,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
     ctl: Control | None = None
     server: socket.socket | None = None
     result: Json = {"role": "prefill", "cluster_id": PREFILL_CLUSTER_ID}
+    secret = control_secret()  # a missing or unusable secret fails before any setup
     try:
         with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
             dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
@@ -90,17 +91,17 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
             except OSError as exc:
                 raise DemoError(f"cannot listen for the control channel on {opts.listen[0]}:"
                                 f"{opts.prefill_control_port()}: {exc.strerror or exc} (choose --control-port)") from None
-            server.listen(1)
+            server.listen(4)
             ready = ReadyInfo(listen, (opts.listen[0], server.getsockname()[1]))
             result.update(ready.to_json())
             log(f"LLM-DataDist listening on {ready.to_json()['listen']}, control channel on "
                 f"{ready.to_json()['control']}; waiting for decode")
             if on_ready is not None:
                 on_ready(ready)
-            conn, peer_addr = _accept(server, opts.timeout, cancel)
+            ctl, peer_addr, refused = accept_control(server, opts.timeout, secret, log, cancel)
             server.close()
             server = None
-            ctl = Control(conn, "decode", opts.timeout)
+            result["refused_control"] = refused
             hello = ctl.recv("hello")
             if hello.get("protocol") != PROTOCOL:
                 raise DemoError(f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}")
@@ -155,23 +156,6 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
             server.close()
         if ctl is not None:
             ctl.close()
-
-
-def _accept(server: socket.socket, timeout: float, cancel: threading.Event | None) -> tuple[socket.socket, Any]:
-    deadline = time.monotonic() + timeout
-    server.settimeout(0.2)
-    while True:
-        try:
-            conn, addr = server.accept()
-        except socket.timeout:  # a poll: look at cancel and the deadline, then wait again
-            conn = None
-        if conn is not None:
-            conn.settimeout(None)
-            return conn, addr
-        if cancel is not None and cancel.is_set():
-            raise DemoError("the decode side gave up before connecting")
-        if time.monotonic() >= deadline:
-            raise DemoError(f"no decode side connected within {timeout:g} s")
 
 
 def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],

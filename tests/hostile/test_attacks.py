@@ -446,3 +446,107 @@ def test_fake_acceptor_learns_nothing(victim: Victim, world: World) -> None:
         t.join(10)
         server.close()
     assert received == []
+
+
+# ---- one-request small transfers (LEASE_READ / LEASE_WRITE, served by the victim's reader) -------
+
+
+def _small(ftype: int, cache_id: int, tensors: list[int], off: int, n: int, req: int,
+           runs: int = 1) -> bytes:
+    body = wire.encode_request(cache_id, tensors, np.full(runs, off, np.int64),
+                               np.full(runs, n, np.int64))
+    return rawpeer.frame(ftype, body, req)
+
+
+def test_small_requests_get_the_statuses_of_lease_and_read(victim: Victim, world: World) -> None:
+    """A LEASE_READ of an unknown cache gets LLM_KV_CACHE_NOT_EXIST, one of a run outside the
+    cache LLM_PARAM_INVALID (no DATA either time); a valid one the exact bytes, then LLM_SUCCESS."""
+    ph, port = victim.ph, victim.port
+    s, _snap = rawpeer.link(port, 4545)
+    with s:
+        for cache_id, off, want in ((ph.cache_id + 1000, 0, Status.LLM_KV_CACHE_NOT_EXIST),
+                                    (ph.cache_id, ph.nbytes - 8, Status.LLM_PARAM_INVALID)):
+            s.sendall(_small(wire.F_LEASE_READ, cache_id, [0], off, 64, 3))
+            ftype, rreq, body = rawpeer.read_frame(s)
+            assert (ftype, rreq, struct.unpack("<I", body)[0]) == (wire.F_DONE, 3, want)
+        s.sendall(_small(wire.F_LEASE_READ, ph.cache_id, [1, 3], 32, 64, 4))
+        ftype, rreq, data = rawpeer.read_frame(s)
+        assert (ftype, rreq, len(data)) == (wire.F_DATA, 4, 128)
+        tensors = world.snapshot().tensors(ph)
+        assert data == bytes(tensors[1][32:96]) + bytes(tensors[3][32:96])
+        ftype, rreq, body = rawpeer.read_frame(s)
+        assert (ftype, rreq, struct.unpack("<I", body)[0]) == (wire.F_DONE, 4, S)
+
+
+@pytest.mark.parametrize("case", ["too_many_bytes", "too_many_runs", "truncated", "write_outside",
+                                  "write_wrong_data"])
+def test_malformed_small_requests_close_the_link(victim: Victim, victim_proc: PeerProcess,
+                                                 case: str) -> None:
+    """LEASE_READ / LEASE_WRITE beyond SMALL_BYTES or SMALL_MAX_RUNS, truncated, writing outside
+    the cache or followed by the wrong DATA: the connection closes, no DATA is sent and no byte
+    changes (the fixture checks every arena)."""
+    p, port = victim.p, victim.port
+    big = register(p, BIG)
+    s, _snap = rawpeer.link(port, 4646)
+    with s:
+        if case == "too_many_bytes":
+            s.sendall(_small(wire.F_LEASE_READ, big.cache_id, [0], 0, wire.SMALL_BYTES + 1, 5))
+        elif case == "too_many_runs":
+            s.sendall(_small(wire.F_LEASE_READ, big.cache_id, [0], 0, 1, 5,
+                             runs=wire.SMALL_MAX_RUNS + 1))
+        elif case == "truncated":
+            body = wire.encode_request(big.cache_id, [0], np.zeros(1, np.int64),
+                                       np.full(1, 64, np.int64))
+            s.sendall(rawpeer.frame(wire.F_LEASE_READ, body[:-3], 5))  # runs cut short
+        elif case == "write_outside":
+            s.sendall(_small(wire.F_LEASE_WRITE, big.cache_id, [0], big.nbytes - 32, 64, 5)
+                      + rawpeer.frame(wire.F_DATA, bytes(64), 5))
+        else:
+            s.sendall(_small(wire.F_LEASE_WRITE, big.cache_id, [0], 0, 64, 5)
+                      + rawpeer.frame(wire.F_DATA, bytes(64), 6))
+        s.settimeout(5.0)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        assert got == b"", "the victim answered a malformed small request"
+    p.unregister(big.cache_id)
+
+
+def test_stalled_small_write_holds_no_cache(victim: Victim, victim_proc: PeerProcess) -> None:
+    """A LEASE_WRITE whose DATA never comes holds nothing: the owner's unregister returns at once;
+    the DATA sent afterwards is answered LLM_KV_CACHE_NOT_EXIST and written nowhere."""
+    p, port = victim.p, victim.port
+    extra = register(p, Spec())
+    s, _snap = rawpeer.link(port, 4747, wait_ms=0xFFFFFFFF)
+    with s:
+        s.sendall(_small(wire.F_LEASE_WRITE, extra.cache_id, [0], 0, 64, 8))
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        p.unregister(extra.cache_id)
+        assert time.monotonic() - t0 < REVOKE_GRACE_S / 2
+        s.sendall(rawpeer.frame(wire.F_DATA, bytes(range(64)), 8))
+        ftype, rreq, body = rawpeer.read_frame(s)
+        assert (ftype, rreq) == (wire.F_DONE, 8)
+        assert struct.unpack("<I", body)[0] == Status.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_never_reading_small_requests_are_cut_off(victim: Victim, world: World) -> None:
+    """A peer sending LEASE_READs of 64 KiB and never reading: the victim's reader never blocks
+    on it (answers it cannot send wait in the bounded queue); the connection closes once the
+    queue is full; D is served meanwhile."""
+    p, port = victim.p, victim.port
+    big = register(p, BIG)
+    s, _snap = rawpeer.link(port, 4848)
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        frames = b"".join(_small(wire.F_LEASE_READ, big.cache_id, [0], 0, wire.SMALL_BYTES, 100 + i)
+                          for i in range(8 * wire.MAX_JOBS))
+        s.sendall(frames)
+        time.sleep(1.0)
+        victim.serve_d(world)
+        assert _closed(s, 10.0)
+        victim.serve_d(world)
+    p.unregister(big.cache_id)

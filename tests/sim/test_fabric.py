@@ -587,9 +587,15 @@ def test_silent_peer_times_out(own_world: World, own_proc: PeerProcess) -> None:
     pull_cache_checked(world, d, ph, dh)
 
 
+#: Rows of 2 x 64 KiB: above wire.SMALL_BYTES, so a pull takes a LEASE before its READ (a small
+#: transfer's lease lives only inside its one LEASE_READ / LEASE_WRITE request)
+LEASED = Spec(n=2, dtype=DataType.DT_UINT8, shape=(4, 1 << 16))
+
+
 def _reader_setup(world: World, p_wait: str) -> tuple[Node, ProcessNode, CacheHandle, CacheHandle]:
-    """D owns the cache; P (other process) reads it over a link P initiated."""
-    d, p, dh, ph = _setup(world, d_listen=True, p_extra={WAIT: p_wait})
+    """D owns the cache; P (other process) reads it over a link P initiated (rows big enough
+    for a separate LEASE: the tests hold the transfer between lease and READ)."""
+    d, p, dh, ph = _setup(world, d_listen=True, p_extra={WAIT: p_wait}, spec=LEASED)
     assert link(p, d) == [S]
     return d, p, dh, ph
 
@@ -646,6 +652,74 @@ def test_second_unregister_waits_too(world: World, proc: PeerProcess) -> None:
         proc.root("hold", 0)
     assert len(returned) == 2 and len(released) == 1
     assert min(returned) >= released[0], "an unregister returned while the pull still held the cache"
+
+
+@pytest.mark.parametrize("extra", [0, 32])
+def test_small_transfers_around_the_one_request_limit(world: World, extra: int) -> None:
+    """Rows of exactly wire.SMALL_BYTES (one LEASE_READ / LEASE_WRITE) and just above it (LEASE,
+    then READ / WRITE): exact bytes both ways, in both directions of the link."""
+    spec = Spec(n=2, dtype=DataType.DT_UINT8, shape=(2, wire.SMALL_BYTES // 2 + extra))
+    d, p, dh, ph = _setup(world, spec=spec)
+    assert link(d, p) == [S]
+    for who, mine, theirs in ((d, dh, ph), (p, ph, dh)):
+        pull_cache_checked(world, who, theirs, mine, batch_index=1)
+        push_cache_checked(world, who, mine, theirs, dst_batch=1)
+        pull_blocks_checked(world, who, theirs, mine, [1, 0], [0, 1])
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_small_transfers_racing_an_unregister(world: World, push: bool) -> None:
+    """§10 rules 2 and 5 for one-request small transfers: while D pulls (pushes) 64-byte rows in a
+    loop, P unregisters the cache; every call returns LLM_SUCCESS (exact bytes) or
+    LLM_KV_CACHE_NOT_EXIST, every call after the unregister returned finds nothing, and P's
+    memory does not change after it returned."""
+    d, p, dh, ph = _setup(world)
+    for trial in range(3):
+        if trial:
+            ph = register(p, Spec())
+        assert link(d, p) == [S]
+        before = world.snapshot()
+        results: list[tuple[float, float, int]] = []  # (started, returned, status)
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    if push:
+                        d.dd.push_kv_cache(dh.cache(), ph.index())
+                    else:
+                        d.dd.pull_kv_cache(ph.index(), dh.cache())
+                    status = int(S)
+                except kvdd.LLMError as exc:
+                    status = int(exc.status)
+                results.append((t0, time.monotonic(), status))
+
+        t = threading.Thread(target=loop)
+        t.start()
+        try:
+            _wait_for(lambda: len(results) >= 5)
+            p.unregister(ph.cache_id)
+            returned = time.monotonic()
+            after = world.snapshot()
+            n = len(results)
+            _wait_for(lambda: len(results) >= n + 5)
+        finally:
+            stop.set()
+            t.join(30)
+        statuses = {st for _a, _b, st in results}
+        assert statuses <= {int(S), int(Status.LLM_KV_CACHE_NOT_EXIST)}, [hex(x) for x in statuses]
+        assert all(st != S for a, _b, st in results if a > returned)
+        assert any(st == S for _a, _b, st in results)
+        expected = before.copy()
+        if push:
+            ref.pull_cache(expected.tensors(ph), before.tensors(dh), ph.geom)
+        else:
+            ref.pull_cache(expected.tensors(dh), before.tensors(ph), ph.geom)
+        world.assert_memory(expected, "small transfers racing an unregister: ")
+        assert np.array_equal(after.arenas[(ph.owner, ph.slot)],
+                              world.snapshot().arenas[(ph.owner, ph.slot)])
+        assert unlink(d, p) == [S]
 
 
 def test_pull_racing_its_unlink(world: World) -> None:
@@ -765,7 +839,7 @@ def _garbage(rng: random.Random, port: int, cache_ids: list[int]) -> None:
             s.sendall(_hdr(wire.F_HELLO_LINK, 100)[:rng.randrange(1, 12)])
         elif case == 2:  # bad magic / version / type
             s.sendall(rng.choice([_hdr(1, 10, magic=b"XX"), _hdr(1, 10, version=9),
-                                  _hdr(rng.randrange(22, 256), 10)]) + bytes(10))
+                                  _hdr(rng.randrange(24, 256), 10)]) + bytes(10))
         elif case == 3:  # oversized frame
             s.sendall(_hdr(rng.choice([wire.F_HELLO_LINK, wire.F_HELLO_UNLINK, wire.F_DATA]),
                            rng.choice([wire.MAX_HELLO + 1, 0xFFFFFFFF])))

@@ -18,7 +18,8 @@ fabric).
 
 Modules, one concern each: :mod:`.wire` (frames, codecs, limits), :mod:`.hostprobe` (same-host
 detection), :mod:`.watchdog` (deadlines), :mod:`.streams` (byte streams of a transfer),
-:mod:`.channel` (one link's connection, leases, serving requests), :mod:`.peers` (peer handles and
+:mod:`.channel` (one link's connection, leases, serving requests), :mod:`.small` (one-request
+small transfers, served by the connection's reader), :mod:`.peers` (peer handles and
 data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.registry` and
 :mod:`.listener` (listening).
 
@@ -43,8 +44,8 @@ from __future__ import annotations
 from . import wire
 from .channel import Channel, close_channels, close_endpoint, take_endpoint
 from .handshake import InProcessConnection, RemoteConnection, connect
-from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, Secret, SecretError, Session,
-                   default_secret_path, describe_secret, generate_secret, load_secret)
+from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, AuthError, Secret, SecretError, Session,
+                   authenticate_socket, default_secret_path, describe_secret, generate_secret, load_secret)
 from .extensions import register_extension, unregister_extension
 from .listener import Listener
 from .peers import InProcessPeer, RemotePeer, in_process_peer
@@ -81,6 +82,8 @@ __all__ = [
     "Session",
     "Secret",
     "SecretError",
+    "AuthError",
+    "authenticate_socket",
     "load_secret",
     "generate_secret",
     "describe_secret",

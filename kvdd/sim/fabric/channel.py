@@ -14,6 +14,14 @@ once), or when it expires: ``SyncKvCacheWaitTime`` of the reader (announced in t
 capped by the owner) plus a grace; if the owner's server is still moving bytes for it then, the
 connection is closed.  The reader never touches remote memory past its own deadline, which is
 earlier.
+
+Small transfers (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs) take one round trip: a
+LEASE_READ / LEASE_WRITE names the cache instead of a lease, and the owner's reader thread serves
+it inline: the same checks and statuses as LEASE then READ / WRITE, the cache held (counted in
+flight) only around the copy out of (into) it, so that lease covers exactly this one transfer.
+The reader never blocks on sending: it answers with a non-blocking send when the connection is
+free, else the rest goes to the worker (counted in the queue bounds) and whoever sends next on
+the connection sends it first (``_tail``).
 """
 
 from __future__ import annotations
@@ -38,10 +46,11 @@ from .protocol import LinkOwner, ServedCache
 from .leases import Lease
 from .logutil import warn_limited
 from .serving import RunPlan, check_request
+from .small import serve_small_read, serve_small_write
 from .streams import Cursor, Layout, send_stream
 from .watchdog import WATCHDOG
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
-                   F_LEASE_REPLY, F_PING, F_PONG, F_READ, F_RELEASE, F_WRITE, LEASE_GRACE_MS,
+                   F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE, F_WRITE, LEASE_GRACE_MS,
                    MAX_JOBS, MAX_LEASE_MS, MAX_LEASES, MAX_QUEUED_BYTES, ProtocolError, Reader,
                    decode_request, discard, frame, read_header, recv_exact)
 
@@ -54,6 +63,9 @@ MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the co
 MAX_REVOKED = 256  # revoked lease ids remembered per connection
 _J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
+_J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the queue bounds)
+_J_FLUSH = 102  # worker job: send the rest of an answer the reader began (``_tail``)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 class Pending:
     __slots__ = ("req", "event", "lock", "reply", "cursor", "cancelled", "failed")
@@ -112,6 +124,7 @@ class Channel:
         self._queued_bytes = 0
         self._revoked: set[int] = set()  # lease ids revoked by an unregister (answered NOT_EXIST)
         self._revoked_order: deque[int] = deque()
+        self._tail: bytes | None = None  # the unsent rest of a frame (under send_lock)
         self._closing = False
         self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
         self.dead = threading.Event()
@@ -220,6 +233,14 @@ class Channel:
                         p.event.set()
                 elif ftype in (F_LEASE, F_READ, F_PING):
                     self._enqueue(ftype, req, payload)
+                elif ftype == F_LEASE_READ:
+                    if any(inj.serve for inj in faults.active()):  # a slow server: worker's job
+                        self._enqueue(ftype, req, payload)
+                    else:
+                        self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
+                elif ftype == F_LEASE_WRITE:
+                    self._answer(req, serve_small_write(self.owner, self._grant_small, self.sock, req,
+                                                         payload))
                 elif ftype == F_WRITE:
                     self._serve_write(req, payload)
                 elif ftype == F_RELEASE:
@@ -349,18 +370,23 @@ class Channel:
                 elif ftype == F_READ:
                     assert not isinstance(payload, int)
                     self._serve_read(req, payload)
+                elif ftype == F_LEASE_READ:
+                    assert not isinstance(payload, int)
+                    self._send_raw(serve_small_read(self.owner, self._grant_small, req, payload))
+                elif ftype in (_J_REPLY, _J_SEND):
+                    assert not isinstance(payload, int)
+                    self._send_raw(payload)
+                elif ftype == _J_FLUSH:
+                    self._send_raw(b"")
                 elif ftype == F_DONE:
                     assert isinstance(payload, int)
                     self._send(F_DONE, req, struct.pack("<I", payload))
                 elif ftype == F_PING:
                     self._send(F_PONG, req, b"")
-                elif ftype == _J_SEND:
-                    assert not isinstance(payload, int)
-                    with self.send_lock:
-                        self.sock.sendall(payload)
                 elif ftype == _J_CLOSE:
                     try:
                         with self.send_lock:
+                            self._flush_tail()
                             if req:
                                 self.sock.sendall(frame(F_GOODBYE, 0))
                             self.sock.shutdown(socket.SHUT_WR)
@@ -375,8 +401,40 @@ class Channel:
             self.kill()
 
     def _send(self, ftype: int, req: int, payload: bytes | bytearray) -> None:
+        self._send_raw(frame(ftype, req, payload))
+
+    def _send_raw(self, data: bytes | bytearray) -> None:
         with self.send_lock:
-            self.sock.sendall(frame(ftype, req, payload))
+            self._flush_tail()
+            if data:
+                self.sock.sendall(data)
+
+    def _flush_tail(self) -> None:
+        """Send the rest of a frame the reader began (call with send_lock held)."""
+        tail, self._tail = self._tail, None
+        if tail:
+            self.sock.sendall(tail)
+
+    def _answer(self, req: int, data: bytes) -> None:
+        """The reader's answer to a small request, never blocking: a non-blocking send when no
+        other thread is sending; what does not fit is the worker's (counted in the queue
+        bounds, so a peer that does not read its answers loses its connection)."""
+        if self.send_lock.acquire(blocking=False):
+            try:
+                if self._tail is None:
+                    try:
+                        sent = self.sock.send(data, _DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    if sent == len(data):
+                        return
+                    if sent:  # nobody may send before the rest of this frame
+                        self._tail = data[sent:]
+                        self._enqueue(_J_FLUSH, req, self._tail)
+                        return
+            finally:
+                self.send_lock.release()
+        self._enqueue(_J_REPLY, req, data)
 
     def _serve_lease(self, payload: bytes | bytearray) -> bytes:
         r = Reader(payload)
@@ -422,10 +480,24 @@ class Channel:
             plan = RunPlan(lease.entry.regions, tensors, off, length)
             faults.on_serve(self.owner, "read", plan.total)
             with self.send_lock:
+                self._flush_tail()
                 plan.send(self.sock, req)
                 self.sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
         finally:
             lease.unuse()
+
+    def _grant_small(self, cache_id: int) -> tuple[int, ServedCache | None]:
+        """The lease checks of a LEASE_READ / LEASE_WRITE, in the order and with the statuses of
+        a LEASE: ``(S_OK, entry)`` with the entry acquired (release it after the copy)."""
+        entry = self.served.get(cache_id)
+        if not self.owner.initialized or entry is None:  # finalized, or not visible here
+            return NOT_EXIST, None
+        with self._lock:
+            if len(self._leases) >= MAX_LEASES:
+                return Status.LLM_FAILED, None
+        if not entry.acquire():  # unregistered (§10 rule 2)
+            return NOT_EXIST, None
+        return S_OK, entry
 
     # -- requests of this end -----------------------------------------------------------------------
     def send_oneway(self, ftype: int, payload: bytes) -> None:
@@ -457,6 +529,7 @@ class Channel:
                 return None
             guard = WATCHDOG.schedule(deadline - time.monotonic(), self.kill)
             try:
+                self._flush_tail()
                 self.sock.sendall(frame(ftype, req, payload))
                 if data is not None:
                     send_stream(self.sock, req, data)

@@ -21,7 +21,8 @@ from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
 from .streams import Cursor, Layout
-from .wire import F_LEASE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS, encode_request
+from .wire import (F_LEASE, F_LEASE_READ, F_LEASE_WRITE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS,
+                   SMALL_BYTES, SMALL_MAX_RUNS, encode_request)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ def in_process_peer(peer: LinkOwner) -> InProcessPeer:
 
 
 class ClientLease:
+    """A transfer's lease on the owner over TCP: taken lazily (``lease_id`` 0 until then), since
+    a small transfer asks for it in the same request as its bytes (LEASE_READ / LEASE_WRITE)."""
+
     __slots__ = ("lease_id", "rc", "deadline")
 
     def __init__(self, lease_id: int, rc: RemoteCache, deadline: float) -> None:
@@ -149,18 +153,23 @@ class RemotePeer:
                 return (status, PathLease(inner)) if status == S_OK else (status, None)
         if chan.dead.is_set() or timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
-        deadline = time.monotonic() + timeout_ms / 1000.0
-        reply = chan.request(F_LEASE, struct.pack("<Q", rc.cache_id), deadline)
+        # the owner's lease checks run with the transfer's first request (see :meth:`move`)
+        return S_OK, ClientLease(0, rc, time.monotonic() + timeout_ms / 1000.0)
+
+    def _take_lease(self, lease: ClientLease) -> int:
+        """A LEASE round trip for a transfer too big for LEASE_READ / LEASE_WRITE; a status."""
+        chan = self._chan
+        reply = chan.request(F_LEASE, struct.pack("<Q", lease.rc.cache_id), lease.deadline)
         if reply is None:
-            return (NOT_EXIST if chan.peer_finalized else TIMEOUT), None
+            return NOT_EXIST if chan.peer_finalized else TIMEOUT
         try:
             status, lease_id = struct.unpack("<IQ", reply)
         except struct.error:
             chan.kill()
-            return TIMEOUT, None
-        if status != S_OK:
-            return status, None
-        return S_OK, ClientLease(lease_id, rc, deadline)
+            return TIMEOUT
+        if status == S_OK:
+            lease.lease_id = lease_id
+        return int(status)
 
     def release(self, lease: object) -> None:
         if isinstance(lease, PathLease):
@@ -168,7 +177,8 @@ class RemotePeer:
             self._path.release(lease.inner)
             return
         assert isinstance(lease, ClientLease)
-        self._chan.send_oneway(F_RELEASE, struct.pack("<Q", lease.lease_id))
+        if lease.lease_id:  # a small transfer's lease ended with its request
+            self._chan.send_oneway(F_RELEASE, struct.pack("<Q", lease.lease_id))
 
     def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
              dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
@@ -177,6 +187,9 @@ class RemotePeer:
             assert self._path is not None
             return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
         assert isinstance(lease, ClientLease)
+        status = self._lease_unless_small(lease, tensors, length)
+        if status != S_OK:
+            return status
         return self.move(lease, tensors, dst, dst_off, src_off, length, False)
 
     def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
@@ -187,32 +200,52 @@ class RemotePeer:
             return self._path.write(lease.inner, tensors, src, src_off, dst_off, length,
                                     timeout_ms)
         assert isinstance(lease, ClientLease)
+        status = self._lease_unless_small(lease, tensors, length)
+        if status != S_OK:
+            return status
         return self.move(lease, tensors, src, src_off, dst_off, length, True)
+
+    def _lease_unless_small(self, lease: ClientLease, tensors: Sequence[int],
+                            length: np.ndarray) -> int:
+        """Take the owner's lease now (LEASE) unless the transfer is small enough for one
+        LEASE_READ / LEASE_WRITE (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs)."""
+        if lease.lease_id or (len(tensors) * len(length) <= SMALL_MAX_RUNS
+                              and int(length.sum()) * len(tensors) <= SMALL_BYTES):
+            return S_OK
+        if self._chan.dead.is_set():
+            return TIMEOUT
+        return self._take_lease(lease)
 
     def move(self, lease: ClientLease, tensors: Sequence[int], local: Sequence[Region],
              local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray,
              write: bool) -> int:
         """One transfer over TCP under ``lease``: a READ (DATA frames into ``local``) or a WRITE
         (``local`` bytes as DATA frames); a status.  More than MAX_RUNS tensors x runs give
-        LLM_PARAM_INVALID and move nothing (the owner would refuse them)."""
+        LLM_PARAM_INVALID and move nothing (the owner would refuse them).  A small transfer
+        (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs) is one LEASE_READ / LEASE_WRITE
+        round trip (same statuses); a bigger one took its lease before (LEASE)."""
         chan = self._chan
         if chan.dead.is_set():
             return TIMEOUT
+        small = lease.lease_id == 0
         if len(tensors) * len(length) > MAX_RUNS:
             return PARAM_INVALID
         if lease.deadline <= time.monotonic():
             return TIMEOUT
         layout = Layout(local, local_off, length)
-        payload = encode_request(lease.lease_id, tensors, remote_off, length)
+        payload = encode_request(lease.rc.cache_id if small else lease.lease_id, tensors,
+                                 remote_off, length)
         cursor: Cursor | None = None
         if write:
             layout.gather()
-            reply = chan.request(F_WRITE, payload, lease.deadline, data=layout)
+            reply = chan.request(F_LEASE_WRITE if small else F_WRITE, payload, lease.deadline,
+                                 data=layout)
         else:
             cursor = Cursor(layout)
-            reply = chan.request(F_READ, payload, lease.deadline, cursor=cursor)
+            reply = chan.request(F_LEASE_READ if small else F_READ, payload, lease.deadline,
+                                 cursor=cursor)
         if reply is None:
-            return TIMEOUT
+            return NOT_EXIST if small and chan.peer_finalized else TIMEOUT
         try:
             (status,) = struct.unpack("<I", reply)
         except struct.error:

@@ -162,3 +162,4 @@ class RunPlan:
                     self._stage_copy(region, a, b, False)
         if left:
             raise ProtocolError("more DATA than the WRITE holds")
+

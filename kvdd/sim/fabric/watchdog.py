@@ -43,7 +43,8 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._loop, name="kvdd-sim-watchdog",
                                                 daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._heap[0] is timer:  # else the thread wakes earlier anyway (no wake-up per
+                self._cv.notify()       # request: most timers are cancelled long before)
         return timer
 
     @staticmethod

@@ -17,8 +17,9 @@ import numpy as np
 from ...status import Status
 from .protocol import LinkOffer, RemoteCache, ServedCache
 
-#: Version 2: mutual authentication before anything else (version 1 had none).
-PROTOCOL_VERSION = 2
+#: Version 2: mutual authentication before anything else (version 1 had none).  Version 3: the
+#: one-round-trip LEASE_READ / LEASE_WRITE requests for small transfers.
+PROTOCOL_VERSION = 3
 MAGIC = b"KV"
 HDR = struct.Struct("<2sBBII")
 
@@ -43,6 +44,8 @@ F_PING = 17
 F_PONG = 18
 F_CLOSE_HANDLE = 20
 F_GOODBYE = 21
+F_LEASE_READ = 22  # lease + READ + release in one request (small transfers; DATA + DONE answer)
+F_LEASE_WRITE = 23  # lease + WRITE + release in one request (then its DATA; DONE answers)
 F_AUTH_HELLO = 30  # initiator: nonce, auth mode
 F_AUTH_CHALLENGE = 31  # acceptor: nonce, auth mode
 F_AUTH_PROOF = 32  # initiator: MAC
@@ -54,7 +57,8 @@ MAX_LEN = {
     F_UNLINK_REPLY: MAX_CONTROL, F_LEASE: MAX_CONTROL, F_LEASE_REPLY: MAX_CONTROL,
     F_RELEASE: MAX_CONTROL, F_READ: MAX_REQUEST, F_WRITE: MAX_REQUEST, F_DATA: MAX_DATA,
     F_DONE: MAX_CONTROL, F_PING: MAX_CONTROL, F_PONG: MAX_CONTROL, F_CLOSE_HANDLE: MAX_CONTROL,
-    F_GOODBYE: MAX_CONTROL, F_AUTH_HELLO: MAX_AUTH, F_AUTH_CHALLENGE: MAX_AUTH,
+    F_GOODBYE: MAX_CONTROL, F_LEASE_READ: MAX_CONTROL, F_LEASE_WRITE: MAX_CONTROL,
+    F_AUTH_HELLO: MAX_AUTH, F_AUTH_CHALLENGE: MAX_AUTH,
     F_AUTH_PROOF: MAX_AUTH, F_AUTH_OK: MAX_AUTH, F_AUTH_REFUSED: MAX_AUTH,
 }
 AUTH_FRAMES = frozenset((F_AUTH_HELLO, F_AUTH_CHALLENGE, F_AUTH_PROOF, F_AUTH_OK, F_AUTH_REFUSED))
@@ -79,6 +83,10 @@ MAX_LEASE_MS = 60_000  # the longest SyncKvCacheWaitTime an owner honours for a 
 CLOSE_LINGER_S = 2.0
 STAGE_RUN_BYTES = 64 << 10  # runs shorter than this on average go through one staging copy
 STAGE_CHUNK = 4 << 20  # bytes staged at a time when the server streams short runs
+# a LEASE_READ / LEASE_WRITE moves at most this many bytes in at most SMALL_MAX_RUNS tensors x
+# runs (a peer asking for more breaks the protocol: its connection is closed)
+SMALL_BYTES = 64 << 10
+SMALL_MAX_RUNS = 256
 
 BACKENDS = ("comm", "hixl")
 RC = struct.Struct("<QIQIQBB")  # cache_id, n, T, B, S, ragged, placement
@@ -216,7 +224,7 @@ def read_header(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def version_refusal(version: int, ftype: int) -> bytes:
-    """What a peer of another protocol version gets: a reply it can parse (versions 1 and 2 share
+    """What a peer of another protocol version gets: a reply it can parse (versions 1 to 3 share
     the link/unlink reply layout: status, text) saying why, in its own version's header."""
     why = (f"fabric protocol version mismatch: the peer speaks version {PROTOCOL_VERSION}, "
            f"this process {version}; use the same kvdd version on both sides")
