@@ -72,13 +72,7 @@ cdef extern from *:
     #define SYS_pidfd_open 434
     #endif
     struct kvdd_ucred { int32_t pid; uint32_t uid; uint32_t gid; };
-    #include <sys/prctl.h>
-    #ifndef PR_SET_PTRACER
-    #define PR_SET_PTRACER 0x59616d61
-    #endif
     static inline long kvdd_pidfd_open(int pid) { return syscall(SYS_pidfd_open, pid, 0); }
-    static inline int kvdd_set_ptracer(unsigned long pid) {
-        return prctl(PR_SET_PTRACER, pid, 0, 0, 0); }
     /* Sequentially consistent 64-bit atomics on shared memory (the lease table). */
     static inline uint64_t kvdd_add(uint64_t *p, uint64_t v) {
         return __atomic_add_fetch(p, v, __ATOMIC_SEQ_CST); }
@@ -99,7 +93,6 @@ cdef extern from *:
         unsigned int uid
         unsigned int gid
     long kvdd_pidfd_open(int pid) nogil
-    int kvdd_set_ptracer(unsigned long pid) nogil
     uint64_t kvdd_add(uint64_t *p, uint64_t v) noexcept nogil
     uint64_t kvdd_sub(uint64_t *p, uint64_t v) noexcept nogil
     uint64_t kvdd_load(uint64_t *p) noexcept nogil
@@ -615,24 +608,6 @@ def peer_cred(fd: int) -> tuple[int, int, int]:
     if n != sizeof(cred):
         raise OSError(EFAULT, "SO_PEERCRED: short answer")
     return cred.pid, cred.uid, cred.gid
-
-
-def set_ptracer(pid: int) -> None:
-    """``prctl(PR_SET_PTRACER, pid)``: under Yama ``ptrace_scope = 1``, let process ``pid`` (and
-    only it: each call replaces the previous one) use ``process_vm_readv/writev`` on this process.
-    ``pid = 0`` clears it.  Never called with PR_SET_PTRACER_ANY.
-
-    Raises OSError (EINVAL: Yama absent or ``pid`` invalid)."""
-    if pid < 0 or pid > 0x7FFFFFFF:
-        raise ValueError(f"set_ptracer: invalid pid {pid}")
-    cdef unsigned long cpid = pid
-    cdef int r, err = 0
-    with nogil:
-        r = kvdd_set_ptracer(cpid)
-        if r < 0:
-            err = errno
-    if r < 0:
-        raise OSError(err, f"PR_SET_PTRACER: {strerror(err).decode(errors='replace')}")
 
 
 # ---- a per-link lease table in shared memory -------------------------------------------------------
