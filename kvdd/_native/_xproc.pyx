@@ -115,6 +115,23 @@ cdef inline int64_t _now_ns() noexcept nogil:
     return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
+cdef inline Py_ssize_t _advance(iovec *liov, iovec *riov, Py_ssize_t i, Py_ssize_t n,
+                                 ssize_t done) noexcept nogil:
+    """Skip ``done`` bytes that one process_vm call moved over the iovec pairs from ``i`` on (the
+    local and remote lists advance together); return the index of the first pair not finished."""
+    while done > 0 and i < n:
+        if <size_t>done >= liov[i].iov_len:
+            done -= <ssize_t>liov[i].iov_len
+            i += 1
+        else:
+            liov[i].iov_base = <void *>(<uintptr_t>liov[i].iov_base + <uintptr_t>done)
+            liov[i].iov_len -= <size_t>done
+            riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>done)
+            riov[i].iov_len -= <size_t>done
+            done = 0
+    return i
+
+
 cdef int _gather(object arr, int64_t *out, Py_ssize_t n, str what) except -1:
     cdef const int64_t[:] v
     try:
@@ -214,16 +231,7 @@ cdef void _run(_Job *job) noexcept nogil:
                 job.err = EFAULT  # no progress: the remote range is not mapped
                 return
             job.done += <uint64_t>r
-            while r > 0 and i < n:
-                if <size_t>r >= liov[i].iov_len:
-                    r -= <ssize_t>liov[i].iov_len
-                    i += 1
-                else:
-                    liov[i].iov_base = <void *>(<uintptr_t>liov[i].iov_base + <uintptr_t>r)
-                    liov[i].iov_len -= <size_t>r
-                    riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>r)
-                    riov[i].iov_len -= <size_t>r
-                    r = 0
+            i = _advance(liov, riov, i, n, r)
     # a copy whose last system call ended past the deadline is reported as timed out, not done
     if job.deadline >= 0 and _now_ns() > job.deadline:
         job.timed_out = True
@@ -535,16 +543,7 @@ def pvm_bench_runs(pid: int, local not None, remote: int, local_off, remote_off,
                         err = EFAULT
                         break
                     done += <size_t>got
-                    while got > 0 and i < n:
-                        if <size_t>got >= liov[i].iov_len:
-                            got -= <ssize_t>liov[i].iov_len
-                            i += 1
-                        else:
-                            liov[i].iov_base = <void *>(<uintptr_t>liov[i].iov_base + <uintptr_t>got)
-                            liov[i].iov_len -= <size_t>got
-                            riov[i].iov_base = <void *>(<uintptr_t>riov[i].iov_base + <uintptr_t>got)
-                            riov[i].iov_len -= <size_t>got
-                            got = 0
+                    i = _advance(liov, riov, i, n, got)
     finally:
         PyMem_RawFree(runs)
     if err:
