@@ -82,7 +82,9 @@ cdef extern from "_copy_impl.h" nogil:
     int kvdd_job_independent(const kvdd_job *job)
     uint64_t kvdd_job_run(const kvdd_job *job)
     void kvdd_copy_one(int isa, void *dst, const void *src, size_t n)
-    void kvdd_thread_stats(uint64_t out[4])
+    enum:
+        KVDD_STATS
+    void kvdd_thread_stats(uint64_t *out)
     int kvdd_auto_threads_allowed()
     uint64_t kvdd_threads_min_bytes()
     int kvdd_threads_probe()
@@ -506,11 +508,13 @@ def cache_sizes():
 
 
 def thread_stats():
-    """Counters of the 2-thread path since import: ``calls``, ``chunks`` (work items) and
-    ``helper_chunks`` (those done by the second thread; the rest ran on the calling thread)."""
-    cdef uint64_t out[4]
+    """Counters since import: of the 2-thread path ``calls``, ``chunks`` (work items),
+    ``helper_chunks`` (those done by the second thread; the rest ran on the calling thread) and
+    ``stalls``; ``jobs`` (copies that moved bytes) and ``job_ns`` (time spent copying them)."""
+    cdef uint64_t out[KVDD_STATS]
     kvdd_thread_stats(out)
-    return {"calls": out[0], "chunks": out[1], "helper_chunks": out[2], "stalls": out[3]}
+    return {"calls": out[0], "chunks": out[1], "helper_chunks": out[2], "stalls": out[3],
+            "jobs": out[4], "job_ns": out[5]}
 
 
 def available_isas():

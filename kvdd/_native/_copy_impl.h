@@ -98,9 +98,11 @@ uint64_t kvdd_llc_bytes(void);
 /* Per-core L2 cache size in bytes (0: unknown). */
 uint64_t kvdd_l2_bytes(void);
 
-/* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
- * stalls (calls after which automatic mode backed off to one thread). */
-void kvdd_thread_stats(uint64_t out[4]);
+/* Counters since the module was loaded: of the 2-thread path calls, chunks, chunks done by helpers,
+ * stalls (calls after which automatic mode backed off to one thread); of all jobs that moved bytes
+ * their number and the nanoseconds spent in kvdd_job_run. */
+#define KVDD_STATS 6
+void kvdd_thread_stats(uint64_t out[KVDD_STATS]);
 /* 0 while automatic mode is backing off after a stall. */
 int kvdd_auto_threads_allowed(void);
 
