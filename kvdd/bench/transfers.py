@@ -289,7 +289,8 @@ def _kernel_timed(run: Callable[[], object], kernel_ns: list[int]) -> None:
 def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool,
          two_threads: float, kernel_ns: Sequence[int]) -> Row:
     tr = res["transfer"]
-    kernel_s = statistics.median(kernel_ns) / 1e9
+    # kernel_ns: one warm-up call, then an untimed and a timed call per repeat (own_warm)
+    kernel_s = statistics.median(kernel_ns[2::2]) / 1e9
     row: Row = {
         "geometry": geom.name,
         "kind": case.kind,
