@@ -23,8 +23,9 @@ How a call is executed
   < 512 bytes always use ``memmove``. The implementation is chosen at run time: AVX-512, AVX2 or
   SSE2 on x86-64, NEON (``stnp``) on aarch64, plain ``memmove`` elsewhere (``set_isa`` forces one).
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
-  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
-  helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
+  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled recently (the helper
+  was descheduled mid-item: the other CPU is busy; "recently" is 100 times what the stall cost the
+  caller, 50 ms to 2 s), and the call is large enough for the
   second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
   2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
   the end for the item the helper is still copying, which grows when the other CPU is busy) and

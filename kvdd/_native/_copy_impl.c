@@ -233,7 +233,7 @@ static int64_t now_ns(void) {
 
 int kvdd_auto_threads_allowed(void) {
     /* A busy machine shows in the measured start latency of the helper (kvdd_threads_min_bytes grows
-     * with it) and in stalls: after one, automatic mode stays on one thread for KVDD_BACKOFF_NS. */
+     * with it) and in stalls: after one, automatic mode stays on one thread for a while (KVDD_BACKOFF_*). */
     return now_ns() >= atomic_load_explicit(&backoff_until_ns, memory_order_relaxed);
 }
 
@@ -473,11 +473,15 @@ static uint64_t run_two(const kvdd_job *job) {
     if (resident != 2) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
     /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) or that
      * did nothing during 2 ms of our work means the other CPU is busy: automatic mode then stays on
-     * one thread for KVDD_BACKOFF_NS. */
+     * one thread for KVDD_BACKOFF_FACTOR times the stall's cost to the caller (KVDD_BACKOFF_*). */
     if (resident != 2 &&
         ((t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) || (mine == st->nchunks && t1 - t0 > 2000000))) {
         atomic_fetch_add_explicit(&stat_stalls, 1, memory_order_relaxed);
-        atomic_store_explicit(&backoff_until_ns, t2 + KVDD_BACKOFF_NS, memory_order_relaxed);
+        int64_t cost = t2 - t1 > (t1 - t0) / 2 ? t2 - t1 : (t1 - t0) / 2; /* the wait, or the share lost */
+        int64_t backoff = cost * KVDD_BACKOFF_FACTOR;
+        if (backoff < KVDD_BACKOFF_MIN_NS) backoff = KVDD_BACKOFF_MIN_NS;
+        if (backoff > KVDD_BACKOFF_MAX_NS) backoff = KVDD_BACKOFF_MAX_NS;
+        atomic_store_explicit(&backoff_until_ns, t2 + backoff, memory_order_relaxed);
     }
     release_state(st);
     free(prefix); /* the helper reads prefix only for chunks it claimed, all of which are done */
