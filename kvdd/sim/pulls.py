@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..status import PARAM_INVALID, S_OK
 from ..types import Cache, CacheIndex, KvCacheExtParam
 from . import faults
@@ -27,7 +25,7 @@ from .checks import (
     require_remote_tensors,
     require_tensor_count,
 )
-from .runs import Runs
+from .runs import Runs, row_run
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -35,9 +33,6 @@ if TYPE_CHECKING:
     from .entries import CacheEntry, Entity
 
 __all__ = ["pull_kv_cache", "pull_kv_blocks"]
-
-
-_I64 = np.int64
 
 
 def _pull_common(backend: SimBackend, idx: CacheIndex, dst_cache: Cache, batch_index: int, size: int,
@@ -98,8 +93,7 @@ def pull_kv_cache(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: C
         if status != S_OK:
             return status
         return run(entity, local, rc, True, backend.sync_wait_ms, local_tensors, remote_tensors,
-                   np.array([batch_index * local.S], _I64), np.array([src_off], _I64),
-                   np.array([nbytes], _I64))
+                   *row_run(batch_index * local.S, src_off, nbytes))
 
 
 def pull_kv_blocks(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: Cache,

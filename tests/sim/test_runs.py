@@ -91,3 +91,12 @@ def test_the_index_after_the_last_wraps_to_zero() -> None:
         assert len(r) == 2 if r.d0[0] == 5 else len(r) == 1
     r = Runs([U64, 0, 1], [5, 6, 8])
     assert (r.s0, r.d0, r.ln, r.s_last, r.d_last) == ([U64, 1], [5, 8], [2, 1], [0, 1], [6, 8])
+
+
+def test_row_run_is_one_read_only_run() -> None:
+    a, b, n = runs_mod.row_run(4096, 8192, 100)
+    assert [x.tolist() for x in (a, b, n)] == [[4096], [8192], [100]]
+    assert all(x.dtype == np.int64 and not x.flags.writeable for x in (a, b, n))
+    with pytest.raises(ValueError):
+        a[0] = 0
+    assert runs_mod.row_run(4096, 8192, 100)[0] is a  # cached
