@@ -268,10 +268,13 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                         "transfer": functools.partial(_kernel_timed, case.run, split)}
                     fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
-                    before = _copy.thread_stats()["calls"]
+                    before = _copy.thread_stats()
                     res = interleaved(fns, reps, own_warm=True)
-                    two = (_copy.thread_stats()["calls"] - before) / (case.calls * (2 * reps + 1))
-                    rows.append(_row(geom, blocks, case, res, verified, two, split))
+                    after = _copy.thread_stats()
+                    two = (after["calls"] - before["calls"]) / (case.calls * (2 * reps + 1))
+                    row = _row(geom, blocks, case, res, verified, two, split)
+                    row["stalls"] = after["stalls"] - before["stalls"]
+                    rows.append(row)
             finally:
                 limits.close()
                 if child_cpu is not None:
