@@ -78,13 +78,15 @@ class SimBackend:
         self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
         self.closing: dict[int, Entity] = {}  # entities being closed (later callers wait too)
 
-    def _fail(self, status: int, detail: str) -> int:
+    def note_failure(self, status: int, detail: str) -> int:
+        """Record ``detail`` as why this thread's current call fails with ``status`` (read back by
+        :meth:`last_error_detail`); returns ``status``.  Used by the fault hooks too."""
         self._local.detail = detail
         return status
 
     def _rejected(self, exc: Rejected) -> int:
         """The status a Backend method returns for a rejection (its detail kept for the message)."""
-        return self._fail(exc.status, exc.detail)
+        return self.note_failure(exc.status, exc.detail)
 
     def last_error_detail(self) -> str | None:
         """Why the last failing call of this thread failed (for the exception message)."""
@@ -241,7 +243,7 @@ class SimBackend:
                 details.append(f"cluster {cluster.remote_cluster_id}: {why}")
                 status = st  # the last failing cluster wins
         if status != S_OK:
-            self._fail(status, "; ".join(details))
+            self.note_failure(status, "; ".join(details))
         return status, rets
 
     def _link_one(self, cluster: ClusterInfo, timeout_ms: int) -> tuple[int, str]:
@@ -327,12 +329,12 @@ class SimBackend:
                 try:
                     check_link_comm_res(text)
                 except OptionError as exc:
-                    return self._fail(exc.status, f"{whose} {exc}"), None
+                    return self.note_failure(exc.status, f"{whose} {exc}"), None
             key = peer.cluster_id
             if force_link and key in self.entities:
                 old = self._pop_entity(key)
             if key in self.entities:
-                return self._fail(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}"), old
+                return self.note_failure(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}"), old
             self.entities[key] = Entity(make_handle(), address)
             return S_OK, old
 
@@ -389,7 +391,7 @@ class SimBackend:
             self._destroy_entity(cluster.remote_cluster_id)
             return S_OK
         if len(cluster.remote_ip_infos) != 1:
-            return self._fail(PARAM_INVALID, "exactly one remote_ip_infos entry is required")
+            return self.note_failure(PARAM_INVALID, "exactly one remote_ip_infos entry is required")
         status = faults.on_unlink(self, cluster.remote_cluster_id, timeout_ms, force=False)
         if status != S_OK:
             return status
@@ -398,14 +400,14 @@ class SimBackend:
         if status != S_OK or conn is None:
             if status == Status.LLM_LINK_FAILED:
                 status = Status.LLM_UNLINK_FAILED
-            return self._fail(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
+            return self.note_failure(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
         try:
             peer_status = conn.notify_unlink(self)  # "disconnect(my cluster id)"
         finally:
             conn.close()
         self._destroy_entity(cluster.remote_cluster_id)
         if peer_status != S_OK:
-            return self._fail(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
+            return self.note_failure(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
         return peer_status
 
     def peer_unlinked(self, peer_cluster_id: int) -> int:
@@ -470,7 +472,7 @@ class SimBackend:
     def unregister_kv_cache(self, cache_id: int) -> int:
         with self._lock:
             if not self.initialized:
-                return self._fail(FAILED, "not initialized")
+                return self.note_failure(FAILED, "not initialized")
             entry = self.caches.pop(cache_id, None)
             if entry is None:  # another thread is unregistering it: wait as it does (§10 rule 5)
                 entry = self.retiring.get(cache_id)
@@ -486,18 +488,18 @@ class SimBackend:
 
     # -- §3.9 --------------------------------------------------------------------------------
     def allocate_cache(self, cache_desc: CacheDesc) -> tuple[int, Cache | None]:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "AllocateCache is not supported by V2"), None
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "AllocateCache is not supported by V2"), None
 
     def deallocate_cache(self, cache_id: int) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "DeallocateCache is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "DeallocateCache is not supported by V2")
 
     def copy_kv_cache(self, src_cache: Cache, dst_cache: Cache, src_batch_index: int,
                       dst_batch_index: int, offset: int, size: int) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvCache is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvCache is not supported by V2")
 
     def copy_kv_blocks(self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
                        dst_blocks_list: Sequence[Sequence[int]]) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvBlocks is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvBlocks is not supported by V2")
 
     # -- §3.10 - §3.13 transfers (kvdd.sim.pulls, kvdd.sim.pushes) ---------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int,
