@@ -469,14 +469,18 @@ static uint64_t run_two(const kvdd_job *job) {
     }
     int64_t t2 = now_ns();
     if (resident && retract_resident(st)) release_state(st); /* the helper's reference, never taken */
-    /* The first call of the resident helper pays for creating it once: not a cost of later calls. */
-    if (resident != 2) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
     /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) means the
      * other CPU is busy: automatic mode then stays on one thread for KVDD_BACKOFF_FACTOR times the
      * wait (KVDD_BACKOFF_*). A helper that wakes too late to take any chunk is no stall: the caller
      * did the work at one thread's speed and waited for nothing (on a VM an idle vCPU can take
      * milliseconds to wake; backing off for it kept quiet runs on one thread). */
-    if (resident != 2 && t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) {
+    int stalled = resident != 2 && t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4;
+    /* The cost model learns the typical extra cost; a stall is answered by the backoff, not averaged
+     * in (with weight 1/8 a 5 ms stall adds ~600 us, which kept calls below ~20 MB on one thread for
+     * the hundreds of calls the probes need to undo it). The first call of the resident helper pays
+     * for creating it once: not a cost of later calls either. */
+    if (resident != 2 && !stalled) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
+    if (stalled) {
         atomic_fetch_add_explicit(&stat_stalls, 1, memory_order_relaxed);
         int64_t backoff = (t2 - t1) * KVDD_BACKOFF_FACTOR;
         if (backoff < KVDD_BACKOFF_MIN_NS) backoff = KVDD_BACKOFF_MIN_NS;
