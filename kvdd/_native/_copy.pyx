@@ -6,7 +6,7 @@ The engine builds :class:`Region` handles for memory it has validated (registere
 for runs ``(src_off, dst_off, length)`` applied to each (source, destination) tensor pair. This module
 checks every run against every region again, snapshots the request into C memory (so nothing a Python
 thread does meanwhile can move it out of bounds) and copies without the GIL (C: _copy_kernels.c for
-the per-run loops, _copy_impl.c for jobs and threads).
+the per-run loops, _copy_impl.c for jobs and threads, _copy_plan.c for the independence check).
 
 How a call is executed
 ----------------------
