@@ -97,34 +97,49 @@ def _push_layers(backend: SimBackend, kind: str, src_cache: Cache, idx: CacheInd
     remote_layers = rc.num_tensors // t
     _require_dst_layer(ld0, remote_layers)  # d
     with entity.lock:
-        ok: list[tuple[int, int]] = []
-        failed: Rejected | None = None
-        for i, ls in enumerate(src_layers):
-            ld = ld0 + i
-            try:
-                if i == 0:
-                    check_layer(local, rc, ls)  # e-h, kvdd rules 10 and 1
-                else:
-                    # Later layers: only d and f depend on the layer; every other check passed above.
-                    _require_dst_layer(ld, remote_layers)  # d
-                    _push_local_checks(local, t, ls)  # f (g passed at layer 0)
-            except Rejected as exc:
-                failed = exc
-                break
-            ok.append((ls, ld))
-        if ok:
+        n_ok, failed = _layers_passing(local, rc, src_layers, ld0, remote_layers, t, check_layer)
+        if n_ok:
             src_off, dst_off, length = offsets(local, rc)
             status = faults.on_transfer(backend, kind, idx.cluster_id, entity,
-                                        t * len(ok) * int(length.sum()))
+                                        t * n_ok * int(length.sum()))
             if status != S_OK:
                 return status
-            local_tensors = [ls * t + k for ls, _ in ok for k in range(t)]
-            remote_tensors = [ld * t + k for _, ld in ok for k in range(t)]
-            run(entity, local, rc, False, backend.sync_wait_ms, local_tensors, remote_tensors,
-                src_off, dst_off, length)
+            # the layers that passed are consecutive on both sides: their tensors are two ranges
+            # (the copy takes each side's regions as one slice, whatever the tensor count)
+            ls0 = src_layers.start
+            run(entity, local, rc, False, backend.sync_wait_ms, range(ls0 * t, (ls0 + n_ok) * t),
+                range(ld0 * t, (ld0 + n_ok) * t), src_off, dst_off, length)
         if failed is not None:
             raise failed
         return S_OK
+
+
+def _layers_passing(local: CacheEntry, rc: RemoteCache, src_layers: range, ld0: int, remote_layers: int,
+                    t: int, check_layer: Callable[[CacheEntry, RemoteCache, int], None]
+                    ) -> tuple[int, Rejected | None]:
+    """How many planned layers pass their checks before the first failing one, and its rejection.
+
+    Upstream checks layer ``i`` (source ``src_layers[i]``, destination ``ld0 + i``) in order: layer
+    0 runs every check (e-h, kvdd rules 10 and 1); a later layer can fail only d (destination layer
+    below the remote layer count) or f (source layer below the local one), both monotonic in ``i``
+    (the layers are consecutive on both sides), so the first failing layer is found in O(1) and
+    its checks run once, in upstream's order, for the exact rejection."""
+    if len(src_layers) == 0:
+        return 0, None
+    try:
+        check_layer(local, rc, src_layers[0])  # e-h, kvdd rules 10 and 1
+    except Rejected as exc:
+        return 0, exc
+    # first i >= 1 failing d (ld0 + i >= remote_layers) or f (src_layers[i] >= local.n // t)
+    first = min(len(src_layers), max(1, remote_layers - ld0), max(1, local.n // t - src_layers[0]))
+    if first == len(src_layers):
+        return first, None
+    try:
+        _require_dst_layer(ld0 + first, remote_layers)  # d
+        _push_local_checks(local, t, src_layers[first])  # f (g passed at layer 0)
+    except Rejected as exc:
+        return first, exc
+    raise AssertionError(f"layer {first} was computed to fail check d or f")  # pragma: no cover
 
 
 def _require_push_source(backend: SimBackend, src_cache: Cache) -> None:
