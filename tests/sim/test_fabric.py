@@ -1222,6 +1222,7 @@ def test_served_runs_stream_exactly(seed: int) -> None:
     (k outer, j inner), with short runs staged in chunks, long runs direct, DATA frames of any
     size on receive, and nothing outside the runs touched."""
     from kvdd._native._copy import Region
+    from kvdd.sim.fabric.rx import Rx
     from kvdd.sim.fabric.serving import RunPlan, check_request
 
     rng = np.random.default_rng(seed)
@@ -1250,7 +1251,7 @@ def test_served_runs_stream_exactly(seed: int) -> None:
     assert sender.total == len(stream)
     done = threading.Thread(target=sender.send, args=(a, 5))
     done.start()
-    RunPlan(dst_r, tensors, starts, lengths).receive(b, 5, wire.read_header)
+    RunPlan(dst_r, tensors, starts, lengths).receive(Rx(b), 5)
     done.join()
     a.close()
     b.close()
