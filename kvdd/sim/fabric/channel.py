@@ -39,7 +39,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 from ...status import S_OK, Status
 from .. import faults
@@ -47,7 +46,7 @@ from .endpoints import add_endpoint, close_channels, close_endpoint, discard_end
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
 from .protocol import LinkOwner, ServedCache
-from .rx import Rx
+from .rx import Goodbye, Pending, Rx, Sink
 from .serving import serve_read, serve_write
 from .small import serve_small_read, serve_small_write
 from .streams import Layout, send_stream
@@ -69,33 +68,6 @@ _J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the
 _J_FLUSH = 102  # worker job: send the rest of an answer the reader began (``_tail``)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _RECEIVER = object()  # the leader token of the receiver thread
-
-
-class Sink(Protocol):
-    """Where a READ's DATA goes (:class:`~.streams.Cursor`, :class:`~.small.SmallSink`)."""
-
-    left: int
-
-    def recv(self, rx: Rx, n: int) -> None: ...
-
-
-class _Goodbye(Exception):
-    """The peer finalized (GOODBYE): it serves nothing more."""
-
-
-class Pending:
-    """A request of this end waiting for its reply."""
-
-    __slots__ = ("req", "deadline", "reply", "sink", "cancelled", "failed", "done")
-
-    def __init__(self, req: int, deadline: float, sink: Sink | None) -> None:
-        self.req = req
-        self.deadline = deadline
-        self.reply: bytes | None = None
-        self.sink = sink
-        self.cancelled = False
-        self.failed = False
-        self.done = False
 
 
 class Channel:
@@ -216,7 +188,7 @@ class Channel:
 
     def _fail(self, exc: BaseException) -> None:
         """Reading failed (the leader's exception): the connection ends."""
-        if isinstance(exc, _Goodbye):
+        if isinstance(exc, Goodbye):
             # the peer finalized: our handle on it (a stale entity) now finds no cache (§10
             # rule 2); requests in flight end now
             self.peer_finalized = True
@@ -311,7 +283,7 @@ class Channel:
         elif ftype == F_CLOSE_HANDLE:
             self._peer_released()
         elif ftype == F_GOODBYE:
-            raise _Goodbye()
+            raise Goodbye()
         else:
             raise ProtocolError(f"unexpected frame type {ftype} on a link")
 

@@ -12,10 +12,11 @@ the socket likes).  Memory per connection: the buffer, plus what a frame's check
 from __future__ import annotations
 
 import socket
+from typing import Protocol
 
 from .wire import HDR, RECV_CHUNK, check_header
 
-__all__ = ["Rx", "RX_BUFFER"]
+__all__ = ["Rx", "RX_BUFFER", "Sink", "Pending", "Goodbye"]
 
 RX_BUFFER = 64 << 10  # bytes buffered per connection
 
@@ -101,3 +102,30 @@ class Rx:
                 take = min(n, len(scratch))
                 self.into(scratch[:take])
                 n -= take
+
+
+class Sink(Protocol):
+    """Where a READ's DATA goes (:class:`~.streams.Cursor`, :class:`~.small.SmallSink`)."""
+
+    left: int
+
+    def recv(self, rx: Rx, n: int) -> None: ...
+
+
+class Goodbye(Exception):
+    """The peer finalized (GOODBYE): it serves nothing more."""
+
+
+class Pending:
+    """A request of this end waiting for its reply."""
+
+    __slots__ = ("req", "deadline", "reply", "sink", "cancelled", "failed", "done")
+
+    def __init__(self, req: int, deadline: float, sink: Sink | None) -> None:
+        self.req = req
+        self.deadline = deadline
+        self.reply: bytes | None = None
+        self.sink = sink
+        self.cancelled = False
+        self.failed = False
+        self.done = False
