@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from .backend import Backend, create_backend, resolve_backend_name
+from .calls import DEFAULT_EXT, check_clusters, check_tensor_sizes, check_type, ext_or_default, raise_status
 from .memory import TensorAddrs
 from .options import check_options
-from .status import Status, raise_for_status
+from .status import Status
 from .types import (
     INT32,
     INT64,
@@ -35,57 +36,12 @@ from .types import (
     check_int,
     check_int_seq,
 )
+from .unsupported import UnsupportedCalls
 
 __all__ = ["LlmDataDist"]
 
 
-def _check_type(name: str, value: object, klass: type) -> None:
-    if not isinstance(value, klass):
-        raise TypeError(f"{name} must be {klass.__name__}, not {type(value).__name__}")
-
-
-def _check_clusters(clusters: object) -> tuple[ClusterInfo, ...]:
-    if isinstance(clusters, (str, bytes)) or not isinstance(clusters, Sequence):
-        raise TypeError(f"clusters must be a sequence of ClusterInfo, not {type(clusters).__name__}")
-    for i, c in enumerate(clusters):
-        _check_type(f"clusters[{i}]", c, ClusterInfo)
-    return tuple(clusters)
-
-
-def _check_tensor_sizes(cache_desc: CacheDesc, nbytes: Sequence[int]) -> None:
-    # The C++ API only sees addresses, so upstream cannot notice a tensor smaller than the
-    # descriptor says; TensorAddrs knows each owner's size, so kvdd refuses that classic bug here
-    # (identically on every backend) instead of letting transfers write past the tensor.
-    try:
-        need = cache_desc.tensor_nbytes
-    except ValueError:
-        return  # the backend reports the invalid shape/dtype with its LLM status
-    for i, have in enumerate(nbytes):
-        if have < need:
-            raise ValueError(
-                f"tensor {i} holds {have} bytes but cache_desc needs {need} bytes per tensor "
-                f"(shape {cache_desc.shape}, data_type {cache_desc.data_type!r}); transfers would "
-                "read and write past it. Register tensors of the described shape."
-            )
-
-
-_DEFAULT_EXT = KvCacheExtParam()  # immutable, so one instance serves every call
-
-
-def _ext(ext_param: KvCacheExtParam | None) -> KvCacheExtParam:
-    if ext_param is None:
-        return _DEFAULT_EXT
-    _check_type("ext_param", ext_param, KvCacheExtParam)
-    return ext_param
-
-
-def _detail(backend: Backend) -> str | None:
-    # Optional, backend-neutral: a backend may explain its last failing status in this thread.
-    getter = getattr(backend, "last_error_detail", None)
-    return getter() if callable(getter) else None
-
-
-class LlmDataDist:
+class LlmDataDist(UnsupportedCalls):
     """One LLM-DataDist instance (a *cluster*): C++ ``llm_datadist::LlmDataDist``.
 
     Parameters
@@ -118,11 +74,6 @@ class LlmDataDist:
         self._role = check_int("role", role, INT32)
         self._backend_name = resolve_backend_name(backend)
         self._backend: Backend = create_backend(self._backend_name, self._cluster_id, self._role)
-
-    def _check(self, status: int, what: str, rets: list[int] | None = None) -> None:
-        # The one place a backend status becomes an exception (via kvdd.status.raise_for_status).
-        if status != Status.LLM_SUCCESS:
-            raise_for_status(status, what, rets, _detail(self._backend))
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -221,7 +172,9 @@ class LlmDataDist:
         A second call on an initialized instance succeeds and ignores its options.
         """
         opts = check_options(options)
-        self._check(self._backend.initialize(opts), "Initialize")
+        status = self._backend.initialize(opts)
+        if status:
+            raise_status(self._backend, status, "Initialize")
 
     def finalize(self) -> None:
         """Tear down links, forget caches, stop listening [Finalize, docs/spec/SEMANTICS.md §3.3].
@@ -253,7 +206,9 @@ class LlmDataDist:
         """
         role = check_int("role", role, INT32)
         opts = check_options(options)
-        self._check(self._backend.set_role(role, opts), "SetRole")
+        status = self._backend.set_role(role, opts)
+        if status:
+            raise_status(self._backend, status, "SetRole")
 
     # -- links ------------------------------------------------------------------------------
     def link_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int = 1000) -> list[Status]:
@@ -278,10 +233,11 @@ class LlmDataDist:
             every cluster's status (``[]`` when the call failed before the per-cluster phase):
             LLMLinkFailedError, LLMAlreadyLinkError, LLMParamInvalidError, ...
         """
-        cl = _check_clusters(clusters)
+        cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         status, rets = self._backend.link_llm_clusters(cl, timeout_ms)
-        self._check(status, "LinkLlmClusters", rets=list(rets))
+        if status:
+            raise_status(self._backend, status, "LinkLlmClusters", list(rets))
         return [Status(r) for r in rets]
 
     def unlink_llm_clusters(self, clusters: Sequence[ClusterInfo], timeout_ms: int = 1000,
@@ -309,12 +265,13 @@ class LlmDataDist:
             cannot be reached for a non-force unlink, LLMParamInvalidError for a non-positive timeout
             or an empty list.  Unlinking a cluster that was never linked succeeds.
         """
-        cl = _check_clusters(clusters)
+        cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         if not isinstance(force, bool):
             raise TypeError(f"force must be bool, not {type(force).__name__}")
         status, rets = self._backend.unlink_llm_clusters(cl, timeout_ms, force)
-        self._check(status, "UnlinkLlmClusters", rets=list(rets))
+        if status:
+            raise_status(self._backend, status, "UnlinkLlmClusters", list(rets))
         return [Status(r) for r in rets]
 
     # -- registration -----------------------------------------------------------------------
@@ -352,16 +309,17 @@ class LlmDataDist:
         -----
         Register before linking: a cache registered after a link is invisible over it (§2.4).
         """
-        _check_type("cache_desc", cache_desc, CacheDesc)
+        check_type("cache_desc", cache_desc, CacheDesc)
         checked = check_int_seq("addrs", addrs, UINT64)
         if cfg is None:
             cfg = RegisterCfg()
-        _check_type("cfg", cfg, RegisterCfg)
+        check_type("cfg", cfg, RegisterCfg)
         passed: Sequence[int] = addrs if isinstance(addrs, TensorAddrs) else checked
         if isinstance(addrs, TensorAddrs) and len(addrs.nbytes) == len(checked):
-            _check_tensor_sizes(cache_desc, addrs.nbytes)
+            check_tensor_sizes(cache_desc, addrs.nbytes)
         status, cache_id = self._backend.register_kv_cache(cache_desc, passed, cfg)
-        self._check(status, "RegisterKvCache")
+        if status:
+            raise_status(self._backend, status, "RegisterKvCache")
         return cache_id
 
     def unregister_kv_cache(self, cache_id: int) -> None:
@@ -378,47 +336,9 @@ class LlmDataDist:
             LLM_FAILED when not initialized.
         """
         cache_id = check_int("cache_id", cache_id, INT64)
-        self._check(self._backend.unregister_kv_cache(cache_id), "UnregisterKvCache")
-
-    def allocate_cache(self, cache_desc: CacheDesc) -> Cache:
-        """[AllocateCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
-
-        Parameters
-        ----------
-        cache_desc : CacheDesc
-            Ignored.
-
-        Returns
-        -------
-        Cache
-            Never returns.
-
-        Raises
-        ------
-        LLMFeatureNotEnabledError
-            Always (after the argument types are checked).
-        """
-        _check_type("cache_desc", cache_desc, CacheDesc)
-        status, cache = self._backend.allocate_cache(cache_desc)
-        self._check(status, "AllocateCache")
-        assert cache is not None
-        return cache
-
-    def deallocate_cache(self, cache_id: int) -> None:
-        """[DeallocateCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
-
-        Parameters
-        ----------
-        cache_id : int
-            Ignored (int64).
-
-        Raises
-        ------
-        LLMFeatureNotEnabledError
-            Always.
-        """
-        cache_id = check_int("cache_id", cache_id, INT64)
-        self._check(self._backend.deallocate_cache(cache_id), "DeallocateCache")
+        status = self._backend.unregister_kv_cache(cache_id)
+        if status:
+            raise_status(self._backend, status, "UnregisterKvCache")
 
     # -- transfers --------------------------------------------------------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
@@ -455,12 +375,14 @@ class LlmDataDist:
         LLMError
             LLM_FAILED when not initialized.
         """
-        _check_type("src_cache_index", src_cache_index, CacheIndex)
-        _check_type("dst_cache", dst_cache, Cache)
+        check_type("src_cache_index", src_cache_index, CacheIndex)
+        check_type("dst_cache", dst_cache, Cache)
         batch_index = check_int("batch_index", batch_index, UINT32)
         size = check_int("size", size, INT64)
-        status = self._backend.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, _ext(ext_param))
-        self._check(status, "PullKvCache")
+        ext = DEFAULT_EXT if ext_param is None else ext_or_default(ext_param)
+        status = self._backend.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext)
+        if status:
+            raise_status(self._backend, status, "PullKvCache")
 
     def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache, src_blocks: Sequence[int],
                        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None) -> None:
@@ -483,12 +405,14 @@ class LlmDataDist:
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.11 gives the order of the checks).
         """
-        _check_type("src_cache_index", src_cache_index, CacheIndex)
-        _check_type("dst_cache", dst_cache, Cache)
+        check_type("src_cache_index", src_cache_index, CacheIndex)
+        check_type("dst_cache", dst_cache, Cache)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
         dst = check_int_seq("dst_blocks", dst_blocks, UINT64)
-        status = self._backend.pull_kv_blocks(src_cache_index, dst_cache, src, dst, _ext(ext_param))
-        self._check(status, "PullKvBlocks")
+        ext = DEFAULT_EXT if ext_param is None else ext_or_default(ext_param)
+        status = self._backend.pull_kv_blocks(src_cache_index, dst_cache, src, dst, ext)
+        if status:
+            raise_status(self._backend, status, "PullKvBlocks")
 
     def push_kv_cache(self, src_cache: Cache, dst_cache_index: CacheIndex, src_batch_index: int = 0,
                       size: int = -1, ext_param: KvCacheExtParam | None = None) -> None:
@@ -517,12 +441,14 @@ class LlmDataDist:
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.12 gives the order of the checks).
         """
-        _check_type("src_cache", src_cache, Cache)
-        _check_type("dst_cache_index", dst_cache_index, CacheIndex)
+        check_type("src_cache", src_cache, Cache)
+        check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
         size = check_int("size", size, INT64)
-        status = self._backend.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, _ext(ext_param))
-        self._check(status, "PushKvCache")
+        ext = DEFAULT_EXT if ext_param is None else ext_or_default(ext_param)
+        status = self._backend.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext)
+        if status:
+            raise_status(self._backend, status, "PushKvCache")
 
     def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex, src_blocks: Sequence[int],
                        dst_blocks: Sequence[int], ext_param: KvCacheExtParam | None = None) -> None:
@@ -545,66 +471,11 @@ class LlmDataDist:
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`push_kv_cache` (§3.13).
         """
-        _check_type("src_cache", src_cache, Cache)
-        _check_type("dst_cache_index", dst_cache_index, CacheIndex)
+        check_type("src_cache", src_cache, Cache)
+        check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
         dst = check_int_seq("dst_blocks", dst_blocks, UINT64)
-        status = self._backend.push_kv_blocks(src_cache, dst_cache_index, src, dst, _ext(ext_param))
-        self._check(status, "PushKvBlocks")
-
-    def copy_kv_cache(self, src_cache: Cache, dst_cache: Cache, src_batch_index: int = 0,
-                      dst_batch_index: int = 0, offset: int = 0, size: int = -1) -> None:
-        """[CopyKvCache, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
-
-        Parameters
-        ----------
-        src_cache, dst_cache : Cache
-            Checked for type only.
-        src_batch_index, dst_batch_index : int
-            uint32.
-        offset : int
-            uint64 bytes.
-        size : int
-            int64 bytes.
-
-        Raises
-        ------
-        LLMFeatureNotEnabledError
-            Always (after the argument types are checked).
-        """
-        _check_type("src_cache", src_cache, Cache)
-        _check_type("dst_cache", dst_cache, Cache)
-        src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
-        dst_batch_index = check_int("dst_batch_index", dst_batch_index, UINT32)
-        offset = check_int("offset", offset, UINT64)
-        size = check_int("size", size, INT64)
-        status = self._backend.copy_kv_cache(src_cache, dst_cache, src_batch_index, dst_batch_index, offset, size)
-        self._check(status, "CopyKvCache")
-
-    def copy_kv_blocks(self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
-                       dst_blocks_list: Sequence[Sequence[int]]) -> None:
-        """[CopyKvBlocks, docs/spec/SEMANTICS.md §3.9] Not supported by LLM-DataDist V2.
-
-        Parameters
-        ----------
-        src_cache, dst_cache : Cache
-            Checked for type only.
-        src_blocks : Sequence[int]
-            uint64 block indices.
-        dst_blocks_list : Sequence[Sequence[int]]
-            uint64 block indices per destination.
-
-        Raises
-        ------
-        LLMFeatureNotEnabledError
-            Always (after the argument types are checked).
-        """
-        _check_type("src_cache", src_cache, Cache)
-        _check_type("dst_cache", dst_cache, Cache)
-        src = check_int_seq("src_blocks", src_blocks, UINT64)
-        if isinstance(dst_blocks_list, (str, bytes)) or not isinstance(dst_blocks_list, Sequence):
-            raise TypeError("dst_blocks_list must be a sequence of sequences of block indices")
-        dst = tuple(check_int_seq(f"dst_blocks_list[{i}]", d, UINT64) for i, d in enumerate(dst_blocks_list))
-        status = self._backend.copy_kv_blocks(src_cache, dst_cache, src, dst)
-        self._check(status, "CopyKvBlocks")
-
+        ext = DEFAULT_EXT if ext_param is None else ext_or_default(ext_param)
+        status = self._backend.push_kv_blocks(src_cache, dst_cache_index, src, dst, ext)
+        if status:
+            raise_status(self._backend, status, "PushKvBlocks")

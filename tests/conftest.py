@@ -27,3 +27,20 @@ def pytest_configure(config: pytest.Config) -> None:
             "puts the source tree first on sys.path; or use an editable install "
             "(pip install --no-build-isolation -e '.[test]')."
         ) from None
+
+
+#: Suites whose ``slow`` tests are skipped unless selected (``-m slow``) or the long Hypothesis
+#: profile is active (``KVDD_HYPOTHESIS_PROFILE=long``); elsewhere ``slow`` only labels a test.
+SLOW_OPT_IN = ("property", "stress")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    markexpr = str(config.getoption("markexpr", "") or "")
+    if "slow" in markexpr or os.environ.get("KVDD_HYPOTHESIS_PROFILE", "ci") == "long":
+        return
+    here = Path(__file__).resolve().parent
+    dirs = tuple(str(here / name) + os.sep for name in SLOW_OPT_IN)
+    skip = pytest.mark.skip(reason="slow: run with -m slow or KVDD_HYPOTHESIS_PROFILE=long")
+    for item in items:
+        if "slow" in item.keywords and str(item.path).startswith(dirs):
+            item.add_marker(skip)

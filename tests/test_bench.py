@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import kvdd
+from kvdd.bench.harness import interleaved
 from kvdd.cli import main as cli_main
 
 KiB = 1024
@@ -53,7 +54,7 @@ EXPECTED_CALLS = {("qwen2.5-7b", "pull_layers"): 28}
 LIMITS = ("numpy_1t", "numpy_2t", "stream_1t", "stream_2t")
 TRANSFER_KEYS = {"geometry", "kind", "tensors", "blocks", "run_bytes", "calls", "bytes", "min_ms", "median_ms",
                  "gbps", *(f"{name}_gbps" for name in LIMITS), "limit", "limit_gbps", "ratio", "ratio_median",
-                 "two_threads", "samples", "verified"}
+                 "kernel_gbps", "outside_us", "two_threads", "samples", "verified"}
 POSITIVE = ("min_ms", "median_ms", "gbps", "numpy_1t_gbps", "numpy_2t_gbps", "limit_gbps", "ratio", "ratio_median")
 #: glibc's streaming memcpy is measured where it exists (x86-64 Linux with glibc)
 STREAMING = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -128,6 +129,8 @@ def _check_limits(r: dict[str, Any], key: object) -> None:
     assert math.isclose(r["limit_gbps"], measured[r["limit"]])
     assert math.isclose(r["ratio"], r["gbps"] / r["limit_gbps"], rel_tol=1e-9)
     assert 0 <= r["two_threads"] <= 1
+    # the transfer's time splits into the copy kernels' and the rest
+    assert _positive(r["kernel_gbps"]) and r["outside_us"] >= 0
 
 
 # From MODELS.md: GLM-5 has 78 layers, rope 64 and indexer 128 bf16 per token (16 and 32 KiB per block);
@@ -269,3 +272,15 @@ def test_cross_process_only(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unusable_options(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--json", *bad]) == 2
     assert "kvdd bench:" in capsys.readouterr().err
+
+
+def test_interleaved_own_warm() -> None:
+    """With own_warm every timed run follows an untimed run of the same operation."""
+    calls: list[str] = []
+    res = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=0,
+                      own_warm=True)
+    assert calls == ["a", "a", "b", "b", "a", "a", "b", "b"]
+    assert res["a"]["samples"] == res["b"]["samples"] == 2
+    calls.clear()
+    interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2, warmup=1)
+    assert calls == ["a", "b"] * 3

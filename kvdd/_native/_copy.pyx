@@ -23,8 +23,9 @@ How a call is executed
   < 512 bytes always use ``memmove``. The implementation is chosen at run time: AVX-512, AVX2 or
   SSE2 on x86-64, NEON (``stnp``) on aarch64, plain ``memmove`` elsewhere (``set_isa`` forces one).
 * ``threads=0`` uses a second thread when the runs are independent (no run writes bytes another
-  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled in the last 2 s (the
-  helper was descheduled mid-item: the other CPU is busy), and the call is large enough for the
+  run reads or writes: checked in O(K log K + J)), no 2-thread call stalled recently (the helper
+  was descheduled mid-item: the other CPU is busy; "recently" is 100 times what the stall cost the
+  caller, 50 ms to 2 s), and the call is large enough for the
   second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
   2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
   the end for the item the helper is still copying, which grows when the other CPU is busy) and
@@ -82,7 +83,9 @@ cdef extern from "_copy_impl.h" nogil:
     int kvdd_job_independent(const kvdd_job *job)
     uint64_t kvdd_job_run(const kvdd_job *job)
     void kvdd_copy_one(int isa, void *dst, const void *src, size_t n)
-    void kvdd_thread_stats(uint64_t out[4])
+    enum:
+        KVDD_STATS
+    void kvdd_thread_stats(uint64_t *out)
     int kvdd_auto_threads_allowed()
     uint64_t kvdd_threads_min_bytes()
     int kvdd_threads_probe()
@@ -506,11 +509,13 @@ def cache_sizes():
 
 
 def thread_stats():
-    """Counters of the 2-thread path since import: ``calls``, ``chunks`` (work items) and
-    ``helper_chunks`` (those done by the second thread; the rest ran on the calling thread)."""
-    cdef uint64_t out[4]
+    """Counters since import: of the 2-thread path ``calls``, ``chunks`` (work items),
+    ``helper_chunks`` (those done by the second thread; the rest ran on the calling thread) and
+    ``stalls``; ``jobs`` (copies that moved bytes) and ``job_ns`` (time spent copying them)."""
+    cdef uint64_t out[KVDD_STATS]
     kvdd_thread_stats(out)
-    return {"calls": out[0], "chunks": out[1], "helper_chunks": out[2], "stalls": out[3]}
+    return {"calls": out[0], "chunks": out[1], "helper_chunks": out[2], "stalls": out[3],
+            "jobs": out[4], "job_ns": out[5]}
 
 
 def available_isas():

@@ -77,8 +77,13 @@ uint64_t kvdd_job_run(const kvdd_job *job);
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
 /* The resident helper thread spins this long for the next call before it sleeps. */
 #define KVDD_HELPER_SPIN_NS ((int64_t)200000)
-/* After a 2-thread call stalled, automatic mode uses one thread for this long. */
-#define KVDD_BACKOFF_NS ((int64_t)2000000000)
+/* After a 2-thread call stalled, automatic mode uses one thread for KVDD_BACKOFF_FACTOR times what
+ * the stall cost the caller (its wait for the helper), clamped to [KVDD_BACKOFF_MIN_NS,
+ * KVDD_BACKOFF_MAX_NS]: stalls then cost at most about 1% of the caller's time, and a sporadic one
+ * does not keep the process on one thread for long. */
+#define KVDD_BACKOFF_FACTOR 100
+#define KVDD_BACKOFF_MIN_NS ((int64_t)50000000)
+#define KVDD_BACKOFF_MAX_NS ((int64_t)2000000000)
 
 /* The automatic thread choice (threads=0 without a fixed threshold): two threads from
  * kvdd_threads_min_bytes(), computed from this process's measured costs (kvdd_threads_model: out[0] what
@@ -98,9 +103,11 @@ uint64_t kvdd_llc_bytes(void);
 /* Per-core L2 cache size in bytes (0: unknown). */
 uint64_t kvdd_l2_bytes(void);
 
-/* Counters of the 2-thread path since the module was loaded: calls, chunks, chunks done by helpers,
- * stalls (calls after which automatic mode backed off to one thread). */
-void kvdd_thread_stats(uint64_t out[4]);
+/* Counters since the module was loaded: of the 2-thread path calls, chunks, chunks done by helpers,
+ * stalls (calls after which automatic mode backed off to one thread); of all jobs that moved bytes
+ * their number and the nanoseconds spent in kvdd_job_run. */
+#define KVDD_STATS 6
+void kvdd_thread_stats(uint64_t out[KVDD_STATS]);
 /* 0 while automatic mode is backing off after a stall. */
 int kvdd_auto_threads_allowed(void);
 

@@ -68,10 +68,17 @@ def timing(samples: Sequence[float]) -> Timing:
     return {"min_s": min(samples), "median_s": statistics.median(samples), "samples": len(samples)}
 
 
-def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, Timing]:
+def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                own_warm: bool = False) -> dict[str, Timing]:
     """Time several operations in turn (a, b, c, a, b, c, ...) so that each sees the same machine
     state; one ``{"min_s", "median_s", "samples"}`` per name.  A :class:`SelfTimed` operation
-    reports its own time."""
+    reports its own time.
+
+    With `own_warm`, every timed run comes right after an untimed run of the same operation, so each
+    operation finds the caches as its own previous run left them (its bytes in the last-level cache
+    when they fit), whatever ran before it in the turn: without it, an operation that follows one
+    touching the same bytes (a 2-thread copy after the 1-thread copy of the same buffers) runs hot
+    while the others run cold."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -79,6 +86,8 @@ def interleaved(fns: Mapping[str, Callable[[], object]], repeats: int, warmup: i
     clock = time.perf_counter
     for _ in range(repeats):
         for name, fn in fns.items():
+            if own_warm:
+                fn()
             if isinstance(fn, SelfTimed):
                 samples[name].append(fn())
                 continue

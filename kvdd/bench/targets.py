@@ -57,7 +57,9 @@ def _target(row: Row) -> str | None:
 
 
 def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: Mapping[str, Any]) -> str:
-    """What this run measured that keeps `row` below its target (empty when it is met)."""
+    """What this run measured that keeps `row` below its target (empty when it is met): other load,
+    the thread choice, and where the transfer's time went (medians: in the copy kernels, measured
+    inside kvdd, and outside them per call: the facade's and the engine's Python)."""
     why: list[str] = []
     if other_busy is not None and other_busy > 0.1:
         why.append(f"other load {other_busy:.0%} of the CPUs during the run (shared machine)")
@@ -69,15 +71,19 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
                   "a recent 2-thread call stalled (its helper was descheduled: the other CPU was busy), so "
                   "automatic mode stayed on one thread")
         why.append(f"the limit used 2 threads, kvdd {row['two_threads']:.0%} of its calls: {reason}")
+    total_us = row["median_ms"] * 1e3
+    outside = row["outside_us"] * row["calls"]
+    why.append(f"the copy kernels {row['kernel_gbps']:.1f} GB/s by median ({row['two_threads']:.0%} of calls on two "
+               f"threads), {row['kernel_gbps'] / row['limit_gbps']:.2f}x the limit's {row['limit']} "
+               f"{row['limit_gbps']:.1f} GB/s; outside them {row['outside_us']:.0f} us per call "
+               f"({outside / total_us:.0%} of the transfer's median time: the facade's and the engine's Python "
+               f"checks and copy plan)")
     if row["calls"] > 1:
         one = next((r for r in rows if r["geometry"] == row["geometry"] and r["kind"] == "pull_row"), None)
         if one is not None:
             extra_us = (row["min_ms"] - one["min_ms"]) * 1e3 / row["calls"]
             why.append(f"{row['calls']} calls: {extra_us:.0f} us per call more than one pull_row of the same bytes "
                        f"({one['gbps']:.1f} GB/s, ratio {one['ratio']:.2f})")
-    if not why:  # nothing else measured: the copy itself
-        why.append(f"the copy itself: kvdd {row['gbps']:.1f} GB/s ({row['two_threads']:.0%} of calls on two threads) "
-                   f"against {row['limit']} {row['limit_gbps']:.1f} GB/s")
     return "; ".join(why)
 
 

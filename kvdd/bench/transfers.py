@@ -9,6 +9,7 @@ synthetic single-tensor block cases.
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -261,13 +262,15 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                         ds.tensors[k][:] = 0
                     case.run()
                     verified = case.expect()
-                    fns: dict[str, Callable[[], object]] = {"transfer": case.run}
+                    kernel_ns: list[int] = []
+                    fns: dict[str, Callable[[], object]] = {
+                        "transfer": functools.partial(_kernel_timed, case.run, kernel_ns)}
                     fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
                     before = _copy.thread_stats()["calls"]
-                    res = interleaved(fns, reps)
-                    two = (_copy.thread_stats()["calls"] - before) / (case.calls * (reps + 1))
-                    rows.append(_row(geom, blocks, case, res, verified, two))
+                    res = interleaved(fns, reps, own_warm=True)
+                    two = (_copy.thread_stats()["calls"] - before) / (case.calls * (2 * reps + 1))
+                    rows.append(_row(geom, blocks, case, res, verified, two, kernel_ns))
             finally:
                 limits.close()
                 if child_cpu is not None:
@@ -276,9 +279,18 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
     return rows
 
 
+def _kernel_timed(run: Callable[[], object], kernel_ns: list[int]) -> None:
+    """`run`, appending to `kernel_ns` the time it spent in the copy kernels (``thread_stats``)."""
+    k0 = _copy.thread_stats()["job_ns"]
+    run()
+    kernel_ns.append(_copy.thread_stats()["job_ns"] - k0)
+
+
 def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool,
-         two_threads: float) -> Row:
+         two_threads: float, kernel_ns: Sequence[int]) -> Row:
     tr = res["transfer"]
+    # kernel_ns: one warm-up call, then an untimed and a timed call per repeat (own_warm)
+    kernel_s = statistics.median(kernel_ns[2::2]) / 1e9
     row: Row = {
         "geometry": geom.name,
         "kind": case.kind,
@@ -292,5 +304,9 @@ def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], 
         "gbps": gbps(case.nbytes, tr["min_s"]),
     }
     row.update(limit_columns(res, case.nbytes))
-    row.update({"two_threads": two_threads, "samples": tr["samples"], "verified": verified})
+    # where the transfer's time goes (medians): in the copy kernels, and outside them per call
+    # (Python: the facade, the engine's checks and copy plan; after large copies it runs cache-cold)
+    row.update({"kernel_gbps": gbps(case.nbytes, kernel_s),
+                "outside_us": max(0.0, tr["median_s"] - kernel_s) * 1e6 / case.calls,
+                "two_threads": two_threads, "samples": tr["samples"], "verified": verified})
     return row

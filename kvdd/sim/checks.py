@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-import numpy as np
-
 from ..options import is_ipv4_literal
 from ..status import PARAM_INVALID, Status
 from ..types import ClusterInfo, KvCacheExtParam
@@ -22,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_TABLE_LIMIT", "REQUEST_LIMIT", "HARDWARE_UNCHECKED", "Rejected", "reject", "ext_valid",
-    "require_ext", "Runs", "require_initialized", "require_local_cache", "require_link",
+    "require_ext", "require_initialized", "require_local_cache", "require_link",
     "require_not_ragged", "require_remote_tensors", "require_tensor_count", "require_layer_multiple",
     "require_inside_remote", "require_clusters",
 ]
@@ -33,8 +31,6 @@ CACHE_TABLE_LIMIT = 1 << 20
 #: §3.11 step 8: a transfer request (120 + 16*(K + 2*G) bytes) must fit 2 MiB - 8.
 REQUEST_LIMIT = (2 << 20) - 8
 HARDWARE_UNCHECKED = "unchecked on hardware (undefined there); the simulator refuses it"
-
-_I64 = np.int64
 
 
 class Rejected(Exception):
@@ -141,43 +137,3 @@ def require_inside_remote(beyond: bool, what: str) -> None:
         reject(PARAM_INVALID, f"{what} past the remote tensor; {HARDWARE_UNCHECKED}")
 
 
-class Runs:
-    """§3.11 step 7: pairs grouped into maximal runs where both indices step by +1, in list order.
-
-    Arrays, one entry per run: first/last src and dst block (uint64) and run length (int64).
-    """
-
-    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max")
-
-    def __init__(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        s = np.asarray(src, dtype=np.uint64)
-        d = np.asarray(dst, dtype=np.uint64)
-        # uint64 arithmetic as in C: the index after 2**64-1 wraps to 0 (and fails a bound later)
-        with np.errstate(over="ignore"):
-            cont = (s[1:] == s[:-1] + np.uint64(1)) & (d[1:] == d[:-1] + np.uint64(1))
-        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-        ends = np.append(starts[1:], len(s))
-        self.s0 = s[starts]
-        self.d0 = d[starts]
-        self.ln = (ends - starts).astype(_I64)
-        self.s_last = s[ends - 1]
-        self.d_last = d[ends - 1]
-        self.d_max = int(d.max())
-
-    def __len__(self) -> int:
-        return len(self.ln)
-
-    def first_at_or_above(self, first: np.ndarray, last: np.ndarray, bound: int) -> int | None:
-        """The first run whose first or last index is >= bound (its offending index), or None."""
-        bad = (first >= np.uint64(bound)) | (last >= np.uint64(bound))
-        if not bad.any():
-            return None
-        i = int(np.argmax(bad))
-        return int(first[i]) if first[i] >= bound else int(last[i])
-
-    def require_below(self, first: np.ndarray, last: np.ndarray, bound: int, what: str, of: str) -> None:
-        """Every run's first and last index below ``bound`` (the ``of`` count), else
-        ``LLM_PARAM_INVALID`` naming the first offending ``what``."""
-        bad = self.first_at_or_above(first, last, bound)
-        if bad is not None:
-            reject(PARAM_INVALID, f"{what} {bad} >= {of} {bound}")

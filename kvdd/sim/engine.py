@@ -27,9 +27,9 @@ from .checks import (
     require_clusters,
     require_initialized,
 )
+from .caches import CacheTable
 from .entries import CacheEntry, Entity
 from .fabric import LinkOffer, PeerHandle, RemoteCache
-from .memory import first_inaccessible
 from .options import (
     cache_engine_options,
     check_link_comm_res,
@@ -67,24 +67,23 @@ class SimBackend:
         self.local_engine: str | None = None  # hixl: "ip:port" of Initialize (§3.4 step 5)
         self.has_comm_res = False
         self.comm_res_text: str | None = None  # comm: a non-empty llm.LocalCommRes
-        self.next_cache_id = 1
-        self.caches: dict[int, CacheEntry] = {}
-        # §3.7 step 10: the cache table peers read, i.e. the last one that fit 1 MiB
-        self.published: dict[int, CacheEntry] = {}
+        self.cache_table = CacheTable(self._lock)
+        self.caches = self.cache_table.caches  # registered now (read by every transfer)
         self.entities: dict[int, Entity] = {}
         # hixl (§3.5): every open connection by remote "ip:port", including those of entities a
         # re-link re-pointed their cluster id away from (kept open until Finalize)
         self.hixl_addrs: dict[tuple[str, int], Entity] = {}
-        self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
         self.closing: dict[int, Entity] = {}  # entities being closed (later callers wait too)
 
-    def _fail(self, status: int, detail: str) -> int:
+    def note_failure(self, status: int, detail: str) -> int:
+        """Record ``detail`` as why this thread's current call fails with ``status`` (read back by
+        :meth:`last_error_detail`); returns ``status``.  Used by the fault hooks too."""
         self._local.detail = detail
         return status
 
     def _rejected(self, exc: Rejected) -> int:
         """The status a Backend method returns for a rejection (its detail kept for the message)."""
-        return self._fail(exc.status, exc.detail)
+        return self.note_failure(exc.status, exc.detail)
 
     def last_error_detail(self) -> str | None:
         """Why the last failing call of this thread failed (for the exception message)."""
@@ -165,7 +164,7 @@ class SimBackend:
             # by another thread, each closed once
             entities = list({id(e): e for e in (*self.entities.values(), *self.closing.values(),
                                                 *self.hixl_addrs.values())}.values())
-            caches = list(self.caches.values()) + list(self.retiring.values())
+            caches = self.cache_table.all_entries()
             channels = fabric.take_endpoint(self)  # connections to peers in other processes
             self._reset()
             done = self._finalizing = threading.Event()
@@ -241,7 +240,7 @@ class SimBackend:
                 details.append(f"cluster {cluster.remote_cluster_id}: {why}")
                 status = st  # the last failing cluster wins
         if status != S_OK:
-            self._fail(status, "; ".join(details))
+            self.note_failure(status, "; ".join(details))
         return status, rets
 
     def _link_one(self, cluster: ClusterInfo, timeout_ms: int) -> tuple[int, str]:
@@ -327,12 +326,12 @@ class SimBackend:
                 try:
                     check_link_comm_res(text)
                 except OptionError as exc:
-                    return self._fail(exc.status, f"{whose} {exc}"), None
+                    return self.note_failure(exc.status, f"{whose} {exc}"), None
             key = peer.cluster_id
             if force_link and key in self.entities:
                 old = self._pop_entity(key)
             if key in self.entities:
-                return self._fail(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}"), old
+                return self.note_failure(Status.LLM_ALREADY_LINK, f"already linked to cluster {key}"), old
             self.entities[key] = Entity(make_handle(), address)
             return S_OK, old
 
@@ -389,7 +388,7 @@ class SimBackend:
             self._destroy_entity(cluster.remote_cluster_id)
             return S_OK
         if len(cluster.remote_ip_infos) != 1:
-            return self._fail(PARAM_INVALID, "exactly one remote_ip_infos entry is required")
+            return self.note_failure(PARAM_INVALID, "exactly one remote_ip_infos entry is required")
         status = faults.on_unlink(self, cluster.remote_cluster_id, timeout_ms, force=False)
         if status != S_OK:
             return status
@@ -398,14 +397,14 @@ class SimBackend:
         if status != S_OK or conn is None:
             if status == Status.LLM_LINK_FAILED:
                 status = Status.LLM_UNLINK_FAILED
-            return self._fail(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
+            return self.note_failure(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
         try:
             peer_status = conn.notify_unlink(self)  # "disconnect(my cluster id)"
         finally:
             conn.close()
         self._destroy_entity(cluster.remote_cluster_id)
         if peer_status != S_OK:
-            return self._fail(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
+            return self.note_failure(peer_status, f"the peer at {remote.ip}:{remote.port} did not confirm the unlink")
         return peer_status
 
     def peer_unlinked(self, peer_cluster_id: int) -> int:
@@ -419,85 +418,35 @@ class SimBackend:
                           cfg: RegisterCfg) -> tuple[int, int]:
         with self._lock:
             try:
-                return S_OK, self._register(cache_desc, addrs)
+                require_initialized(self.initialized)  # step 1; steps 2-10: kvdd.sim.caches
+                return S_OK, self.cache_table.register(cache_desc, addrs, self)
             except Rejected as exc:
                 return self._rejected(exc), -1
-
-    def _register(self, cache_desc: CacheDesc, addrs: Sequence[int]) -> int:
-        """§3.7 steps 1-10: the new cache id."""
-        require_initialized(self.initialized)  # 1
-        if len(addrs) == 0:  # 2
-            reject(PARAM_INVALID, "addrs is empty")
-        if len(addrs) != cache_desc.num_tensors:  # 3
-            reject(PARAM_INVALID, f"{len(addrs)} addrs but num_tensors={cache_desc.num_tensors}")
-        for i, a in enumerate(addrs):  # 4
-            if a == 0:
-                reject(PARAM_INVALID, f"addrs[{i}] is 0")
-        shape = cache_desc.shape  # 6
-        if len(shape) == 0 or len(shape) >= 32:
-            reject(PARAM_INVALID, f"shape must have 1..31 dims, has {len(shape)}")
-        cache_id = self.next_cache_id  # 7: the id is consumed from here on
-        self.next_cache_id += 1
-        try:  # 8
-            T = cache_desc.tensor_nbytes
-        except ValueError as exc:
-            reject(PARAM_INVALID, f"cannot size the tensors: {exc}")
-        bad = first_inaccessible(addrs, T)  # 9 (kvdd rule 4)
-        if bad >= 0:
-            reject(FAILED, f"tensor {bad} at 0x{addrs[bad]:x} ({T} bytes) is not readable "
-                   "and writable memory of this process")
-        status = faults.on_register(self)  # in place of the transport registration
-        if status != S_OK:
-            reject(status, self.last_error_detail() or "the transport refused the registration")
-        owners = tuple(getattr(addrs, "owners", ()))
-        entry = CacheEntry(cache_id, len(addrs), T, shape[0] & 0xFFFFFFFF,
-                           int(cache_desc.placement), addrs, owners)
-        self.caches[cache_id] = entry  # 10
-        table = self._publish()
-        if table > CACHE_TABLE_LIMIT:
-            reject(PARAM_INVALID, f"cache table would be {table} bytes (> 1 MiB); the cache stays "
-                   "registered as upstream, but peers keep reading the last table that fit")
-        return cache_id
-
-    def _publish(self) -> int:
-        """§3.7 step 10: re-serialize the cache table; peers read it only when it fits 1 MiB
-        (else they keep the last one that fit).  Returns its size in bytes."""
-        table = 24 + sum(64 + 8 * e.n for e in self.caches.values())
-        if table <= CACHE_TABLE_LIMIT:
-            self.published = dict(self.caches)
-        return table
 
     def unregister_kv_cache(self, cache_id: int) -> int:
         with self._lock:
             if not self.initialized:
-                return self._fail(FAILED, "not initialized")
-            entry = self.caches.pop(cache_id, None)
-            if entry is None:  # another thread is unregistering it: wait as it does (§10 rule 5)
-                entry = self.retiring.get(cache_id)
-            else:
-                self.retiring[cache_id] = entry
-                self._publish()
-        if entry is not None:
-            entry.retire()
-            with self._lock:
-                if self.retiring.get(cache_id) is entry:
-                    del self.retiring[cache_id]
+                return self.note_failure(FAILED, "not initialized")
+            table = self.cache_table
+            entry = table.take(cache_id)
+        if entry is not None:  # waits for its transfers, as does a second caller (§10 rule 5)
+            table.retire(cache_id, entry)
         return S_OK
 
     # -- §3.9 --------------------------------------------------------------------------------
     def allocate_cache(self, cache_desc: CacheDesc) -> tuple[int, Cache | None]:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "AllocateCache is not supported by V2"), None
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "AllocateCache is not supported by V2"), None
 
     def deallocate_cache(self, cache_id: int) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "DeallocateCache is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "DeallocateCache is not supported by V2")
 
     def copy_kv_cache(self, src_cache: Cache, dst_cache: Cache, src_batch_index: int,
                       dst_batch_index: int, offset: int, size: int) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvCache is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvCache is not supported by V2")
 
     def copy_kv_blocks(self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
                        dst_blocks_list: Sequence[Sequence[int]]) -> int:
-        return self._fail(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvBlocks is not supported by V2")
+        return self.note_failure(Status.LLM_FEATURE_NOT_ENABLED, "CopyKvBlocks is not supported by V2")
 
     # -- §3.10 - §3.13 transfers (kvdd.sim.pulls, kvdd.sim.pushes) ---------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int,
@@ -528,10 +477,9 @@ class SimBackend:
         except Rejected as exc:
             return self._rejected(exc)
 
-    # -- introspection for tests and the cross-process fabric -----------------------------
+    # -- for the cross-process fabric ----------------------------------------------------
     def snapshot_for_link(self) -> tuple[dict[int, RemoteCache], dict[int, CacheEntry]]:
-        """The caches a peer linking now may use: registered before the link (§10 rule 3), in the
-        last cache table that fit 1 MiB (§3.7 step 10)."""
+        """The caches a peer linking now may use (:meth:`kvdd.sim.caches.CacheTable.snapshot`)."""
         with self._lock:
-            entries = dict(self.published)  # the last table that fit (§3.7 step 10)
-        return {cid: e.remote_view() for cid, e in entries.items()}, entries
+            table = self.cache_table
+        return table.snapshot()

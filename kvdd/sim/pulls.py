@@ -16,7 +16,6 @@ from ..types import Cache, CacheIndex, KvCacheExtParam
 from . import faults
 from .checks import (
     REQUEST_LIMIT,
-    Runs,
     reject,
     require_ext,
     require_initialized,
@@ -28,6 +27,7 @@ from .checks import (
     require_remote_tensors,
     require_tensor_count,
 )
+from .runs import Runs
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -128,21 +128,17 @@ def pull_kv_blocks(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: 
             reject(PARAM_INVALID, "local stride is 0 (ragged sub-byte cache, kvdd rule 10)")
         remote_blocks = -(-rc.tensor_nbytes // S)
         runs.require_below(runs.s0, runs.s0, remote_blocks, "src block", "remote block count")  # 11
-        longest = int(runs.ln.max())
+        longest = runs.longest()
         if longest * S > rc.tensor_nbytes:
             reject(PARAM_INVALID, f"a run of {longest} blocks exceeds the remote tensor")
         require_not_ragged(local, rc)  # kvdd rule 10
         remote_tensors: Sequence[int] = src_list if src_list is not None else range(local.n)
         require_remote_tensors(remote_tensors, rc)  # kvdd rule 1
         # all indices are now < 2**32 (bounded by B or by the remote block count)
-        src_off = runs.s0.astype(_I64) * S
-        dst_off = runs.d0.astype(_I64) * S
-        length = runs.ln * S
-        tail = rc.tensor_nbytes % S
-        if tail:  # quirk §3.11: the last group copies only R.T % L.S bytes
-            length[-1] = tail
-        require_inside_remote(bool(np.any(src_off + length > rc.tensor_nbytes)),  # kvdd rule 1
+        tail = rc.tensor_nbytes % S  # quirk §3.11: the last group copies only R.T % L.S bytes
+        require_inside_remote(runs.past_end(runs.s0, S, rc.tensor_nbytes, tail),  # kvdd rule 1
                               "a block run reads")
+        src_off, dst_off, length = runs.copy_arrays(S, tail)
         local_tensors: Sequence[int] = dst_list if dst_list is not None else range(local.n)
         status = faults.on_transfer(backend, "pull_kv_blocks", src_cache_index.cluster_id, entity,
                                     len(local_tensors) * int(length.sum()))

@@ -17,7 +17,6 @@ from ..types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
 from . import faults
 from .checks import (
     Rejected,
-    Runs,
     reject,
     require_ext,
     require_initialized,
@@ -27,6 +26,7 @@ from .checks import (
     require_local_cache,
     require_not_ragged,
 )
+from .runs import Runs
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -186,12 +186,11 @@ def push_kv_blocks(backend: SimBackend, src_cache: Cache, dst_cache_index: Cache
         runs.require_below(runs.s0, runs.s_last, local.B, "src block", "local block count")
         require_not_ragged(local, rc)  # kvdd rule 10
         # indices are now < 2**32; block size = local stride on both sides (§3.13, §7.4)
-        require_inside_remote(bool(np.any((runs.d0.astype(_I64) + runs.ln) * local.S > rc.tensor_nbytes)),
+        require_inside_remote(runs.past_end(runs.d0, local.S, rc.tensor_nbytes),
                               "a block run would be written")  # kvdd rule 1
 
     def offsets(local: CacheEntry, rc: RemoteCache) -> Offsets:
-        S = local.S
-        return runs.s0.astype(_I64) * S, runs.d0.astype(_I64) * S, runs.ln * S
+        return runs.copy_arrays(local.S)
 
     return _push_layers(backend, "push_kv_blocks", src_cache, dst_cache_index, plan, t,
                         check_layer, offsets)  # 8

@@ -15,6 +15,7 @@ from .checks import reject
 
 if TYPE_CHECKING:
     from .entries import CacheEntry, Entity
+    from .memory import Region
     from .fabric import RemoteCache
 
 __all__ = ["lookup_remote", "run"]
@@ -29,6 +30,14 @@ def lookup_remote(entity: Entity, cache_id: int) -> RemoteCache:
         reject(NOT_EXIST, f"remote cache {cache_id} is not registered on cluster "
                f"{entity.peer.peer_cluster_id} (or was registered after the link)")
     return rc
+
+
+def _select(regions: list[Region], tensors: Sequence[int]) -> Sequence[Region]:
+    """``[regions[i] for i in tensors]``; a slice when `tensors` is a range (every layer, or a layer
+    range: one C call instead of a Python loop over the tensors)."""
+    if type(tensors) is range and tensors.step == 1 and 0 <= tensors.start and tensors.stop <= len(regions):
+        return regions[tensors.start:tensors.stop]
+    return [regions[i] for i in tensors]
 
 
 def run(entity: Entity, local: CacheEntry, rc: RemoteCache, pull: bool, sync_wait_ms: int,
@@ -47,7 +56,7 @@ def run(entity: Entity, local: CacheEntry, rc: RemoteCache, pull: bool, sync_wai
             reject(status, f"remote cache {rc.cache_id} is gone" if status == NOT_EXIST
                    else "the peer did not answer")
         try:
-            regions = [local.regions[i] for i in local_tensors]
+            regions = _select(local.regions, local_tensors)
             if pull:
                 status = entity.peer.read(lease, remote_tensors, remote_off, regions, local_off,
                                           length, sync_wait_ms)

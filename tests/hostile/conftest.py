@@ -31,11 +31,5 @@ def victim_proc() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def world(victim_proc: PeerProcess) -> Iterator[World]:
-    make, cleanup = peer_proc.process_peer_factory(victim_proc)
-    w = World("sim", make)
-    try:
+    with peer_proc.process_world(victim_proc) as w:
         yield w
-    finally:
-        for node in reversed(w.nodes):
-            node.close()
-        cleanup()

@@ -68,14 +68,8 @@ def own_proc() -> Iterator[PeerProcess]:
 
 def _world(p: PeerProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.setenv(fabric.ENV_XPROC, "auto")
-    make, cleanup = peer_proc.process_peer_factory(p)
-    w = World("sim", make)
-    try:
+    with peer_proc.process_world(p) as w:
         yield w
-    finally:
-        for node in reversed(w.nodes):
-            node.close()
-        cleanup()
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@
 * ``long``: thousands of examples and longer call sequences, for local runs
   (``KVDD_HYPOTHESIS_PROFILE=long python -m pytest -m slow tests/property tests/stress``).
 
-Tests marked ``slow`` are skipped unless selected with ``-m`` (e.g. ``-m slow``) or the long profile
-is active, so a plain ``pytest`` stays fast.
+Tests marked ``slow`` here are skipped unless selected with ``-m`` (e.g. ``-m slow``) or the long
+profile is active, so a plain ``pytest`` stays fast (the policy is in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -30,18 +30,3 @@ PROFILE = os.environ.get("KVDD_HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in ("ci", "long"):
     raise pytest.UsageError(f"KVDD_HYPOTHESIS_PROFILE={PROFILE!r}: use 'ci' or 'long'")
 settings.load_profile(PROFILE)
-
-
-def _slow_selected(config: pytest.Config) -> bool:
-    markexpr = str(config.getoption("markexpr", "") or "")
-    return "slow" in markexpr or PROFILE == "long"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _slow_selected(config):
-        return
-    here = os.path.dirname(__file__)
-    skip = pytest.mark.skip(reason="slow: run with -m slow or KVDD_HYPOTHESIS_PROFILE=long")
-    for item in items:
-        if "slow" in item.keywords and str(item.path).startswith(here):
-            item.add_marker(skip)

@@ -28,7 +28,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -528,6 +529,20 @@ def process_peer_factory(proc: PeerProcess) -> tuple[Callable[[int, int], Node],
             node.close()
 
     return make, cleanup
+
+
+@contextmanager
+def process_world(proc: PeerProcess) -> Iterator[harness.World]:
+    """A conformance :class:`~conformance.harness.World` on the simulator whose peers live in
+    ``proc``; at the end every node it made is closed (the world's nodes last made first)."""
+    make, cleanup = process_peer_factory(proc)
+    world = harness.World("sim", make)
+    try:
+        yield world
+    finally:
+        for node in reversed(world.nodes):
+            node.close()
+        cleanup()
 
 
 if __name__ == "__main__":

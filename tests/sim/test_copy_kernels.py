@@ -266,6 +266,7 @@ def test_large_two_thread_copy(restore_tuning: None) -> None:
     run(arena, src, dst, list(so), list(do), [bs] * count, threads=2)
     after = _copy.thread_stats()
     assert after["calls"] == before["calls"] + 1 and after["chunks"] > before["chunks"]
+    assert after["jobs"] == before["jobs"] + 1 and after["job_ns"] > before["job_ns"]
 
 
 # ---- inputs accepted ----------------------------------------------------------------------------------
@@ -566,7 +567,7 @@ def test_cpu_features() -> None:
     assert f.get("avx512f", False) == ("avx512" in ISAS)
     assert f.get("avx2", False) == ("avx2" in ISAS)
     s = _copy.thread_stats()
-    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls"}
+    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns"}
 
 
 # ---- threads and processes ------------------------------------------------------------------------------

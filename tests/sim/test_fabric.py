@@ -86,14 +86,8 @@ def proc(xproc: str) -> Iterator[PeerProcess]:
 
 def _world(p: PeerProcess, monkeypatch: pytest.MonkeyPatch, xproc: str) -> Iterator[World]:
     monkeypatch.setenv(fabric.ENV_XPROC, XPROC_ENV[xproc])
-    make, cleanup = peer_proc.process_peer_factory(p)
-    w = World("sim", make)
-    try:
+    with peer_proc.process_world(p) as w:
         yield w
-    finally:
-        for node in reversed(w.nodes):
-            node.close()
-        cleanup()
 
 
 @pytest.fixture

@@ -594,7 +594,7 @@ class _FakeOwner:
     cluster_id: int
     sync_wait_ms: int = 1000
 
-    def _fail(self, status: int, detail: str) -> int:
+    def note_failure(self, status: int, detail: str) -> int:
         return status
 
 

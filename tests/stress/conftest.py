@@ -2,7 +2,8 @@
 
 * ``KVDD_STRESS_SECONDS`` — how long each concurrency stress runs (default 3 s; the ``slow``
   variants use 60 s unless this is set);
-* ``KVDD_HYPOTHESIS_PROFILE=long`` or ``-m slow`` — run the ``slow`` variants (skipped otherwise).
+* ``KVDD_HYPOTHESIS_PROFILE=long`` or ``-m slow`` — run the ``slow`` variants (skipped otherwise;
+  the policy is in ``tests/conftest.py``).
 
 Every stress test runs under :func:`watchdog`: ``faulthandler.dump_traceback_later(..., exit=True)``
 is the hard limit (it prints every thread's stack and ends the process, so a deadlock can never
@@ -19,8 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
+#: The Hypothesis profile (``ci`` or ``long``, see ``tests/property/conftest.py``).
 PROFILE = os.environ.get("KVDD_HYPOTHESIS_PROFILE", "ci")
-
 
 def stress_seconds(slow: bool = False) -> float:
     raw = os.environ.get("KVDD_STRESS_SECONDS")
@@ -39,14 +40,3 @@ def watchdog(request: pytest.FixtureRequest) -> Iterator[float]:
         yield hard
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    markexpr = str(config.getoption("markexpr", "") or "")
-    if "slow" in markexpr or PROFILE == "long":
-        return
-    here = os.path.dirname(__file__)
-    skip = pytest.mark.skip(reason="slow: run with -m slow or KVDD_HYPOTHESIS_PROFILE=long")
-    for item in items:
-        if "slow" in item.keywords and str(item.path).startswith(here):
-            item.add_marker(skip)

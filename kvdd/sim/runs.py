@@ -1,0 +1,156 @@
+"""The block runs of PullKvBlocks and PushKvBlocks (SEMANTICS.md §3.11 step 7, §3.13): the
+(source, destination) block pairs grouped into maximal runs, and the byte runs the copy kernels get.
+
+A request of a few blocks (:data:`SMALL` pairs or fewer: a 1024-token request is 8 blocks of 128
+tokens) is planned with Python integers, a larger one with numpy.  Both give the same runs; the
+small path exists because every numpy call costs a few microseconds, several times more right after
+a large copy has evicted the interpreter's and numpy's code and data from the caches, which made
+the plan of an 8-block pull of a 78-tensor cache cost as much as a third of its 10 MiB copy
+(docs/benchmarks.md, "How the kernels choose").
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+
+from ..status import PARAM_INVALID
+from .checks import reject
+
+__all__ = ["SMALL", "Runs"]
+
+#: Requests of at most this many block pairs are planned without numpy.
+SMALL = 64
+
+_U64 = (1 << 64) - 1
+_I64 = np.int64
+
+#: One index per run: a list of Python ints (small requests) or a uint64 / int64 array.
+Column = Union[list[int], np.ndarray]
+
+
+def _small(blocks: Sequence[int]) -> list[int] | None:
+    """`blocks` as Python ints when they are few and all valid uint64 values (else None: numpy)."""
+    if not 0 < len(blocks) <= SMALL:
+        return None
+    try:
+        out = [operator.index(b) for b in blocks]
+    except TypeError:
+        return None
+    return out if min(out) >= 0 and max(out) <= _U64 else None
+
+
+class Runs:
+    """§3.11 step 7: pairs grouped into maximal runs where both indices step by +1, in list order.
+
+    Per run: first and last source and destination block (``s0``, ``s_last``, ``d0``, ``d_last``)
+    and length in blocks (``ln``); ``d_max`` is the largest destination block of the request.
+    Indices are uint64 as in C: the index after 2**64-1 wraps to 0 (and fails a bound later).
+    """
+
+    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max")
+
+    s0: Column
+    d0: Column
+    ln: Column
+    s_last: Column
+    d_last: Column
+
+    def __init__(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        s, d = _small(src), _small(dst)
+        if s is not None and d is not None and len(s) == len(d):
+            self._group_small(s, d)
+            return
+        sa = np.asarray(src, dtype=np.uint64)
+        da = np.asarray(dst, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            cont = (sa[1:] == sa[:-1] + np.uint64(1)) & (da[1:] == da[:-1] + np.uint64(1))
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        ends = np.append(starts[1:], len(sa))
+        self.s0 = sa[starts]
+        self.d0 = da[starts]
+        self.ln = (ends - starts).astype(_I64)
+        self.s_last = sa[ends - 1]
+        self.d_last = da[ends - 1]
+        self.d_max = int(da.max())
+
+    def _group_small(self, s: list[int], d: list[int]) -> None:
+        s0, d0, ln, s_last, d_last = [s[0]], [d[0]], [], [], []
+        n = 1
+        for i in range(1, len(s)):
+            if s[i] == (s[i - 1] + 1) & _U64 and d[i] == (d[i - 1] + 1) & _U64:
+                n += 1
+                continue
+            ln.append(n)
+            s_last.append(s[i - 1])
+            d_last.append(d[i - 1])
+            s0.append(s[i])
+            d0.append(d[i])
+            n = 1
+        ln.append(n)
+        s_last.append(s[-1])
+        d_last.append(d[-1])
+        self.s0, self.d0, self.ln, self.s_last, self.d_last = s0, d0, ln, s_last, d_last
+        self.d_max = max(d)
+
+    def __len__(self) -> int:
+        return len(self.ln)
+
+    def first_at_or_above(self, first: Column, last: Column, bound: int) -> int | None:
+        """The first run whose first or last index is >= bound (its offending index), or None."""
+        if isinstance(first, list) and isinstance(last, list):
+            for f, la in zip(first, last):
+                if f >= bound or la >= bound:
+                    return f if f >= bound else la
+            return None
+        fa, la_ = np.asarray(first), np.asarray(last)
+        bad = (fa >= np.uint64(bound)) | (la_ >= np.uint64(bound))
+        if not bad.any():
+            return None
+        i = int(np.argmax(bad))
+        return int(fa[i]) if fa[i] >= bound else int(la_[i])
+
+    def require_below(self, first: Column, last: Column, bound: int, what: str, of: str) -> None:
+        """Every run's first and last index below ``bound`` (the ``of`` count), else
+        ``LLM_PARAM_INVALID`` naming the first offending ``what``."""
+        bad = self.first_at_or_above(first, last, bound)
+        if bad is not None:
+            reject(PARAM_INVALID, f"{what} {bad} >= {of} {bound}")
+
+    def longest(self) -> int:
+        """The longest run, in blocks."""
+        return max(self.ln) if isinstance(self.ln, list) else int(self.ln.max())
+
+    def past_end(self, first: Column, block: int, limit: int, tail: int = 0) -> bool:
+        """Whether a run starting at block ``first[i]`` of `block` bytes per block ends past `limit`
+        bytes (the last run `tail` bytes long when `tail` > 0: the §3.11 quirk).  Call after the
+        indices were checked against a bound (< 2**32), so the bytes fit int64."""
+        off, length = self.byte_runs(first, block, tail)
+        if isinstance(off, list) and isinstance(length, list):
+            return any(o + n > limit for o, n in zip(off, length))
+        return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
+
+    def byte_runs(self, first: Column, block: int, tail: int = 0) -> tuple[Column, Column]:
+        """Offsets (``first[i] * block``) and lengths (``ln[i] * block``; the last `tail` when > 0)
+        in bytes, as lists (small) or int64 arrays."""
+        off: Column
+        length: Column
+        if isinstance(first, list) and isinstance(self.ln, list):
+            off = [f * block for f in first]
+            length = [n * block for n in self.ln]
+        else:
+            off = np.asarray(first).astype(_I64) * block
+            length = np.asarray(self.ln) * block
+        if tail:
+            length[-1] = tail
+        return off, length
+
+    def copy_arrays(self, block: int, tail: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src_off, dst_off, length)`` in bytes as int64 arrays (what the transports take)."""
+        s_off, length = self.byte_runs(self.s0, block, tail)
+        d_off = [f * block for f in self.d0] if isinstance(self.d0, list) else self.d0.astype(_I64) * block
+        return (np.asarray(s_off, dtype=_I64), np.asarray(d_off, dtype=_I64),
+                np.asarray(length, dtype=_I64))
