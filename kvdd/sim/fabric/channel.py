@@ -106,12 +106,14 @@ class Channel:
         self.local_user = False  # our PeerHandle on the peer uses this connection
         self.peer_user = False  # the peer's PeerHandle on us uses it
         self._started = False
+        self._running = threading.Event()  # set by start(): the socket may be read from then
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.sock.settimeout(None)
         add_endpoint(self.owner, self)
         self._started = True
+        self._running.set()
         threading.Thread(target=self._receiver, name=f"kvdd-sim-rx {self.label}", daemon=True).start()
         threading.Thread(target=self._worker, name=f"kvdd-sim-tx {self.label}", daemon=True).start()
 
@@ -168,6 +170,7 @@ class Channel:
             if self.dead.is_set():
                 return
             self.dead.set()
+            self._running.set()  # nobody waits for a start that will not come
             pending = list(self._pending.values())
             for p in pending:
                 p.failed = True
@@ -456,6 +459,8 @@ class Channel:
     def _await(self, p: Pending, deadline: float) -> bool:
         """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
         deadline passed first."""
+        if not self._running.is_set():  # an acceptor's handle used before its handshake ended
+            self._running.wait(max(deadline - time.monotonic(), 0.0))
         with self._lock:
             while not p.done:
                 if self._leader is None:
