@@ -21,6 +21,9 @@ import pytest
 import kvdd
 from kvdd import Status
 from kvdd.sim.fabric import LinkOffer, wire
+from kvdd.sim.fabric.channel import Channel
+from kvdd.sim.fabric.streams import Cursor, Layout
+from kvdd.sim.memory import Region
 
 from hostile import rawpeer
 
@@ -318,10 +321,11 @@ def test_hostile_owner_cannot_hold_callers_past_their_wait_time(make: Callable[.
 
 
 def test_replies_reach_their_own_callers(make: Callable[..., Honest]) -> None:
-    """Eight threads pull eight caches over one link; the owner answers in shuffled order, each
-    answer split in DATA pieces interleaved with the others' and the segments cut anywhere, with
-    its own small reads in between: every caller gets exactly its cache's bytes, every read of
-    the owner is answered."""
+    """Eight threads pull eight caches over one link (the engine runs one transfer per link at a
+    time: the caller's thread and the receiver thread share the socket); the owner answers in
+    shuffled order, each answer split in DATA pieces interleaved with the others' and the
+    segments cut anywhere, with its own small reads in between: every caller gets exactly its
+    cache's bytes, every read of the owner is answered."""
     n_callers, nbytes = 8, 4096
     h = make(nbytes, n=n_callers, wait_ms=3000)
     mine = h.caches[0].cache_id
@@ -391,3 +395,58 @@ def test_replies_reach_their_own_callers(make: Callable[..., Honest]) -> None:
     finally:
         stop.set()
         peer.close()
+
+
+
+
+# -- F4 (latent): a READ answered DONE-first is still written after its request returned ---------
+
+class _Owner:
+    """The least a Channel needs of its instance (it serves nothing here)."""
+
+    cluster_id = 1
+    transfer_backend = "comm"
+    comm_res_text: str | None = None
+    sync_wait_ms = 2000
+    initialized = True
+
+
+@pytest.mark.xfail(strict=True, reason="F4 (latent: the engine runs one transfer per link now): "
+                   "Cursor.recv counts a DATA frame as received before its bytes are "
+                   "(streams.py: self.left -= n first)")
+def test_no_byte_lands_in_a_read_after_its_request_returned() -> None:
+    """Two requests on one Channel (its contract: a caller whose reply another leader reads is
+    woken by it): a hostile owner answers the second READ with DONE (success) first, then DATA
+    it trickles, while the first caller leads.  Once ``request`` returned and the cursor says
+    every byte came (what ``peers.move`` checks before it reports success), no byte of the
+    destination may change any more."""
+    n = 256 << 10
+    mine, theirs = socket.socketpair()
+    theirs.settimeout(5)
+    chan = Channel(mine, _Owner(), "review2")  # type: ignore[arg-type]
+    chan.start()
+    arena = np.zeros(n, dtype=np.uint8)
+    cursor = Cursor(Layout([Region(int(arena.ctypes.data), n, arena)], np.array([0]),
+                           np.array([n])))
+    try:
+        deadline = time.monotonic() + 2.0
+        first = threading.Thread(target=chan.request, args=(wire.F_PING, b"", deadline))
+        first.start()  # never answered: this caller reads the socket
+        assert rawpeer.read_frame(theirs)[0] == wire.F_PING
+        out: list[bytes | None] = []
+        second = threading.Thread(target=lambda: out.append(
+            chan.request(wire.F_READ, b"", deadline, sink=cursor)))
+        second.start()
+        ftype, req, _ = rawpeer.read_frame(theirs)
+        assert ftype == wire.F_READ
+        theirs.sendall(_done(req, S) + rawpeer.hdr(wire.F_DATA, n, req) + b"\x01" * 1000)
+        second.join(5)
+        assert out and out[0] == struct.pack("<I", S) and cursor.left == 0
+        before = arena.copy()  # the caller now reports success; the memory is its own again
+        theirs.sendall(b"\x02" * 4096)
+        time.sleep(0.3)
+        changed = np.flatnonzero(arena != before)
+        assert changed.size == 0, f"{changed.size} byte(s) written after the READ returned"
+    finally:
+        chan.kill()
+        theirs.close()
