@@ -229,11 +229,11 @@ def test_peer_reading_its_answers_keeps_its_link_with_40_small_reads_in_flight(
     try:
         status, lease = rawpeer.lease(s, cid, 1)
         assert status == S
-        msg = rawpeer.frame(wire.F_READ, wire.encode_request(lease, [0], np.array([0]),
-                                                             np.array([n])), 2)
+        s.sendall(rawpeer.frame(wire.F_READ, wire.encode_request(lease, [0], np.array([0]),
+                                                                 np.array([n])), 2))
+        time.sleep(0.1)  # its answer is on the way (more than the socket buffers hold)
         ask = struct.pack("<QII", cid, 1, 1) + struct.pack("<Iqq", 0, 0, 64)
-        msg += b"".join(rawpeer.frame(wire.F_LEASE_READ, ask, 100 + i) for i in range(40))
-        s.sendall(msg)
+        s.sendall(b"".join(rawpeer.frame(wire.F_LEASE_READ, ask, 100 + i) for i in range(40)))
         time.sleep(0.3)  # busy for a moment (well within every wait time), then reads it all
         done: dict[int, int] = {}
         with pytest.raises(TimeoutError):  # everything answered, then silence
