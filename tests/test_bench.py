@@ -54,7 +54,7 @@ EXPECTED_CALLS = {("qwen2.5-7b", "pull_layers"): 28}
 LIMITS = ("numpy_1t", "numpy_2t", "stream_1t", "stream_2t")
 TRANSFER_KEYS = {"geometry", "kind", "tensors", "blocks", "run_bytes", "calls", "bytes", "min_ms", "median_ms",
                  "gbps", *(f"{name}_gbps" for name in LIMITS), "limit", "limit_gbps", "ratio", "ratio_median",
-                 "kernel_gbps", "outside_us", "two_threads", "samples", "verified"}
+                 "kernel_gbps", "outside_us", "two_threads", "stalls", "samples", "verified"}
 POSITIVE = ("min_ms", "median_ms", "gbps", "numpy_1t_gbps", "numpy_2t_gbps", "limit_gbps", "ratio", "ratio_median")
 #: glibc's streaming memcpy is measured where it exists (x86-64 Linux with glibc)
 STREAMING = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -131,6 +131,7 @@ def _check_limits(r: dict[str, Any], key: object) -> None:
     assert 0 <= r["two_threads"] <= 1
     # the transfer's time splits into the copy kernels' and the rest
     assert _positive(r["kernel_gbps"]) and r["outside_us"] >= 0
+    assert isinstance(r["stalls"], int) and r["stalls"] >= 0
 
 
 # From MODELS.md: GLM-5 has 78 layers, rope 64 and indexer 128 bf16 per token (16 and 32 KiB per block);

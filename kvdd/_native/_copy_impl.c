@@ -454,7 +454,7 @@ static uint64_t run_two(const kvdd_job *job) {
     atomic_fetch_add_explicit(&stat_chunks, st->nchunks, memory_order_relaxed);
 
     int64_t t0 = now_ns();
-    uint64_t mine = work(st);
+    work(st);
     int64_t t1 = now_ns();
     /* Wait only for chunks the helper has claimed and not finished (at most one). */
     unsigned spins = 0;
@@ -471,14 +471,14 @@ static uint64_t run_two(const kvdd_job *job) {
     if (resident && retract_resident(st)) release_state(st); /* the helper's reference, never taken */
     /* The first call of the resident helper pays for creating it once: not a cost of later calls. */
     if (resident != 2) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
-    /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) or that
-     * did nothing during 2 ms of our work means the other CPU is busy: automatic mode then stays on
-     * one thread for KVDD_BACKOFF_FACTOR times the stall's cost to the caller (KVDD_BACKOFF_*). */
-    if (resident != 2 &&
-        ((t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) || (mine == st->nchunks && t1 - t0 > 2000000))) {
+    /* A helper that was descheduled mid-chunk (we waited > 1 ms and > 1/4 of our own work) means the
+     * other CPU is busy: automatic mode then stays on one thread for KVDD_BACKOFF_FACTOR times the
+     * wait (KVDD_BACKOFF_*). A helper that wakes too late to take any chunk is no stall: the caller
+     * did the work at one thread's speed and waited for nothing (on a VM an idle vCPU can take
+     * milliseconds to wake; backing off for it kept quiet runs on one thread). */
+    if (resident != 2 && t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4) {
         atomic_fetch_add_explicit(&stat_stalls, 1, memory_order_relaxed);
-        int64_t cost = t2 - t1 > (t1 - t0) / 2 ? t2 - t1 : (t1 - t0) / 2; /* the wait, or the share lost */
-        int64_t backoff = cost * KVDD_BACKOFF_FACTOR;
+        int64_t backoff = (t2 - t1) * KVDD_BACKOFF_FACTOR;
         if (backoff < KVDD_BACKOFF_MIN_NS) backoff = KVDD_BACKOFF_MIN_NS;
         if (backoff > KVDD_BACKOFF_MAX_NS) backoff = KVDD_BACKOFF_MAX_NS;
         atomic_store_explicit(&backoff_until_ns, t2 + backoff, memory_order_relaxed);

@@ -65,11 +65,15 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
         why.append(f"other load {other_busy:.0%} of the CPUs during the run (shared machine)")
     per_call = row["bytes"] // row["calls"]
     if row["limit"].endswith("_2t") and row["two_threads"] < 0.5:
-        reason = (f"{per_call / MiB:.1f} MiB per call is below the 2-thread size {model['min_bytes'] / MiB:.1f} MiB "
-                  f"(2-thread extra {model['extra_us']:.0f} us, one thread {model['one_thread_gbps']:.1f} GB/s)"
-                  if per_call < model["min_bytes"] else
-                  "a recent 2-thread call stalled (its helper was descheduled: the other CPU was busy), so "
-                  "automatic mode stayed on one thread")
+        reasons = []
+        if per_call < model["min_bytes"]:
+            reasons.append(f"{per_call / MiB:.1f} MiB per call is below the 2-thread size "
+                           f"{model['min_bytes'] / MiB:.1f} MiB (2-thread extra {model['extra_us']:.0f} us, one "
+                           f"thread {model['one_thread_gbps']:.1f} GB/s)")
+        if row["stalls"]:
+            reasons.append(f"{row['stalls']} of its 2-thread calls stalled (the helper was descheduled mid-item: the "
+                           "other CPU was busy), after which automatic mode stays on one thread for a while")
+        reason = "; ".join(reasons) or "the measured 2-thread cost was above the gain when the calls started"
         why.append(f"the limit used 2 threads, kvdd {row['two_threads']:.0%} of its calls: {reason}")
     total_us = row["median_ms"] * 1e3
     outside = row["outside_us"] * row["calls"]

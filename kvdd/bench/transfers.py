@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -262,15 +263,18 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                         ds.tensors[k][:] = 0
                     case.run()
                     verified = case.expect()
-                    kernel_ns: list[int] = []
+                    split: list[tuple[int, int]] = []
                     fns: dict[str, Callable[[], object]] = {
-                        "transfer": functools.partial(_kernel_timed, case.run, kernel_ns)}
+                        "transfer": functools.partial(_kernel_timed, case.run, split)}
                     fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
-                    before = _copy.thread_stats()["calls"]
+                    before = _copy.thread_stats()
                     res = interleaved(fns, reps, own_warm=True)
-                    two = (_copy.thread_stats()["calls"] - before) / (case.calls * (2 * reps + 1))
-                    rows.append(_row(geom, blocks, case, res, verified, two, kernel_ns))
+                    after = _copy.thread_stats()
+                    two = (after["calls"] - before["calls"]) / (case.calls * (2 * reps + 1))
+                    row = _row(geom, blocks, case, res, verified, two, split)
+                    row["stalls"] = after["stalls"] - before["stalls"]
+                    rows.append(row)
             finally:
                 limits.close()
                 if child_cpu is not None:
@@ -279,18 +283,23 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
     return rows
 
 
-def _kernel_timed(run: Callable[[], object], kernel_ns: list[int]) -> None:
-    """`run`, appending to `kernel_ns` the time it spent in the copy kernels (``thread_stats``)."""
+def _kernel_timed(run: Callable[[], object], split: list[tuple[int, int]]) -> None:
+    """`run`, appending to `split` the nanoseconds it spent in the copy kernels (``thread_stats``)
+    and outside them."""
     k0 = _copy.thread_stats()["job_ns"]
+    t0 = time.perf_counter_ns()
     run()
-    kernel_ns.append(_copy.thread_stats()["job_ns"] - k0)
+    t1 = time.perf_counter_ns()
+    kernel = _copy.thread_stats()["job_ns"] - k0
+    split.append((kernel, t1 - t0 - kernel))
 
 
 def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool,
-         two_threads: float, kernel_ns: Sequence[int]) -> Row:
+         two_threads: float, split: Sequence[tuple[int, int]]) -> Row:
     tr = res["transfer"]
-    # kernel_ns: one warm-up call, then an untimed and a timed call per repeat (own_warm)
-    kernel_s = statistics.median(kernel_ns[2::2]) / 1e9
+    # split: one warm-up call, then an untimed and a timed call per repeat (own_warm)
+    kernel_s = statistics.median(k for k, _ in split[2::2]) / 1e9
+    outside_s = statistics.median(o for _, o in split[2::2]) / 1e9
     row: Row = {
         "geometry": geom.name,
         "kind": case.kind,
@@ -307,6 +316,6 @@ def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], 
     # where the transfer's time goes (medians): in the copy kernels, and outside them per call
     # (Python: the facade, the engine's checks and copy plan; after large copies it runs cache-cold)
     row.update({"kernel_gbps": gbps(case.nbytes, kernel_s),
-                "outside_us": max(0.0, tr["median_s"] - kernel_s) * 1e6 / case.calls,
+                "outside_us": outside_s * 1e6 / case.calls,
                 "two_threads": two_threads, "samples": tr["samples"], "verified": verified})
     return row

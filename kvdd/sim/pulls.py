@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..status import PARAM_INVALID, S_OK
 from ..types import Cache, CacheIndex, KvCacheExtParam
 from . import faults
@@ -27,7 +25,7 @@ from .checks import (
     require_remote_tensors,
     require_tensor_count,
 )
-from .runs import Runs
+from .runs import Runs, ends_past, int64_arrays, row_run, total
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -35,9 +33,6 @@ if TYPE_CHECKING:
     from .entries import CacheEntry, Entity
 
 __all__ = ["pull_kv_cache", "pull_kv_blocks"]
-
-
-_I64 = np.int64
 
 
 def _pull_common(backend: SimBackend, idx: CacheIndex, dst_cache: Cache, batch_index: int, size: int,
@@ -98,8 +93,7 @@ def pull_kv_cache(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: C
         if status != S_OK:
             return status
         return run(entity, local, rc, True, backend.sync_wait_ms, local_tensors, remote_tensors,
-                   np.array([batch_index * local.S], _I64), np.array([src_off], _I64),
-                   np.array([nbytes], _I64))
+                   *row_run(batch_index * local.S, src_off, nbytes))
 
 
 def pull_kv_blocks(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: Cache,
@@ -136,13 +130,13 @@ def pull_kv_blocks(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: 
         require_remote_tensors(remote_tensors, rc)  # kvdd rule 1
         # all indices are now < 2**32 (bounded by B or by the remote block count)
         tail = rc.tensor_nbytes % S  # quirk §3.11: the last group copies only R.T % L.S bytes
-        require_inside_remote(runs.past_end(runs.s0, S, rc.tensor_nbytes, tail),  # kvdd rule 1
-                              "a block run reads")
-        src_off, dst_off, length = runs.copy_arrays(S, tail)
+        s_off, d_off, length = runs.byte_offsets(S, tail)
+        require_inside_remote(ends_past(s_off, length, rc.tensor_nbytes), "a block run reads")  # kvdd rule 1
         local_tensors: Sequence[int] = dst_list if dst_list is not None else range(local.n)
         status = faults.on_transfer(backend, "pull_kv_blocks", src_cache_index.cluster_id, entity,
-                                    len(local_tensors) * int(length.sum()))
+                                    len(local_tensors) * total(length))
         if status != S_OK:
             return status
+        src_off, dst_off, lengths = int64_arrays(s_off, d_off, length)
         return run(entity, local, rc, True, backend.sync_wait_ms, local_tensors, remote_tensors,
-                   dst_off, src_off, length)
+                   dst_off, src_off, lengths)

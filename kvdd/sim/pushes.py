@@ -26,7 +26,7 @@ from .checks import (
     require_local_cache,
     require_not_ragged,
 )
-from .runs import Runs
+from .runs import Runs, ends_past, int64_arrays, row_run
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from .fabric import RemoteCache
 
 __all__ = ["push_kv_cache", "push_kv_blocks"]
-
-
-_I64 = np.int64
 
 Plan = tuple[range, int]
 Offsets = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -158,8 +155,7 @@ def push_kv_cache(backend: SimBackend, src_cache: Cache, dst_cache_index: CacheI
 
     def offsets(local: CacheEntry, rc: RemoteCache) -> Offsets:
         # exactly L.S bytes of the source row land at the remote row's offset (§3.12, §7.5)
-        return (np.array([src_batch_index * local.S], _I64), np.array([bd * rc.stride_nbytes], _I64),
-                np.array([local.S], _I64))
+        return row_run(src_batch_index * local.S, bd * rc.stride_nbytes, local.S)
 
     return _push_layers(backend, "push_kv_cache", src_cache, dst_cache_index, plan, t,
                         check_layer, offsets)  # 7
@@ -186,11 +182,12 @@ def push_kv_blocks(backend: SimBackend, src_cache: Cache, dst_cache_index: Cache
         runs.require_below(runs.s0, runs.s_last, local.B, "src block", "local block count")
         require_not_ragged(local, rc)  # kvdd rule 10
         # indices are now < 2**32; block size = local stride on both sides (§3.13, §7.4)
-        require_inside_remote(runs.past_end(runs.d0, local.S, rc.tensor_nbytes),
+        _, d_off, length = runs.byte_offsets(local.S)
+        require_inside_remote(ends_past(d_off, length, rc.tensor_nbytes),
                               "a block run would be written")  # kvdd rule 1
 
     def offsets(local: CacheEntry, rc: RemoteCache) -> Offsets:
-        return runs.copy_arrays(local.S)
+        return int64_arrays(*runs.byte_offsets(local.S))
 
     return _push_layers(backend, "push_kv_blocks", src_cache, dst_cache_index, plan, t,
                         check_layer, offsets)  # 8

@@ -11,6 +11,7 @@ the plan of an 8-block pull of a 78-tensor cache cost as much as a third of its 
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Union
@@ -20,7 +21,7 @@ import numpy as np
 from ..status import PARAM_INVALID
 from .checks import reject
 
-__all__ = ["SMALL", "Runs"]
+__all__ = ["SMALL", "Runs", "ends_past", "int64_arrays", "row_run", "total"]
 
 #: Requests of at most this many block pairs are planned without numpy.
 SMALL = 64
@@ -124,33 +125,52 @@ class Runs:
         """The longest run, in blocks."""
         return max(self.ln) if isinstance(self.ln, list) else int(self.ln.max())
 
-    def past_end(self, first: Column, block: int, limit: int, tail: int = 0) -> bool:
-        """Whether a run starting at block ``first[i]`` of `block` bytes per block ends past `limit`
-        bytes (the last run `tail` bytes long when `tail` > 0: the §3.11 quirk).  Call after the
-        indices were checked against a bound (< 2**32), so the bytes fit int64."""
-        off, length = self.byte_runs(first, block, tail)
-        if isinstance(off, list) and isinstance(length, list):
-            return any(o + n > limit for o, n in zip(off, length))
-        return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
-
-    def byte_runs(self, first: Column, block: int, tail: int = 0) -> tuple[Column, Column]:
-        """Offsets (``first[i] * block``) and lengths (``ln[i] * block``; the last `tail` when > 0)
-        in bytes, as lists (small) or int64 arrays."""
-        off: Column
-        length: Column
-        if isinstance(first, list) and isinstance(self.ln, list):
-            off = [f * block for f in first]
-            length = [n * block for n in self.ln]
+    def byte_offsets(self, block: int, tail: int = 0) -> tuple[Column, Column, Column]:
+        """``(src_off, dst_off, length)`` in bytes: ``s0[i] * block``, ``d0[i] * block`` and
+        ``ln[i] * block`` (the last run `tail` bytes when `tail` > 0: the §3.11 quirk), as lists
+        (small requests) or int64 arrays.  Call after the indices were checked against a bound
+        (< 2**32), so the bytes fit int64."""
+        if isinstance(self.ln, list):
+            s_off: Column = [f * block for f in self.s0]
+            d_off: Column = [f * block for f in self.d0]
+            length: Column = [n * block for n in self.ln]
         else:
-            off = np.asarray(first).astype(_I64) * block
-            length = np.asarray(self.ln) * block
+            s_off = np.asarray(self.s0).astype(_I64) * block
+            d_off = np.asarray(self.d0).astype(_I64) * block
+            length = self.ln * block
         if tail:
             length[-1] = tail
-        return off, length
+        return s_off, d_off, length
 
-    def copy_arrays(self, block: int, tail: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(src_off, dst_off, length)`` in bytes as int64 arrays (what the transports take)."""
-        s_off, length = self.byte_runs(self.s0, block, tail)
-        d_off = [f * block for f in self.d0] if isinstance(self.d0, list) else self.d0.astype(_I64) * block
-        return (np.asarray(s_off, dtype=_I64), np.asarray(d_off, dtype=_I64),
-                np.asarray(length, dtype=_I64))
+
+def ends_past(off: Column, length: Column, limit: int) -> bool:
+    """Whether any run ``[off[i], off[i] + length[i])`` ends past `limit` bytes."""
+    if isinstance(off, list) and isinstance(length, list):
+        return any(o + n > limit for o, n in zip(off, length))
+    return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
+
+
+def total(length: Column) -> int:
+    """``sum(length)`` as an int."""
+    return sum(length) if isinstance(length, list) else int(length.sum())
+
+
+def int64_arrays(s_off: Column, d_off: Column, length: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The byte runs as int64 arrays (what the transports take); lists in one numpy call."""
+    if isinstance(s_off, list) and isinstance(d_off, list) and isinstance(length, list):
+        a = np.array((s_off, d_off, length), dtype=_I64)
+        return a[0], a[1], a[2]
+    return np.asarray(s_off, dtype=_I64), np.asarray(d_off, dtype=_I64), np.asarray(length, dtype=_I64)
+
+
+@functools.lru_cache(maxsize=256)
+def row_run(local_off: int, remote_off: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The copy plan of a row transfer (PullKvCache, PushKvCache): one run, the local and remote
+    byte offsets and the length, as three read-only 1-element int64 arrays.  Cached: the calls of a
+    per-layer sequence repeat the same row, and three numpy array creations per call are a
+    measurable part of a 2 MiB layer's pull (more so with the caches cold after the previous
+    layer's copy)."""
+    arrays = (np.array([local_off], _I64), np.array([remote_off], _I64), np.array([length], _I64))
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays

@@ -24,6 +24,8 @@ from .native_support import skip_unless_test_double
 _NATIVE = Path(__file__).resolve().parents[2] / "kvdd" / "_native"
 PXD = _NATIVE / "_cdatadist.pxd"
 PYX = _NATIVE / "_datadist.pyx"
+#: The binding's sources: the module and the files it includes.
+BINDING = (PYX, *sorted(_NATIVE.glob("_datadist_*.pxi")))
 
 #: VENDOR.md: the status constants of namespace llm_datadist in llm_datadist.h.
 HEADER_STATUSES = {
@@ -43,9 +45,10 @@ STRUCTS = ("IpInfo", "ClusterInfo", "CacheIndex", "CacheDesc", "Cache", "KvCache
 pytestmark = pytest.mark.skipif(not PYX.is_file(), reason="needs kvdd's source tree")
 
 
-def _code(path: Path) -> str:
-    """The file without comments and docstrings (declarations only)."""
-    text = re.sub(r'"""(?:.|\n)*?"""', "", path.read_text(encoding="utf-8"))
+def _code(*paths: Path) -> str:
+    """The files without comments and docstrings (declarations only)."""
+    text = "\n".join(path.read_text(encoding="utf-8") for path in paths)
+    text = re.sub(r'"""(?:.|\n)*?"""', "", text)
     return re.sub(r"#[^\n]*", "", text)
 
 
@@ -58,7 +61,7 @@ def test_pxd_declares_only_the_18_header_statuses() -> None:
 
 
 def test_binding_uses_only_declared_statuses() -> None:
-    used = set(re.findall(r"\bLLM_[A-Z_]+\b", _code(PYX)))
+    used = set(re.findall(r"\bLLM_[A-Z_]+\b", _code(*BINDING)))
     assert used <= HEADER_STATUSES, sorted(used - HEADER_STATUSES)
 
 
@@ -70,7 +73,7 @@ def _struct_locals(code: str) -> list[tuple[str, str, str | None]]:
 
 
 def test_every_struct_the_binding_fills_is_value_initialized() -> None:
-    code = _code(PYX)
+    code = _code(*BINDING)
     found = _struct_locals(code)
     # The binding fills at least one of each kind it passes by value or reference.
     assert {t for t, _, _ in found} >= {"IpInfo", "CacheIndex", "CacheDesc", "Cache",

@@ -69,13 +69,17 @@ def test_small_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound
         tail = block // 2
         limit = 8 * block
         for r in (small, big):
-            so, do, ln = r.copy_arrays(block, tail)
+            cols = r.byte_offsets(block, tail)
+            so, do, ln = runs_mod.int64_arrays(*cols)
             assert so.dtype == do.dtype == ln.dtype == np.int64
             assert so.tolist() == [s * block for s, _, _ in ref]
             assert do.tolist() == [d * block for _, d, _ in ref]
             assert ln.tolist() == [n * block for _, _, n in ref][:-1] + [tail or ref[-1][2] * block]
-            ends = [o + n for o, n in zip(so.tolist(), ln.tolist())]
-            assert r.past_end(r.s0, block, limit, tail) == any(e > limit for e in ends)
+            assert runs_mod.total(cols[2]) == sum(ln.tolist())
+            for off in (so, do):
+                ends = [o + n for o, n in zip(off.tolist(), ln.tolist())]
+                col = cols[0] if off is so else cols[1]
+                assert runs_mod.ends_past(col, cols[2], limit) == any(e > limit for e in ends)
 
 
 def test_invalid_indices_take_the_numpy_path() -> None:
@@ -91,3 +95,12 @@ def test_the_index_after_the_last_wraps_to_zero() -> None:
         assert len(r) == 2 if r.d0[0] == 5 else len(r) == 1
     r = Runs([U64, 0, 1], [5, 6, 8])
     assert (r.s0, r.d0, r.ln, r.s_last, r.d_last) == ([U64, 1], [5, 8], [2, 1], [0, 1], [6, 8])
+
+
+def test_row_run_is_one_read_only_run() -> None:
+    a, b, n = runs_mod.row_run(4096, 8192, 100)
+    assert [x.tolist() for x in (a, b, n)] == [[4096], [8192], [100]]
+    assert all(x.dtype == np.int64 and not x.flags.writeable for x in (a, b, n))
+    with pytest.raises(ValueError):
+        a[0] = 0
+    assert runs_mod.row_run(4096, 8192, 100)[0] is a  # cached

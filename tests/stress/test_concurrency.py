@@ -71,6 +71,17 @@ def status_of(fn: Callable[[], object]) -> int:
     return OK
 
 
+def _random_pairs(rng: random.Random) -> tuple[bool, list[tuple[int, int]]]:
+    """(blocks, pairs): half the time 1..B random (src, dst) block pairs with distinct
+    destinations, else one (src row, dst row) pair."""
+    if rng.random() < 0.5:
+        k = rng.randint(1, B)
+        sb = [rng.randrange(B) for _ in range(k)]
+        db = rng.sample(range(B), k)
+        return True, list(zip(sb, db))
+    return False, [(rng.randrange(B), rng.randrange(B))]
+
+
 @dataclass
 class Cache_:
     mem: list[U8]
@@ -164,15 +175,8 @@ class Stress:
         if src is None:
             return
         dst = self.pull_dst[w]
-        blocks = rng.random() < 0.5
-        if blocks:
-            k = rng.randint(1, B)
-            sb = [rng.randrange(B) for _ in range(k)]
-            db = rng.sample(range(B), k)
-            pairs = list(zip(sb, db))
-        else:
-            bs, bd = rng.randrange(B), rng.randrange(B)
-            pairs = [(bs, bd)]
+        blocks, pairs = _random_pairs(rng)
+        sb, db = [s for s, _ in pairs], [d for _, d in pairs]
         mark = rng.randrange(256)
         for m in dst.mem:
             for _, d in pairs:
@@ -204,14 +208,8 @@ class Stress:
         me = self.insts[self.homes[w]]
         peer_id = rng.choice([p for p in STABLE if p != me.cid])
         src, dst = self.push_src[w], self.push_dst[w][peer_id]
-        blocks = rng.random() < 0.5
-        if blocks:
-            k = rng.randint(1, B)
-            sb = [rng.randrange(B) for _ in range(k)]
-            db = rng.sample(range(B), k)
-            pairs = list(zip(sb, db))
-        else:
-            pairs = [(rng.randrange(B), rng.randrange(B))]
+        blocks, pairs = _random_pairs(rng)
+        sb, db = [s for s, _ in pairs], [d for _, d in pairs]
         mark = rng.randrange(256)
         for m in dst.mem:
             for _, d in pairs:

@@ -9,9 +9,10 @@ an entity.
 that sent a request leads until its own reply is in, so a small call costs the caller no thread
 hand-off (it sends, reads its answer itself, and returns); frames for other waiters or requests of
 the peer that arrive meanwhile are handled on the way.  A caller whose reply another leader reads
-is woken by it.  The connection's receiver thread leads only while no caller is active (for the
-peer's requests and the connection's end); while callers are active it leaves the socket to them,
-looking again every :data:`IDLE_S` (and at once when a leader leaves bytes behind).
+is woken by it.  The connection's receiver thread leads when no caller was active for
+:data:`IDLE_S` (it then waits in ``recv``: the peer's requests, the connection's end, and the
+first reply of a caller arriving meanwhile); while callers are active it leaves the socket to
+them, looking again every :data:`IDLE_S` (and at once when a leader leaves bytes behind).
 *Sending.*  ``send_lock`` orders whole frames; a worker thread answers queued requests and sends
 READ data; a receiving leader answers a small request with a non-blocking send when the
 connection is free (the rest goes to the worker, counted in the queue bounds; whoever sends next
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import struct
 import threading
@@ -213,36 +213,22 @@ class Channel:
                 self._bg_cv.notify()
 
     def _receiver(self) -> None:
-        """The receiver thread: leads while no caller is active (see the module docstring)."""
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
+        """The receiver thread: leads while no caller is active (see the module docstring); it
+        then waits in ``recv`` itself (a caller arriving meanwhile gets its first reply from it)."""
         try:
             while True:
                 with self._lock:
                     while True:
                         if self.dead.is_set():
                             return
-                        if self._leader is None and not self._waiters:
-                            if self.rx.buffered:
-                                break
-                            if not self._active and \
-                                    time.monotonic() - self._last_active >= IDLE_S:
-                                break
+                        if self._leader is None and not self._waiters and (
+                                self.rx.buffered or not self._active
+                                and time.monotonic() - self._last_active >= IDLE_S):
+                            break
                         self._bg_cv.wait(IDLE_S)
-                since = self._last_active
-                if not self.rx.buffered:
-                    poller.poll()
-                with self._lock:
-                    if self.dead.is_set():
-                        return
-                    if self._leader is not None or self._waiters:
-                        continue
                     self._leader = _RECEIVER
-                    # a caller may have read what woke us meanwhile: then look again
-                    again = self._active or self._last_active != since
                 try:
-                    if self.rx.buffered or not again or poller.poll(0):
-                        self._frame()
+                    self._frame()
                 finally:
                     self._unlead()
         except BaseException as exc:

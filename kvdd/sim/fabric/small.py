@@ -191,7 +191,7 @@ class SmallSink:
         self.off = off
         self.length = length
         total = sum(length) * len(regions)
-        self.stage = bytearray(total)
+        self.stage = ctypes.create_string_buffer(total)
         self.left = total
         for region in regions:  # the caller's own checked runs; kept honest here too
             for o, n in zip(off, length):
@@ -202,15 +202,14 @@ class SmallSink:
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
         pos = len(self.stage) - self.left
-        rx.into(memoryview(self.stage)[pos:pos + n])
+        rx.into(memoryview(self.stage).cast("B")[pos:pos + n])
         self.left -= n
 
     def scatter(self) -> None:
-        data = bytes(self.stage)
-        pos = 0
+        src = ctypes.addressof(self.stage)
         for region in self.regions:
             base = region.addr
             for o, n in zip(self.off, self.length):
                 if n:
-                    _memmove(base + o, data[pos:pos + n], n)
-                    pos += n
+                    _memmove(base + o, src, n)
+                    src += n
