@@ -6,7 +6,7 @@ The engine builds :class:`Region` handles for memory it has validated (registere
 for runs ``(src_off, dst_off, length)`` applied to each (source, destination) tensor pair. This module
 checks every run against every region again, snapshots the request into C memory (so nothing a Python
 thread does meanwhile can move it out of bounds) and copies without the GIL (C: _copy_kernels.c for
-the per-run loops, _copy_impl.c for jobs and threads).
+the per-run loops, _copy_impl.c for jobs and threads, _copy_plan.c for the independence check).
 
 How a call is executed
 ----------------------
@@ -28,7 +28,8 @@ How a call is executed
   caller, 50 ms to 2 s), and the call is large enough for the
   second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
   2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
-  the end for the item the helper is still copying, which grows when the other CPU is busy) and
+  the end for the item the helper is still copying, which grows when the other CPU is busy;
+  stalled calls are left out, the backoff answers them) and
   ``cost`` the measured one-thread time per byte of this process's own calls
   (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
   the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The

@@ -9,6 +9,7 @@
  * and exits 1. */
 #include "_copy_kernels.c"
 #include "_copy_impl.c"
+#include "_copy_plan.c"
 
 #include <stdio.h>
 
