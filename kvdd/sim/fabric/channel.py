@@ -440,9 +440,10 @@ class Channel:
                 self.send_lock.release()
             if not self._await(p, deadline):
                 self.kill()  # silent peer: the link is broken; stop others touching our memory
-            if p.failed or not p.done:
-                with self._sink_lock:
+            if p.sink is not None or p.failed or not p.done:
+                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
                     p.cancelled = True
+            if p.failed or not p.done:
                 return None
             return p.reply
         finally:

@@ -80,11 +80,11 @@ class Cursor:
     def recv(self, rx: Rx, n: int) -> None:
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        self.left -= n
         while n > 0:
             v = self.views[self.i]
             take = min(n, len(v) - self.pos)
             rx.into(v[self.pos:self.pos + take])
+            self.left -= take  # counted once received (0 means every byte is in)
             self.pos += take
             n -= take
             if self.pos == len(v):
