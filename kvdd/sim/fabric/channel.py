@@ -66,6 +66,14 @@ _J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
 _J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the queue bounds)
 _J_FLUSH = 102  # worker job: send the rest of an answer the reader began (``_tail``)
+ANSWER_CHARGE = 4096  # queue bytes a prepared answer counts as, at least (2,048 fit the bound)
+
+
+def _charge(ftype: int, payload: bytes | bytearray | int) -> tuple[int, int]:
+    """What a queued job counts in the bounds: (requests, bytes)."""
+    if ftype in (_J_REPLY, _J_FLUSH):
+        return 0, max(len(payload) if not isinstance(payload, int) else 0, ANSWER_CHARGE)
+    return 1, 0 if isinstance(payload, int) else len(payload)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _RECEIVER = object()  # the leader token of the receiver thread
 
@@ -277,15 +285,18 @@ class Channel:
             raise ProtocolError(f"unexpected frame type {ftype} on a link")
 
     def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
-        """Queue a request of the peer for the worker: at most MAX_JOBS requests and
-        MAX_QUEUED_BYTES of their payloads wait; a peer sending more (one that does not read our
-        answers) loses its connection."""
-        size = 0 if isinstance(payload, int) else len(payload)
+        """Queue work for the worker: at most MAX_JOBS requests of the peer and MAX_QUEUED_BYTES
+        wait; a peer sending more (one that does not read our answers) loses its connection.
+        Answers already prepared (small replies waiting for the send side) count in the bytes
+        only, each as at least ANSWER_CHARGE: a peer that reads, only late, may have many small
+        requests in flight (review 2, F3), and one that never reads is still cut off."""
+        jobs, size = _charge(ftype, payload)
         with self._lock:
-            if self._queued_jobs >= MAX_JOBS or self._queued_bytes + size > MAX_QUEUED_BYTES:
+            if (self._queued_jobs + jobs > MAX_JOBS
+                    or self._queued_bytes + size > MAX_QUEUED_BYTES):
                 raise ProtocolError(f"too many queued requests ({self._queued_jobs}, "
                                     f"{self._queued_bytes} bytes)")
-            self._queued_jobs += 1
+            self._queued_jobs += jobs
             self._queued_bytes += size
             self._jobs.append((ftype, req, payload))
             self._jobs_cv.notify()
@@ -317,8 +328,9 @@ class Channel:
                         self._jobs_cv.wait()
                     job = self._jobs.popleft()
                     if job is not None and job[0] > 0:
-                        self._queued_jobs -= 1
-                        self._queued_bytes -= 0 if isinstance(job[2], int) else len(job[2])
+                        jobs, size = _charge(job[0], job[2])
+                        self._queued_jobs -= jobs
+                        self._queued_bytes -= size
                 if job is None:
                     return
                 ftype, req, payload = job
