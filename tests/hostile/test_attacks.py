@@ -536,14 +536,14 @@ def test_stalled_small_write_holds_no_cache(victim: Victim, victim_proc: PeerPro
 def test_never_reading_small_requests_are_cut_off(victim: Victim, world: World) -> None:
     """A peer sending LEASE_READs of 64 KiB and never reading: the victim's reader never blocks
     on it (answers it cannot send wait in the bounded queue); the connection closes once the
-    queue is full; D is served meanwhile."""
+    queue's bytes are full (twice as many answers as fit); D is served meanwhile."""
     p, port = victim.p, victim.port
     big = register(p, BIG)
     s, _snap = rawpeer.link(port, 4848)
     with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         frames = b"".join(_small(wire.F_LEASE_READ, big.cache_id, [0], 0, wire.SMALL_BYTES, 100 + i)
-                          for i in range(8 * wire.MAX_JOBS))
+                          for i in range(2 * wire.MAX_QUEUED_BYTES // wire.SMALL_BYTES))
         s.sendall(frames)
         time.sleep(1.0)
         victim.serve_d(world)

@@ -1,6 +1,6 @@
 """An independent, deliberately simple reference model of SEMANTICS.md (LLM-DataDist V2 + kvdd rules).
 
-Written from /work/shared/spec/SEMANTICS.md only: it imports nothing from ``kvdd`` (the status
+Written from docs/spec/SEMANTICS.md only: it imports nothing from ``kvdd`` (the status
 numbers and the data-type table are restated from §1 and §5), so a bug in the simulator cannot be
 copied into the expectation.  It models *instances in one process* (several ``World`` instances
 sharing one flat byte arena), which is what the property tests drive.

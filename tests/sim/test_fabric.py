@@ -1216,6 +1216,7 @@ def test_served_runs_stream_exactly(seed: int) -> None:
     (k outer, j inner), with short runs staged in chunks, long runs direct, DATA frames of any
     size on receive, and nothing outside the runs touched."""
     from kvdd._native._copy import Region
+    from kvdd.sim.fabric.rx import Rx
     from kvdd.sim.fabric.serving import RunPlan, check_request
 
     rng = np.random.default_rng(seed)
@@ -1244,7 +1245,7 @@ def test_served_runs_stream_exactly(seed: int) -> None:
     assert sender.total == len(stream)
     done = threading.Thread(target=sender.send, args=(a, 5))
     done.start()
-    RunPlan(dst_r, tensors, starts, lengths).receive(b, 5, wire.read_header)
+    RunPlan(dst_r, tensors, starts, lengths).receive(Rx(b), 5)
     done.join()
     a.close()
     b.close()
@@ -1254,3 +1255,23 @@ def test_served_runs_stream_exactly(seed: int) -> None:
     bad = starts.copy()
     bad[-1] = t_bytes - int(lengths[-1]) + 1
     assert check_request(3, t_bytes, tensors, bad, lengths) == Status.LLM_PARAM_INVALID
+
+
+def test_deadline_guard_fires_for_late_requests_only() -> None:
+    """One timer watches many deadlines: it calls back when a waiting request's deadline has
+    passed, re-arms for a later one when the earliest request already ended, and never fires
+    when nothing waits."""
+    from kvdd.sim.fabric.watchdog import DeadlineGuard
+
+    waiting: list[float] = []
+    fired = threading.Event()
+    guard = DeadlineGuard(lambda: list(waiting), fired.set)
+    t0 = time.monotonic()
+    guard.arm(t0 + 0.05)  # that request ends at once: nothing waits when the timer runs
+    assert not fired.wait(0.2)
+    later = time.monotonic() + 0.3
+    waiting.append(later)
+    guard.arm(time.monotonic() + 0.05)  # an earlier deadline whose request ended ...
+    guard.arm(later)  # ... and a later one still waiting: re-armed for it, fired after it
+    assert fired.wait(5.0)
+    assert time.monotonic() >= later

@@ -1,34 +1,36 @@
-"""One link's TCP connection: the owner's leases, serving the peer's requests, this end's requests.
+"""One link's TCP connection: serving the peer's requests, and this end's requests.
 
-Both ends run the same :class:`Channel`: a reader thread (parses every frame, receives DATA into
-memory directly), a worker thread (answers requests, sends READ data) and the callers' threads
-(send requests, wait for the reply with the deadline ``llm.SyncKvCacheWaitTime``).  On the comm
-backend the connection serves both directions (the acceptor's entity for the initiator uses it
-too); on hixl only the initiator has an entity.
+Both ends run the same :class:`Channel`.  On the comm backend the connection serves both
+directions (the acceptor's entity for the initiator uses it too); on hixl only the initiator has
+an entity.
 
-Leases (SEMANTICS.md §10 rule 5 across processes): a transfer first asks the owner for a lease on
-the remote cache; the owner checks the cache is still registered (else LLM_KV_CACHE_NOT_EXIST) and
-counts it in the entry's in-flight count, so unregister / unlink / finalize wait for it.  A lease
-ends when the reader releases it, when the reader's connection closes (a dead reader releases at
-once), or when it expires: ``SyncKvCacheWaitTime`` of the reader (announced in the handshake,
-capped by the owner) plus a grace; if the owner's server is still moving bytes for it then, the
-connection is closed.  The reader never touches remote memory past its own deadline, which is
-earlier.
+*Receiving.*  One thread at a time reads the socket (through the connection's buffered
+:class:`~.rx.Rx`) and handles every frame it reads, whatever it is for: the *leader*.  A caller
+that sent a request leads until its own reply is in, so a small call costs the caller no thread
+hand-off (it sends, reads its answer itself, and returns); frames for other waiters or requests of
+the peer that arrive meanwhile are handled on the way.  A caller whose reply another leader reads
+is woken by it.  The connection's receiver thread leads when no caller was active for
+:data:`IDLE_S` (it then waits in ``recv``: the peer's requests, the connection's end, and the
+first reply of a caller arriving meanwhile); while callers are active it leaves the socket to
+them, looking again every :data:`IDLE_S` (and at once when a leader leaves bytes behind).
+*Sending.*  ``send_lock`` orders whole frames; a worker thread answers queued requests and sends
+READ data; a receiving leader answers a small request with a non-blocking send when the
+connection is free (the rest goes to the worker, counted in the queue bounds; whoever sends next
+sends that rest first: ``_tail``).
 
-Small transfers (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs) take one round trip: a
-LEASE_READ / LEASE_WRITE names the cache instead of a lease, and the owner's reader thread serves
-it inline: the same checks and statuses as LEASE then READ / WRITE, the cache held (counted in
-flight) only around the copy out of (into) it, so that lease covers exactly this one transfer.
-The reader never blocks on sending: it answers with a non-blocking send when the connection is
-free, else the rest goes to the worker (counted in the queue bounds) and whoever sends next on
-the connection sends it first (``_tail``).
+Leases (SEMANTICS.md §10 rule 5 across processes, :mod:`~.leases`): a transfer first asks the
+owner for a lease on the remote cache; the owner checks the cache is still registered (else
+LLM_KV_CACHE_NOT_EXIST) and counts it in flight, so unregister / unlink / finalize wait for it.
+A lease ends when the reader releases it, when the reader's connection closes, or when it
+expires: ``SyncKvCacheWaitTime`` of the reader (announced in the handshake, capped by the owner)
+plus a grace; if the owner is still moving bytes for it then, the connection is closed.  Small
+transfers (:mod:`~.small`) take one round trip: LEASE_READ / LEASE_WRITE, served by the leader
+inline with the same checks and statuses, the cache held only around the copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import socket
 import struct
@@ -36,70 +38,44 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import numpy as np
-
-from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
+from ...status import S_OK, Status
 from .. import faults
-from .protocol import LinkOwner, ServedCache
-from .leases import Lease
+from .endpoints import add_endpoint, close_channels, close_endpoint, discard_endpoint, take_endpoint
+from .leases import Lease, LeaseTable
 from .logutil import warn_limited
-from .serving import RunPlan, check_request
+from .protocol import LinkOwner, ServedCache
+from .rx import Goodbye, Pending, Rx, Sink
+from .serving import serve_read, serve_write
 from .small import serve_small_read, serve_small_write
-from .streams import Cursor, Layout, send_stream
-from .watchdog import WATCHDOG
+from .streams import Layout, send_stream
+from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
-                   F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE, F_WRITE, LEASE_GRACE_MS,
-                   MAX_JOBS, MAX_LEASE_MS, MAX_LEASES, MAX_QUEUED_BYTES, ProtocolError, Reader,
-                   decode_request, discard, frame, read_header, recv_exact)
+                   F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
+                   F_WRITE, MAX_JOBS, MAX_QUEUED_BYTES, ProtocolError, Reader, decode_request,
+                   frame)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Channel", "Pending", "take_endpoint", "close_channels", "close_endpoint"]
+__all__ = ["Channel", "Pending", "Sink", "take_endpoint", "close_channels", "close_endpoint",
+           "IDLE_S"]
 
-
-MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
-MAX_REVOKED = 256  # revoked lease ids remembered per connection
+IDLE_S = 0.001  # the receiver thread leaves the socket to callers active within this (seconds)
 _J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
 _J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the queue bounds)
 _J_FLUSH = 102  # worker job: send the rest of an answer the reader began (``_tail``)
+ANSWER_CHARGE = 4096  # queue bytes a prepared answer counts as, at least (2,048 fit the bound)
+
+
+def _charge(ftype: int, payload: bytes | bytearray | int) -> tuple[int, int]:
+    """What a queued job counts in the bounds: (requests, bytes)."""
+    if ftype in (_J_REPLY, _J_FLUSH):
+        return 0, max(len(payload) if not isinstance(payload, int) else 0, ANSWER_CHARGE)
+    return 1, 0 if isinstance(payload, int) else len(payload)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-
-class Pending:
-    __slots__ = ("req", "event", "lock", "reply", "cursor", "cancelled", "failed")
-
-    def __init__(self, req: int, cursor: Cursor | None) -> None:
-        self.req = req
-        self.event = threading.Event()
-        self.lock = threading.Lock()  # held by the reader while it writes into the caller's memory
-        self.reply: bytes | None = None
-        self.cursor = cursor
-        self.cancelled = False
-        self.failed = False
-
-
-_endpoint_lock = threading.Lock()
-_endpoints: weakref.WeakKeyDictionary[LinkOwner, set[Channel]] = weakref.WeakKeyDictionary()
-
-
-def take_endpoint(owner: LinkOwner) -> list[Channel]:
-    """Finalize, first half: the connections of ``owner`` (to close once its caches are retired;
-    until then they keep serving lease releases)."""
-    with _endpoint_lock:
-        return list(_endpoints.pop(owner, ()))
-
-
-def close_channels(chans: Sequence[Channel]) -> None:
-    """Finalize, second half: tell every connected peer (GOODBYE) and close the connections."""
-    for chan in chans:
-        chan.close(goodbye=True)
-
-
-def close_endpoint(owner: LinkOwner) -> None:
-    """GOODBYE to every peer connected to ``owner`` and close those connections."""
-    close_channels(take_endpoint(owner))
+_RECEIVER = object()  # the leader token of the receiver thread
 
 
 class Channel:
@@ -113,17 +89,23 @@ class Channel:
         self.served: Mapping[int, ServedCache] = {}  # our caches visible to the peer over this link
         self.peer_wait_ms = 1000
         self.send_lock = threading.Lock()
+        self.rx = Rx(sock)
+        self.leases = LeaseTable(self)
         self._lock = threading.Lock()
         self._pending: dict[int, Pending] = {}
-        self._leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
-        self._req_ids = itertools.count(1)
+        self._sink_lock = threading.Lock()  # held while DATA goes into a caller's sink
+        self._guard = DeadlineGuard(self._waiting, self.kill)  # closes it when a request is late
+        self._req_ids = 0
+        self._leader: object | None = None  # who reads the socket now (a Pending, _RECEIVER)
+        self._waiters = 0  # callers waiting on _rx_cv (for their reply or to lead)
+        self._active = 0  # callers with a request in progress
+        self._last_active = 0.0
+        self._rx_cv = threading.Condition(self._lock)
+        self._bg_cv = threading.Condition(self._lock)
         self._jobs: deque[tuple[int, int, bytes | bytearray | int] | None] = deque()
         self._jobs_cv = threading.Condition(self._lock)
         self._queued_jobs = 0  # the peer's requests waiting for the worker
         self._queued_bytes = 0
-        self._revoked: set[int] = set()  # lease ids revoked by an unregister (answered NOT_EXIST)
-        self._revoked_order: deque[int] = deque()
         self._tail: bytes | None = None  # the unsent rest of a frame (under send_lock)
         self._closing = False
         self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
@@ -132,14 +114,15 @@ class Channel:
         self.local_user = False  # our PeerHandle on the peer uses this connection
         self.peer_user = False  # the peer's PeerHandle on us uses it
         self._started = False
+        self._running = threading.Event()  # set by start(): the socket may be read from then
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.sock.settimeout(None)
-        with _endpoint_lock:
-            _endpoints.setdefault(self.owner, set()).add(self)
+        add_endpoint(self.owner, self)
         self._started = True
-        threading.Thread(target=self._reader, name=f"kvdd-sim-rx {self.label}", daemon=True).start()
+        self._running.set()
+        threading.Thread(target=self._receiver, name=f"kvdd-sim-rx {self.label}", daemon=True).start()
         threading.Thread(target=self._worker, name=f"kvdd-sim-tx {self.label}", daemon=True).start()
 
     def kill(self) -> None:
@@ -150,8 +133,8 @@ class Channel:
             self._on_dead()
 
     def close(self, goodbye: bool = False) -> None:
-        """Close gracefully: optional GOODBYE, then FIN; the reader drains until the peer closes
-        (at most CLOSE_LINGER_S)."""
+        """Close gracefully: optional GOODBYE, then FIN; the receiver drains until the peer
+        closes (at most CLOSE_LINGER_S)."""
         with self._lock:
             if self._closing or self.dead.is_set():
                 return
@@ -178,13 +161,14 @@ class Channel:
         else:
             self.send_oneway(F_CLOSE_HANDLE, b"")
 
+    def forget_lease(self, lease_id: int, revoked: bool = False) -> Lease | None:
+        return self.leases.forget(lease_id, revoked)
+
     def _peer_released(self) -> None:
         with self._lock:
             self.peer_user = False
             unused = not self.local_user
-            leases = list(self._leases.values())
-            self._leases.clear()
-        for lease in leases:
+        for lease in self.leases.take_all():
             lease.drop()
         if unused:
             self.close()
@@ -194,161 +178,146 @@ class Channel:
             if self.dead.is_set():
                 return
             self.dead.set()
-            leases = list(self._leases.values())
-            self._leases.clear()
+            self._running.set()  # nobody waits for a start that will not come
             pending = list(self._pending.values())
+            for p in pending:
+                p.failed = True
+                p.done = True
+            self._rx_cv.notify_all()
+            self._bg_cv.notify_all()
             self._jobs.clear()
             self._jobs.append(None)
             self._jobs_cv.notify_all()
-        for lease in leases:  # a dead reader releases its leases at once
+        for lease in self.leases.take_all(close=True):  # a dead reader releases at once
             lease.drop()
-        for p in pending:
-            p.failed = True
-            p.event.set()
         self._closed_wr.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
         with contextlib.suppress(OSError):
             self.sock.close()
-        with _endpoint_lock:
-            chans = _endpoints.get(self.owner)
-            if chans is not None:
-                chans.discard(self)
+        discard_endpoint(self.owner, self)
 
-    # -- the reader thread ------------------------------------------------------------------------
-    def _reader(self) -> None:
-        sock = self.sock
+    def _fail(self, exc: BaseException) -> None:
+        """Reading failed (the leader's exception): the connection ends."""
+        if isinstance(exc, Goodbye):
+            # the peer finalized: our handle on it (a stale entity) now finds no cache (§10
+            # rule 2); requests in flight end now
+            self.peer_finalized = True
+            self._peer_released()
+        elif isinstance(exc, OSError):  # the peer closed or died, or we closed
+            logger.debug("kvdd fabric %s: connection ends: %s", self.label, exc)
+        elif isinstance(exc, (ProtocolError, struct.error)):  # the peer broke the protocol
+            warn_limited(logger, "protocol", "kvdd fabric %s: closing the link: %s", self.label, exc)
+            with contextlib.suppress(OSError):  # abort (RST): nothing queued for it is sent
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif isinstance(exc, Exception):  # a bug: log it; transfers get LLM_TIMEOUT
+            logger.exception("kvdd fabric %s: receiving failed", self.label, exc_info=exc)
+        self._on_dead()
+
+    # -- receiving ------------------------------------------------------------------------------
+    def _unlead(self) -> None:
+        with self._lock:
+            self._leader = None
+            if self._waiters:
+                self._rx_cv.notify_all()
+            if self.rx.buffered:
+                self._bg_cv.notify()
+
+    def _receiver(self) -> None:
+        """The receiver thread: leads while no caller is active (see the module docstring); it
+        then waits in ``recv`` itself (a caller arriving meanwhile gets its first reply from it)."""
         try:
             while True:
-                ftype, req, length = read_header(sock)
-                if ftype == F_DATA:
-                    self._recv_data(req, length)
-                    continue
-                payload = recv_exact(sock, length)
-                if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
-                    with self._lock:
-                        p = self._pending.get(req)
-                    if p is not None:
-                        p.reply = bytes(payload)
-                        p.event.set()
-                elif ftype in (F_LEASE, F_READ, F_PING):
-                    self._enqueue(ftype, req, payload)
-                elif ftype == F_LEASE_READ:
-                    if any(inj.serve for inj in faults.active()):  # a slow server: worker's job
-                        self._enqueue(ftype, req, payload)
-                    else:
-                        self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
-                elif ftype == F_LEASE_WRITE:
-                    self._answer(req, serve_small_write(self.owner, self._grant_small, self.sock, req,
-                                                         payload))
-                elif ftype == F_WRITE:
-                    self._serve_write(req, payload)
-                elif ftype == F_RELEASE:
-                    lease_id = Reader(payload).u("Q")
-                    lease = self.forget_lease(lease_id)
-                    if lease is not None:
-                        lease.drop()
-                elif ftype == F_CLOSE_HANDLE:
-                    self._peer_released()
-                elif ftype == F_GOODBYE:
-                    # The peer finalized: it serves nothing more.  Our handle on it (a stale
-                    # entity) now finds no cache (§10 rule 2); requests in flight end now.
-                    self.peer_finalized = True
-                    self._peer_released()
-                    return
-                else:
-                    raise ProtocolError(f"unexpected frame type {ftype} on a link")
-        except OSError as exc:  # the peer closed or died, or we closed
-            logger.debug("kvdd fabric %s: connection ends: %s", self.label, exc)
-        except (ProtocolError, struct.error) as exc:  # an authenticated peer broke the protocol
-            warn_limited(logger, "protocol", "kvdd fabric %s: closing the link: %s", self.label, exc)
-        except Exception:  # a bug: log it; the connection ends and transfers get LLM_TIMEOUT
-            logger.exception("kvdd fabric %s: reader failed", self.label)
-        finally:
-            self._on_dead()
+                with self._lock:
+                    while True:
+                        if self.dead.is_set():
+                            return
+                        if self._leader is None and not self._waiters and (
+                                self.rx.buffered or not self._active
+                                and time.monotonic() - self._last_active >= IDLE_S):
+                            break
+                        self._bg_cv.wait(IDLE_S)
+                    self._leader = _RECEIVER
+                try:
+                    self._frame()
+                finally:
+                    self._unlead()
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _frame(self) -> None:
+        """Read one frame and handle it (the leader only)."""
+        ftype, req, length = self.rx.header()
+        if ftype == F_DATA:
+            self._recv_data(req, length)
+            return
+        payload = self.rx.exact(length)
+        if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
+            with self._lock:
+                p = self._pending.get(req)
+                if p is not None:
+                    p.reply = payload
+                    p.done = True
+                    if self._waiters and p is not self._leader:
+                        self._rx_cv.notify_all()
+        elif ftype == F_LEASE_READ:
+            if any(inj.serve for inj in faults.active()):  # a slow server: worker's job
+                self._enqueue(ftype, req, payload)
+            else:
+                self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
+        elif ftype in (F_LEASE, F_READ, F_PING):
+            self._enqueue(ftype, req, payload)
+        elif ftype == F_LEASE_WRITE:
+            self._answer(req, serve_small_write(self.owner, self._grant_small, self.rx, req,
+                                                payload))
+        elif ftype == F_WRITE:
+            self._serve_write(req, payload)
+        elif ftype == F_RELEASE:
+            lease_id = Reader(payload).u("Q")
+            lease = self.leases.forget(lease_id)
+            if lease is not None:
+                lease.drop()
+        elif ftype == F_CLOSE_HANDLE:
+            self._peer_released()
+        elif ftype == F_GOODBYE:
+            raise Goodbye()
+        else:
+            raise ProtocolError(f"unexpected frame type {ftype} on a link")
 
     def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
-        """Queue a request of the peer for the worker: at most MAX_JOBS requests and
-        MAX_QUEUED_BYTES of their payloads wait; a peer sending more (one that does not read our
-        answers) loses its connection."""
-        size = 0 if isinstance(payload, int) else len(payload)
+        """Queue work for the worker: at most MAX_JOBS requests of the peer and MAX_QUEUED_BYTES
+        wait; a peer sending more (one that does not read our answers) loses its connection.
+        Answers already prepared (small replies waiting for the send side) count in the bytes
+        only, each as at least ANSWER_CHARGE: a peer that reads, only late, may have many small
+        requests in flight (review 2, F3), and one that never reads is still cut off."""
+        jobs, size = _charge(ftype, payload)
         with self._lock:
-            if self._queued_jobs >= MAX_JOBS or self._queued_bytes + size > MAX_QUEUED_BYTES:
+            if (self._queued_jobs + jobs > MAX_JOBS
+                    or self._queued_bytes + size > MAX_QUEUED_BYTES):
                 raise ProtocolError(f"too many queued requests ({self._queued_jobs}, "
                                     f"{self._queued_bytes} bytes)")
-            self._queued_jobs += 1
+            self._queued_jobs += jobs
             self._queued_bytes += size
             self._jobs.append((ftype, req, payload))
             self._jobs_cv.notify()
 
     def _recv_data(self, req: int, length: int) -> None:
-        """DATA for our pending READ: straight into the caller's memory (unless it gave up)."""
+        """DATA for a pending READ: into its sink (unless its caller gave up)."""
         with self._lock:
             p = self._pending.get(req)
-        if p is None or p.cursor is None:
+        if p is None or p.sink is None:
             raise ProtocolError("DATA without a pending read")
-        with p.lock:
+        with self._sink_lock:
             if p.cancelled:
-                discard(self.sock, length)
+                self.rx.discard(length)
             else:
-                p.cursor.recv(self.sock, length)
+                p.sink.recv(self.rx, length)
 
-    def forget_lease(self, lease_id: int, revoked: bool = False) -> Lease | None:
-        with self._lock:
-            if revoked and lease_id in self._leases:
-                self._revoked.add(lease_id)
-                self._revoked_order.append(lease_id)
-                if len(self._revoked_order) > MAX_REVOKED:
-                    self._revoked.discard(self._revoked_order.popleft())
-            return self._leases.pop(lease_id, None)
+    def _serve_write(self, req: int, payload: bytes) -> None:
+        self._enqueue(F_DONE, req, serve_write(self.leases, self.owner, self.rx, req, payload))
 
-    def _check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
-                    length: np.ndarray) -> tuple[int, Lease | None]:
-        """The server's checks of a READ/WRITE: a live lease of this connection on a visible,
-        registered cache, tensors and byte ranges inside it (kvdd rule 1), within MAX_RUNS."""
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            revoked = lease_id in self._revoked
-        if lease is None or not lease.use():
-            # revoked: the owner unregistered the cache while the lease sat unused (§10 rule 5);
-            # otherwise only an expired (or forged) lease gets here
-            return (NOT_EXIST if revoked else TIMEOUT), None
-        entry = lease.entry
-        status = check_request(entry.n, entry.T, tensors, off, length)
-        if status != S_OK:
-            lease.unuse()
-            return status, None
-        return S_OK, lease
-
-    def _serve_write(self, req: int, payload: bytes | bytearray) -> None:
-        """A WRITE and its DATA frames, received by the reader straight into the owner's cache.
-
-        A WRITE refused for its lease (revoked, expired) has its DATA discarded and is answered
-        with the status; one refused for its runs or size ends the connection (a correct peer
-        never sends one: its engine ran the same checks)."""
-        lease_id, tensors, off, length = decode_request(payload)
-        status, lease = self._check_runs(lease_id, tensors, off, length)
-        if lease is None:
-            if status == Status.LLM_PARAM_INVALID or np.any(length < 0):
-                raise ProtocolError(f"refused WRITE (status {status:#x})")
-            total = int(length.sum()) * len(tensors)
-            if total > MAX_DISCARD:
-                raise ProtocolError("refused WRITE of too many bytes")
-            while total > 0:  # the peer sends the data anyway: read it into nothing
-                ftype, freq, n = read_header(self.sock)
-                if ftype != F_DATA or freq != req or n > total:
-                    raise ProtocolError("WRITE data expected")
-                discard(self.sock, n)
-                total -= n
-            self._enqueue(F_DONE, req, status)
-            return
-        try:
-            plan = RunPlan(lease.entry.regions, tensors, off, length)
-            faults.on_serve(self.owner, "write", plan.total)
-            plan.receive(self.sock, req, read_header)
-        finally:
-            lease.unuse()
-        self._enqueue(F_DONE, req, status)
+    def _grant_small(self, cache_id: int) -> tuple[int, ServedCache | None]:
+        return self.leases.grant_small(self.owner, self.served, cache_id)
 
     # -- the worker thread ------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -359,28 +328,26 @@ class Channel:
                         self._jobs_cv.wait()
                     job = self._jobs.popleft()
                     if job is not None and job[0] > 0:
-                        self._queued_jobs -= 1
-                        self._queued_bytes -= 0 if isinstance(job[2], int) else len(job[2])
+                        jobs, size = _charge(job[0], job[2])
+                        self._queued_jobs -= jobs
+                        self._queued_bytes -= size
                 if job is None:
                     return
                 ftype, req, payload = job
-                if ftype == F_LEASE:
-                    assert not isinstance(payload, int)
-                    self._send(F_LEASE_REPLY, req, self._serve_lease(payload))
+                if isinstance(payload, int):  # F_DONE of a WRITE
+                    self._send(F_DONE, req, struct.pack("<I", payload))
+                elif ftype == F_LEASE:
+                    self._send(F_LEASE_REPLY, req, self.leases.grant(
+                        self.owner, self.served, bytes(payload), self.peer_wait_ms))
                 elif ftype == F_READ:
-                    assert not isinstance(payload, int)
                     self._serve_read(req, payload)
                 elif ftype == F_LEASE_READ:
-                    assert not isinstance(payload, int)
-                    self._send_raw(serve_small_read(self.owner, self._grant_small, req, payload))
+                    self._send_raw(serve_small_read(self.owner, self._grant_small, req,
+                                                    bytes(payload)))
                 elif ftype in (_J_REPLY, _J_SEND):
-                    assert not isinstance(payload, int)
                     self._send_raw(payload)
                 elif ftype == _J_FLUSH:
                     self._send_raw(b"")
-                elif ftype == F_DONE:
-                    assert isinstance(payload, int)
-                    self._send(F_DONE, req, struct.pack("<I", payload))
                 elif ftype == F_PING:
                     self._send(F_PONG, req, b"")
                 elif ftype == _J_CLOSE:
@@ -392,8 +359,8 @@ class Channel:
                             self.sock.shutdown(socket.SHUT_WR)
                     finally:
                         self._closed_wr.set()
-                    return  # the reader drains until the peer closes too
-        except OSError as exc:  # the connection ends; the owner's leases are dropped by the reader
+                    return  # the receiver drains until the peer closes too
+        except OSError as exc:  # the connection ends; the owner's leases are dropped on its end
             logger.debug("kvdd fabric %s: send failed: %s", self.label, exc)
             self.kill()
         except Exception:  # a bug: log it; the connection ends (transfers get LLM_TIMEOUT)
@@ -410,13 +377,13 @@ class Channel:
                 self.sock.sendall(data)
 
     def _flush_tail(self) -> None:
-        """Send the rest of a frame the reader began (call with send_lock held)."""
+        """Send the rest of a frame a leader began (call with send_lock held)."""
         tail, self._tail = self._tail, None
         if tail:
             self.sock.sendall(tail)
 
     def _answer(self, req: int, data: bytes) -> None:
-        """The reader's answer to a small request, never blocking: a non-blocking send when no
+        """A leader's answer to a small request, never blocking: a non-blocking send when no
         other thread is sending; what does not fit is the worker's (counted in the queue
         bounds, so a peer that does not read its answers loses its connection)."""
         if self.send_lock.acquire(blocking=False):
@@ -436,68 +403,10 @@ class Channel:
                 self.send_lock.release()
         self._enqueue(_J_REPLY, req, data)
 
-    def _serve_lease(self, payload: bytes | bytearray) -> bytes:
-        r = Reader(payload)
-        cache_id = r.u("Q")
-        r.end()
-        owner = self.owner
-        faults.on_serve(owner, "lease")  # serve=1 fault injections: a slow server
-        entry = self.served.get(cache_id)
-        if not owner.initialized or entry is None:  # finalized, or not visible over this link
-            return struct.pack("<IQ", NOT_EXIST, 0)
-        with self._lock:
-            if len(self._leases) >= MAX_LEASES:
-                return struct.pack("<IQ", Status.LLM_FAILED, 0)
-        if not entry.acquire():  # unregistered (§10 rule 2)
-            return struct.pack("<IQ", NOT_EXIST, 0)
-        lease = Lease(next(self._lease_ids), entry, self)
-        with self._lock:
-            if self.dead.is_set():
-                lease.drop()
-                return struct.pack("<IQ", TIMEOUT, 0)
-            self._leases[lease.lease_id] = lease
-        ms = min(self.peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
-        lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
-        revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
-        if not entry.add_drain(revoke):  # unregistered meanwhile
-            revoke()
-        else:
-            with lease.lock:
-                keep = not lease.dropped
-                if keep:
-                    lease.unwatch = functools.partial(entry.remove_drain, revoke)
-            if not keep:  # dropped meanwhile (released, expired, connection died)
-                entry.remove_drain(revoke)
-        return struct.pack("<IQ", S_OK, lease.lease_id)
-
     def _serve_read(self, req: int, payload: bytes | bytearray) -> None:
-        lease_id, tensors, off, length = decode_request(payload)
-        status, lease = self._check_runs(lease_id, tensors, off, length)
-        if lease is None:
-            self._send(F_DONE, req, struct.pack("<I", status))
-            return
-        try:
-            plan = RunPlan(lease.entry.regions, tensors, off, length)
-            faults.on_serve(self.owner, "read", plan.total)
-            with self.send_lock:
-                self._flush_tail()
-                plan.send(self.sock, req)
-                self.sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
-        finally:
-            lease.unuse()
-
-    def _grant_small(self, cache_id: int) -> tuple[int, ServedCache | None]:
-        """The lease checks of a LEASE_READ / LEASE_WRITE, in the order and with the statuses of
-        a LEASE: ``(S_OK, entry)`` with the entry acquired (release it after the copy)."""
-        entry = self.served.get(cache_id)
-        if not self.owner.initialized or entry is None:  # finalized, or not visible here
-            return NOT_EXIST, None
-        with self._lock:
-            if len(self._leases) >= MAX_LEASES:
-                return Status.LLM_FAILED, None
-        if not entry.acquire():  # unregistered (§10 rule 2)
-            return NOT_EXIST, None
-        return S_OK, entry
+        with self.send_lock:
+            self._flush_tail()
+            serve_read(self.leases, self.owner, self.sock, req, payload)
 
     # -- requests of this end -----------------------------------------------------------------------
     def send_oneway(self, ftype: int, payload: bytes) -> None:
@@ -511,23 +420,26 @@ class Channel:
                 self._jobs.append((_J_SEND, 0, frame(ftype, 0, payload)))
                 self._jobs_cv.notify()
 
-    def request(self, ftype: int, payload: bytes, deadline: float,
-                cursor: Cursor | None = None, data: Layout | None = None) -> bytes | None:
-        """Send a request (and WRITE data) and wait for its reply until ``deadline``.
+    def request(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None = None,
+                data: Layout | None = None) -> bytes | None:
+        """Send a request (and WRITE data) and wait for its reply until ``deadline``, reading
+        the socket itself when no other thread does (see the module docstring).
 
         None when the peer did not answer in time (the connection is then closed: the link is
         broken) or the connection died."""
         if self.dead.is_set():
             return None
-        req = next(self._req_ids) & 0xFFFFFFFF
-        p = Pending(req, cursor)
         with self._lock:
+            self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
+            p = Pending(req, deadline, sink)
             self._pending[req] = p
+            self._active += 1
+        self._guard.arm(deadline)
         try:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.send_lock.acquire(timeout=left):
-                return None
-            guard = WATCHDOG.schedule(deadline - time.monotonic(), self.kill)
+            if not self.send_lock.acquire(False):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.send_lock.acquire(timeout=left):
+                    return None
             try:
                 self._flush_tail()
                 self.sock.sendall(frame(ftype, req, payload))
@@ -537,19 +449,53 @@ class Channel:
                 self.kill()
                 return None
             finally:
-                WATCHDOG.cancel(guard)
                 self.send_lock.release()
-            if not p.event.wait(max(deadline - time.monotonic(), 0.0)):
-                self.kill()  # silent peer: the link is broken; stop the reader touching our memory
-                with p.lock:
+            if not self._await(p, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            if p.sink is not None or p.failed or not p.done:
+                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
                     p.cancelled = True
-                return None
-            if p.failed:
-                with p.lock:
-                    p.cancelled = True
+            if p.failed or not p.done:
                 return None
             return p.reply
         finally:
             with self._lock:
                 self._pending.pop(req, None)
+                self._active -= 1
+                self._last_active = time.monotonic()
 
+    def _waiting(self) -> list[float]:
+        """The deadlines of the requests still waiting (for the guard)."""
+        with self._lock:
+            return [p.deadline for p in self._pending.values() if not p.done]
+
+    def _await(self, p: Pending, deadline: float) -> bool:
+        """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
+        deadline passed first."""
+        if not self._running.is_set():  # an acceptor's handle used before its handshake ended
+            self._running.wait(max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            while not p.done:
+                if self._leader is None:
+                    self._leader = p
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._waiters += 1
+                try:
+                    self._rx_cv.wait(left)
+                finally:
+                    self._waiters -= 1
+            else:
+                return True
+        try:
+            while not p.done:
+                self._frame()
+        except BaseException as exc:
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._unlead()
+        return True

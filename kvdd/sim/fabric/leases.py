@@ -8,14 +8,26 @@ owner unregisters the cache while no copy runs under it (revocation).
 
 from __future__ import annotations
 
+import functools
+import itertools
+import struct
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from .protocol import ServedCache
-from .watchdog import WATCHDOG, Timer
+import numpy as np
 
-__all__ = ["Lease", "LeaseHolder", "REVOKE_GRACE_S"]
+from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
+from .. import faults
+from .protocol import LinkOwner, ServedCache
+from .serving import check_request
+from .watchdog import WATCHDOG, Timer
+from .wire import LEASE_GRACE_MS, MAX_LEASE_MS, MAX_LEASES, Reader
+
+__all__ = ["Lease", "LeaseHolder", "LeaseTable", "REVOKE_GRACE_S", "MAX_REVOKED"]
+
+MAX_REVOKED = 256  # revoked lease ids remembered per connection
 
 #: How long an unregistered cache's idle leases live on (a copy that starts in time completes).
 REVOKE_GRACE_S = 1.0
@@ -98,3 +110,95 @@ class Lease:
         self.drop()
         if busy:  # a server thread is still moving bytes: stop it, the memory may go away now
             self.chan.kill()
+
+
+class LeaseTable:
+    """The leases one connection's peer holds on the owner's caches (LEASE, READ / WRITE checks,
+    the lease checks of a small request), bounded by MAX_LEASES."""
+
+    def __init__(self, holder: LeaseHolder) -> None:
+        self._holder = holder
+        self._lock = threading.Lock()
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._revoked: set[int] = set()  # lease ids revoked by an unregister (answered NOT_EXIST)
+        self._revoked_order: deque[int] = deque()
+        self._closed = False
+
+    def forget(self, lease_id: int, revoked: bool = False) -> Lease | None:
+        with self._lock:
+            if revoked and lease_id in self._leases:
+                self._revoked.add(lease_id)
+                self._revoked_order.append(lease_id)
+                if len(self._revoked_order) > MAX_REVOKED:
+                    self._revoked.discard(self._revoked_order.popleft())
+            return self._leases.pop(lease_id, None)
+
+    def take_all(self, close: bool = False) -> list[Lease]:
+        """Every lease, forgotten (to drop); ``close``: the connection died, grant no more."""
+        with self._lock:
+            self._closed = self._closed or close
+            leases = list(self._leases.values())
+            self._leases.clear()
+        return leases
+
+    def grant(self, owner: LinkOwner, served: Mapping[int, ServedCache], payload: bytes,
+              peer_wait_ms: int) -> bytes:
+        """A LEASE request's answer (status, lease id)."""
+        r = Reader(payload)
+        cache_id = r.u("Q")
+        r.end()
+        faults.on_serve(owner, "lease")  # serve=1 fault injections: a slow server
+        status, entry = self.grant_small(owner, served, cache_id)
+        if entry is None:
+            return struct.pack("<IQ", status, 0)
+        lease = Lease(next(self._ids), entry, self._holder)
+        with self._lock:
+            if self._closed:
+                lease.drop()
+                return struct.pack("<IQ", TIMEOUT, 0)
+            self._leases[lease.lease_id] = lease
+        ms = min(peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
+        lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
+        revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
+        if not entry.add_drain(revoke):  # unregistered meanwhile
+            revoke()
+        else:
+            with lease.lock:
+                keep = not lease.dropped
+                if keep:
+                    lease.unwatch = functools.partial(entry.remove_drain, revoke)
+            if not keep:  # dropped meanwhile (released, expired, connection died)
+                entry.remove_drain(revoke)
+        return struct.pack("<IQ", S_OK, lease.lease_id)
+
+    def grant_small(self, owner: LinkOwner, served: Mapping[int, ServedCache],
+                    cache_id: int) -> tuple[int, ServedCache | None]:
+        """The lease checks, in the order and with the statuses of a LEASE: ``(S_OK, entry)``
+        with the entry acquired (release it after the copy)."""
+        entry = served.get(cache_id)
+        if not owner.initialized or entry is None:  # finalized, or not visible over this link
+            return NOT_EXIST, None
+        if len(self._leases) >= MAX_LEASES:
+            return Status.LLM_FAILED, None
+        if not entry.acquire():  # unregistered (§10 rule 2)
+            return NOT_EXIST, None
+        return S_OK, entry
+
+    def check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
+                   length: np.ndarray) -> tuple[int, Lease | None]:
+        """The checks of a READ/WRITE: a live lease of this connection on a visible, registered
+        cache, tensors and byte ranges inside it (kvdd rule 1), within MAX_RUNS."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            revoked = lease_id in self._revoked
+        if lease is None or not lease.use():
+            # revoked: the owner unregistered the cache while the lease sat unused (§10 rule 5);
+            # otherwise only an expired (or forged) lease gets here
+            return (NOT_EXIST if revoked else TIMEOUT), None
+        entry = lease.entry
+        status = check_request(entry.n, entry.T, tensors, off, length)
+        if status != S_OK:
+            lease.unuse()
+            return status, None
+        return S_OK, lease

@@ -20,6 +20,7 @@ from ..memory import Region, copy_runs
 from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
+from .small import SmallSink, encode_small, is_small
 from .streams import Cursor, Layout
 from .wire import (F_LEASE, F_LEASE_READ, F_LEASE_WRITE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS,
                    SMALL_BYTES, SMALL_MAX_RUNS, encode_request)
@@ -209,8 +210,7 @@ class RemotePeer:
                             length: np.ndarray) -> int:
         """Take the owner's lease now (LEASE) unless the transfer is small enough for one
         LEASE_READ / LEASE_WRITE (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs)."""
-        if lease.lease_id or (len(tensors) * len(length) <= SMALL_MAX_RUNS
-                              and int(length.sum()) * len(tensors) <= SMALL_BYTES):
+        if lease.lease_id or is_small(len(tensors), length.tolist()):
             return S_OK
         if self._chan.dead.is_set():
             return TIMEOUT
@@ -227,23 +227,55 @@ class RemotePeer:
         chan = self._chan
         if chan.dead.is_set():
             return TIMEOUT
-        small = lease.lease_id == 0
         if len(tensors) * len(length) > MAX_RUNS:
             return PARAM_INVALID
         if lease.deadline <= time.monotonic():
             return TIMEOUT
+        if lease.lease_id == 0:
+            return self._move_small(lease, tensors, local, local_off, remote_off,
+                                    length.tolist(), write)
         layout = Layout(local, local_off, length)
-        payload = encode_request(lease.rc.cache_id if small else lease.lease_id, tensors,
-                                 remote_off, length)
+        payload = encode_request(lease.lease_id, tensors, remote_off, length)
         cursor: Cursor | None = None
         if write:
             layout.gather()
-            reply = chan.request(F_LEASE_WRITE if small else F_WRITE, payload, lease.deadline,
-                                 data=layout)
+            reply = chan.request(F_WRITE, payload, lease.deadline, data=layout)
         else:
             cursor = Cursor(layout)
-            reply = chan.request(F_LEASE_READ if small else F_READ, payload, lease.deadline,
-                                 cursor=cursor)
+            reply = chan.request(F_READ, payload, lease.deadline, sink=cursor)
+        status = self._status(reply, False)
+        if status == S_OK and cursor is not None:
+            if cursor.left:  # the peer claimed success without sending every byte
+                chan.kill()
+                return TIMEOUT
+            layout.scatter()
+        return status
+
+    def _move_small(self, lease: ClientLease, tensors: Sequence[int], local: Sequence[Region],
+                    local_off: np.ndarray, remote_off: np.ndarray, lengths: list[int],
+                    write: bool) -> int:
+        """One LEASE_READ / LEASE_WRITE round trip: the bytes are staged (a READ's reach the
+        caller's memory only after the owner's DONE said LLM_SUCCESS)."""
+        chan = self._chan
+        payload = encode_small(lease.rc.cache_id, [int(t) for t in tensors], remote_off.tolist(),
+                               lengths)
+        if write:
+            layout = Layout(local, local_off, np.asarray(lengths, dtype=np.int64))
+            layout.gather()
+            return self._status(chan.request(F_LEASE_WRITE, payload, lease.deadline, data=layout),
+                                True)
+        sink = SmallSink(local, local_off.tolist(), lengths)
+        status = self._status(chan.request(F_LEASE_READ, payload, lease.deadline, sink=sink), True)
+        if status == S_OK:
+            if sink.left:  # the peer claimed success without sending every byte
+                chan.kill()
+                return TIMEOUT
+            sink.scatter()
+        return status
+
+    def _status(self, reply: bytes | None, small: bool) -> int:
+        """The status of a READ / WRITE (DONE's payload); TIMEOUT (the link broken) for none."""
+        chan = self._chan
         if reply is None:
             return NOT_EXIST if small and chan.peer_finalized else TIMEOUT
         try:
@@ -251,11 +283,6 @@ class RemotePeer:
         except struct.error:
             chan.kill()
             return TIMEOUT
-        if status == S_OK and cursor is not None:
-            if cursor.left:  # the peer claimed success without sending every byte
-                chan.kill()
-                return TIMEOUT
-            layout.scatter()
         return int(status)
 
     def close(self) -> None:

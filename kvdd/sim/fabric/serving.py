@@ -13,21 +13,27 @@ K x (pieces per tensor), whatever the peer asks.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator, Sequence
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from ...status import Status
+from ...status import S_OK, Status
+from .. import faults
 from ..memory import Region, copy_runs
+from .protocol import LinkOwner, ServedCache
+from .rx import Rx
 from .streams import region_view, sendmsg_all
-from .wire import (F_DATA, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
-                   STAGE_RUN_BYTES, ProtocolError, recv_into)
+from .wire import (F_DATA, F_DONE, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
+                   STAGE_RUN_BYTES, ProtocolError, decode_request, frame)
 
-__all__ = ["check_request", "RunPlan", "SMALL_RUNS"]
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_write", "MAX_DISCARD"]
+
+MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 
 SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
 #                   as one DATA frame gathered from the tensors (zero-copy, one system call)
-HeaderReader = Callable[[socket.socket], tuple[int, int, int]]
 
 
 def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: np.ndarray,
@@ -141,7 +147,7 @@ class RunPlan:
                     sendmsg_all(sock, [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req,
                                                            len(part))), part])
 
-    def receive(self, sock: socket.socket, req: int, read_header: HeaderReader) -> None:
+    def receive(self, rx: Rx, req: int) -> None:
         """The stream from the peer's DATA frames (any sizes) into the tensors."""
         left = 0  # bytes of the current DATA frame not yet received
         self._plan()
@@ -151,11 +157,11 @@ class RunPlan:
                 pos = 0
                 while pos < len(view):
                     if left == 0:
-                        ftype, freq, left = read_header(sock)
+                        ftype, freq, left = rx.header()
                         if ftype != F_DATA or freq != req:
                             raise ProtocolError("WRITE data expected")
                     take = min(left, len(view) - pos)
-                    recv_into(sock, view[pos:pos + take])
+                    rx.into(view[pos:pos + take])
                     pos += take
                     left -= take
                 if staged:
@@ -163,3 +169,68 @@ class RunPlan:
         if left:
             raise ProtocolError("more DATA than the WRITE holds")
 
+
+
+class RunChecker(Protocol):
+    """The lease checks of a READ / WRITE (:class:`~.leases.LeaseTable`)."""
+
+    def check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
+                   length: np.ndarray) -> tuple[int, UsedLease | None]: ...
+
+
+class UsedLease(Protocol):
+    """A lease in use by one server thread (:class:`~.leases.Lease`)."""
+
+    @property
+    def entry(self) -> ServedCache: ...
+
+    def unuse(self) -> None: ...
+
+
+def serve_write(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int, payload: bytes) -> int:
+    """A WRITE and its DATA frames, received straight into the owner's cache; the status for
+    its DONE.
+
+    A WRITE refused for its lease (revoked, expired) has its DATA discarded and is answered with
+    the status; one refused for its runs or size ends the connection (ProtocolError: a correct
+    peer never sends one, its engine ran the same checks)."""
+    lease_id, tensors, off, length = decode_request(payload)
+    status, lease = leases.check_runs(lease_id, tensors, off, length)
+    if lease is None:
+        if status == Status.LLM_PARAM_INVALID or (length < 0).any():
+            raise ProtocolError(f"refused WRITE (status {status:#x})")
+        total = int(length.sum()) * len(tensors)
+        if total > MAX_DISCARD:
+            raise ProtocolError("refused WRITE of too many bytes")
+        while total > 0:  # the peer sends the data anyway: read it into nothing
+            ftype, freq, n = rx.header()
+            if ftype != F_DATA or freq != req or n > total:
+                raise ProtocolError("WRITE data expected")
+            rx.discard(n)
+            total -= n
+        return status
+    try:
+        plan = RunPlan(lease.entry.regions, tensors, off, length)
+        faults.on_serve(owner, "write", plan.total)
+        plan.receive(rx, req)
+    finally:
+        lease.unuse()
+    return status
+
+
+def serve_read(leases: RunChecker, owner: LinkOwner, sock: socket.socket, req: int,
+               payload: bytes | bytearray) -> None:
+    """A READ: its DATA frames and DONE, or DONE with the refusal (call with the connection's
+    send lock held)."""
+    lease_id, tensors, off, length = decode_request(payload)
+    status, lease = leases.check_runs(lease_id, tensors, off, length)
+    if lease is None:
+        sock.sendall(frame(F_DONE, req, struct.pack("<I", status)))
+        return
+    try:
+        plan = RunPlan(lease.entry.regions, tensors, off, length)
+        faults.on_serve(owner, "read", plan.total)
+        plan.send(sock, req)
+        sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
+    finally:
+        lease.unuse()

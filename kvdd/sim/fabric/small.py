@@ -1,131 +1,215 @@
-"""Small transfers in one request: the owner's side of LEASE_READ / LEASE_WRITE (SEMANTICS.md
-§10 rules 1, 2, 5).
+"""Small transfers in one request: LEASE_READ / LEASE_WRITE (SEMANTICS.md §10 rules 1, 2, 5).
 
 A transfer of at most ``SMALL_BYTES`` in at most ``SMALL_MAX_RUNS`` tensors x runs names the cache
-instead of a lease; the connection's reader thread serves it inline with the checks and statuses
-of LEASE then READ / WRITE (``grant`` = the lease checks, which acquire the cache entry), and holds
-the cache only around the copy out of (into) it: that lease covers exactly this one transfer.  A
-LEASE_WRITE's bytes are staged first, so a peer that stalls its DATA holds no cache.
+instead of a lease.  The owner serves it on the connection's receiving thread with the checks and
+statuses of LEASE then READ / WRITE (``grant`` = the lease checks, which acquire the cache entry),
+and holds the cache only around the copy out of (into) it: that lease covers exactly this one
+transfer.  A LEASE_WRITE's bytes are staged first, so a peer that stalls its DATA holds no cache.
+
+The requests are parsed into plain integers (a few runs: no arrays), every run is checked against
+the cache's tensor size *and* the registered region before the first byte is copied, and the bytes
+move by ``ctypes`` copies of exactly the checked ranges.  :class:`SmallSink` is the reader's side:
+the answer's DATA lands in a staging buffer and reaches the caller's memory only once DONE says
+LLM_SUCCESS (a caller that gave up never has its memory written).
 """
 
 from __future__ import annotations
 
-import socket
+import ctypes
 import struct
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
-from ...status import S_OK
+from ...status import PARAM_INVALID, S_OK
 from .. import faults
 from ..memory import Region
 from .protocol import LinkOwner, ServedCache
-from .serving import HeaderReader, check_request
-from .streams import region_view
-from .wire import (F_DATA, F_DONE, HDR, MAGIC, PROTOCOL_VERSION, SMALL_BYTES, SMALL_MAX_RUNS,
-                   ProtocolError, decode_request, frame, read_header, recv_into)
+from .rx import Rx
+from .wire import (F_DATA, F_DONE, HDR, MAGIC, PROTOCOL_VERSION, REQ, SMALL_BYTES, SMALL_MAX_RUNS,
+                   ProtocolError)
 
-__all__ = ["Grant", "serve_small_read", "serve_small_write", "small_total", "gather_small",
-           "receive_small", "scatter_small"]
+__all__ = ["Grant", "SmallRequest", "decode_small", "encode_small", "serve_small_read",
+           "serve_small_write", "SmallSink", "is_small"]
 
 #: The lease checks of a small request: ``(status, entry)``, the entry acquired when S_OK.
 Grant = Callable[[int], tuple[int, ServedCache | None]]
+_DONE = struct.Struct("<2sBBIII")  # a DONE frame: header + status
+_string_at = ctypes.string_at
+_memmove = ctypes.memmove
+_RUNS: dict[tuple[int, int], struct.Struct] = {}  # the layouts seen, 0 < k x j <= SMALL_MAX_RUNS
 
 
-def serve_small_read(owner: LinkOwner, grant: Grant, req: int,
-                     payload: bytes | bytearray) -> bytes:
-    """A LEASE_READ: the checks of LEASE and READ, then its DATA and DONE in one buffer
-    copied out while the cache is held (the lease covers exactly this copy)."""
-    cache_id, tensors, off, length = decode_request(payload)
-    total = small_total(tensors, length)
+def _runs(k: int, j: int) -> struct.Struct:
+    """The layout of k tensors and j runs (kept when 0 < k x j <= SMALL_MAX_RUNS: bounded)."""
+    layout = _RUNS.get((k, j))
+    if layout is None:
+        layout = struct.Struct(f"<{k}I{j}q{j}q")
+        if 0 < k * j <= SMALL_MAX_RUNS:
+            _RUNS[(k, j)] = layout
+    return layout
+
+
+def is_small(n_tensors: int, length: Sequence[int]) -> bool:
+    """Whether a transfer goes as one LEASE_READ / LEASE_WRITE."""
+    return (n_tensors * len(length) <= SMALL_MAX_RUNS
+            and sum(n for n in length if n > 0) * n_tensors <= SMALL_BYTES)
+
+
+def encode_small(cache_id: int, tensors: Sequence[int], off: Sequence[int],
+                 length: Sequence[int]) -> bytes:
+    """A LEASE_READ / LEASE_WRITE payload (the layout of :func:`~.wire.encode_request`)."""
+    k, j = len(tensors), len(length)
+    if k * j > SMALL_MAX_RUNS:
+        raise ValueError(f"not a small transfer: {k} x {j} runs")
+    return REQ.pack(cache_id, k, j) + _runs(k, j).pack(*tensors, *off, *length)
+
+
+class SmallRequest:
+    """A parsed small request: the cache, its tensors, runs and total bytes."""
+
+    __slots__ = ("cache_id", "tensors", "off", "length", "total")
+
+    def __init__(self, cache_id: int, tensors: tuple[int, ...], off: tuple[int, ...],
+                 length: tuple[int, ...], total: int) -> None:
+        self.cache_id = cache_id
+        self.tensors = tensors
+        self.off = off
+        self.length = length
+        self.total = total
+
+    def check(self, entry: ServedCache) -> int:
+        """LLM_SUCCESS when every tensor exists and every run lies inside the tensor's size and
+        its registered region (kvdd rule 1); LLM_PARAM_INVALID otherwise (nothing moves then)."""
+        regions = entry.regions
+        if self.tensors and max(self.tensors) >= min(entry.n, len(regions)):
+            return PARAM_INVALID
+        t = entry.T
+        for k in set(self.tensors):
+            t = min(t, regions[k].nbytes)
+        for o, n in zip(self.off, self.length):
+            if o < 0 or n < 0 or n > t or o > t - n:
+                return PARAM_INVALID
+        return S_OK
+
+
+def decode_small(payload: bytes) -> SmallRequest:
+    """A LEASE_READ / LEASE_WRITE payload; ProtocolError when malformed, beyond SMALL_MAX_RUNS
+    tensors x runs or SMALL_BYTES (a correct peer sends those as LEASE + READ / WRITE)."""
+    if len(payload) < REQ.size:
+        raise ProtocolError("truncated payload")
+    cache_id, k, j = REQ.unpack_from(payload)
+    if len(payload) != REQ.size + 4 * k + 16 * j:
+        raise ProtocolError("truncated payload" if len(payload) < REQ.size + 4 * k + 16 * j
+                            else "trailing bytes in payload")
+    if k * j > SMALL_MAX_RUNS:
+        raise ProtocolError(f"a small request of {k} x {j} runs")
+    values = _runs(k, j).unpack_from(payload, REQ.size)
+    length = values[k + j:]
+    total = sum(n for n in length if n > 0) * k
+    if total > SMALL_BYTES:
+        raise ProtocolError(f"a small request of {total} bytes")
+    return SmallRequest(cache_id, values[:k], values[k:k + j], length, total)
+
+
+def _done(req: int, status: int) -> bytes:
+    return _DONE.pack(MAGIC, PROTOCOL_VERSION, F_DONE, req, 4, status)
+
+
+def serve_small_read(owner: LinkOwner, grant: Grant, req: int, payload: bytes) -> bytes:
+    """A LEASE_READ: the checks of LEASE and READ, then its DATA and DONE in one buffer copied
+    out while the cache is held (the lease covers exactly this copy)."""
+    r = decode_small(payload)
     faults.on_serve(owner, "lease")
-    status, entry = grant(cache_id)
+    status, entry = grant(r.cache_id)
     if entry is None:
-        return frame(F_DONE, req, struct.pack("<I", status))
+        return _done(req, status)
     try:
-        status = check_request(entry.n, entry.T, tensors, off, length)
+        status = r.check(entry)
         if status != S_OK:
-            return frame(F_DONE, req, struct.pack("<I", status))
-        faults.on_serve(owner, "read", total)
-        return gather_small(entry.regions, tensors, off, length, total, req,
-                            frame(F_DONE, req, struct.pack("<I", S_OK)))
+            return _done(req, status)
+        faults.on_serve(owner, "read", r.total)
+        if not r.total:
+            return _done(req, S_OK)
+        parts = [HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, r.total)]
+        pairs = [(o, n) for o, n in zip(r.off, r.length) if n]
+        regions = entry.regions
+        for k in r.tensors:
+            base = regions[k].addr
+            parts.extend([_string_at(base + o, n) for o, n in pairs])
+        parts.append(_done(req, S_OK))
+        return b"".join(parts)
     finally:
         entry.release()
 
 
-def serve_small_write(owner: LinkOwner, grant: Grant, sock: socket.socket, req: int,
-                      payload: bytes | bytearray) -> bytes:
-    """A LEASE_WRITE and its DATA (staged first, so a stalled peer holds no cache): the
-    checks of LEASE and WRITE, the copy into the cache while it is held; the DONE frame.
-    Runs outside the cache end the connection, as for a WRITE."""
-    cache_id, tensors, off, length = decode_request(payload)
-    total = small_total(tensors, length)
-    if np.any(length < 0):
+def serve_small_write(owner: LinkOwner, grant: Grant, rx: Rx, req: int, payload: bytes) -> bytes:
+    """A LEASE_WRITE and its DATA (staged first, so a stalled peer holds no cache): the checks
+    of LEASE and WRITE, the copy into the cache while it is held; the DONE frame.  Runs outside
+    the cache end the connection, as for a WRITE."""
+    r = decode_small(payload)
+    if any(n < 0 for n in r.length):
         raise ProtocolError("refused LEASE_WRITE (negative length)")
-    stage = receive_small(sock, req, total, read_header)
-    faults.on_serve(owner, "lease")
-    status, entry = grant(cache_id)
-    if entry is not None:
-        try:
-            status = check_request(entry.n, entry.T, tensors, off, length)
-            if status != S_OK:
-                raise ProtocolError(f"refused LEASE_WRITE (status {status:#x})")
-            faults.on_serve(owner, "write", total)
-            scatter_small(entry.regions, tensors, off, length, stage)
-        finally:
-            entry.release()
-    return frame(F_DONE, req, struct.pack("<I", status))
-
-
-def small_total(tensors: np.ndarray, length: np.ndarray) -> int:
-    """The bytes of a LEASE_READ / LEASE_WRITE; ProtocolError beyond SMALL_MAX_RUNS tensors x runs
-    or SMALL_BYTES (a correct peer sends those as LEASE + READ / WRITE instead)."""
-    if len(tensors) * len(length) > SMALL_MAX_RUNS:
-        raise ProtocolError(f"a small request of {len(tensors)} x {len(length)} runs")
-    total = sum(n for n in length.tolist() if n > 0) * len(tensors)
-    if total > SMALL_BYTES:
-        raise ProtocolError(f"a small request of {total} bytes")
-    return int(total)
-
-
-def gather_small(regions: Sequence[Region], tensors: np.ndarray, off: np.ndarray,
-                 length: np.ndarray, total: int, req: int, tail: bytes) -> bytes:
-    """A checked small READ's answer in one buffer: its DATA frame (none for 0 bytes), then
-    ``tail`` (the DONE frame).  Copies out of the cache: the caller holds the lease meanwhile."""
-    parts: list[bytes | memoryview] = []
-    if total:
-        parts.append(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, total))
-        pairs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
-        for k in tensors.tolist():
-            mv = region_view(regions[k])
-            parts.extend(mv[o:o + n] for o, n in pairs)
-    parts.append(tail)
-    return b"".join(parts)
-
-
-def receive_small(sock: socket.socket, req: int, total: int,
-                  read_header: HeaderReader) -> bytearray:
-    """A small WRITE's DATA frames (exactly ``total`` bytes) into a staging buffer."""
-    stage = bytearray(total)
+    stage = bytearray(r.total)
     mv = memoryview(stage)
     pos = 0
-    while pos < total:
-        ftype, freq, n = read_header(sock)
-        if ftype != F_DATA or freq != req or n > total - pos:
+    while pos < r.total:
+        ftype, freq, n = rx.header()
+        if ftype != F_DATA or freq != req or n > r.total - pos:
             raise ProtocolError("WRITE data expected")
-        recv_into(sock, mv[pos:pos + n])
+        rx.into(mv[pos:pos + n])
         pos += n
-    return stage
+    faults.on_serve(owner, "lease")
+    status, entry = grant(r.cache_id)
+    if entry is not None:
+        try:
+            status = r.check(entry)
+            if status != S_OK:
+                raise ProtocolError(f"refused LEASE_WRITE (status {status:#x})")
+            faults.on_serve(owner, "write", r.total)
+            data = bytes(stage)
+            pos = 0
+            regions = entry.regions
+            for k in r.tensors:
+                base = regions[k].addr
+                for o, n in zip(r.off, r.length):
+                    if n:
+                        _memmove(base + o, data[pos:pos + n], n)
+                        pos += n
+        finally:
+            entry.release()
+    return _done(req, status)
 
 
-def scatter_small(regions: Sequence[Region], tensors: np.ndarray, off: np.ndarray,
-                  length: np.ndarray, stage: bytearray) -> None:
-    """A checked small WRITE's staged bytes into the cache (the caller holds the lease)."""
-    src = memoryview(stage)
-    pairs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
-    pos = 0
-    for k in tensors.tolist():
-        mv = region_view(regions[k])
-        for o, n in pairs:
-            mv[o:o + n] = src[pos:pos + n]
-            pos += n
+class SmallSink:
+    """Where a small READ's answer lands: DATA staged (``recv``), then copied into the caller's
+    runs (``scatter``) only after DONE said LLM_SUCCESS."""
+
+    __slots__ = ("regions", "off", "length", "stage", "left")
+
+    def __init__(self, regions: Sequence[Region], off: Sequence[int],
+                 length: Sequence[int]) -> None:
+        self.regions = regions
+        self.off = off
+        self.length = length
+        total = sum(length) * len(regions)
+        self.stage = ctypes.create_string_buffer(total)
+        self.left = total
+        for region in regions:  # the caller's own checked runs; kept honest here too
+            for o, n in zip(off, length):
+                if o < 0 or n < 0 or o + n > region.nbytes:
+                    raise ValueError("run outside its region")
+
+    def recv(self, rx: Rx, n: int) -> None:
+        if n > self.left:
+            raise ProtocolError("more DATA than the transfer holds")
+        pos = len(self.stage) - self.left
+        rx.into(memoryview(self.stage).cast("B")[pos:pos + n])
+        self.left -= n
+
+    def scatter(self) -> None:
+        src = ctypes.addressof(self.stage)
+        for region in self.regions:
+            base = region.addr
+            for o, n in zip(self.off, self.length):
+                if n:
+                    _memmove(base + o, src, n)
+                    src += n

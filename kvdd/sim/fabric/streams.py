@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..memory import Region, copy_runs
-from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError, recv_into
+from .rx import Rx
+from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
 __all__ = ["region_view", "Layout", "Cursor", "sendmsg_all", "send_stream"]
 
@@ -76,14 +77,14 @@ class Cursor:
         self.pos = 0
         self.left = layout.total
 
-    def recv(self, sock: socket.socket, n: int) -> None:
+    def recv(self, rx: Rx, n: int) -> None:
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        self.left -= n
         while n > 0:
             v = self.views[self.i]
             take = min(n, len(v) - self.pos)
-            recv_into(sock, v[self.pos:self.pos + take])
+            rx.into(v[self.pos:self.pos + take])
+            self.left -= take  # counted once received (0 means every byte is in)
             self.pos += take
             n -= take
             if self.pos == len(v):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Timer", "Watchdog", "WATCHDOG"]
+__all__ = ["Timer", "Watchdog", "WATCHDOG", "DeadlineGuard"]
 
 class Timer:
     __slots__ = ("deadline", "seq", "fn", "alive")
@@ -34,10 +34,17 @@ class Watchdog:
         self._heap: list[Timer] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._cancelled = 0  # timers cancelled since the heap was last compacted (approximate)
 
     def schedule(self, delay_s: float, fn: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(delay_s, 0.0), next(self._seq), fn)
         with self._cv:
+            if self._cancelled > 1024 and 2 * self._cancelled > len(self._heap):
+                # most timers are cancelled long before their deadline: drop them now rather
+                # than when they reach the top (memory, and the collector's work)
+                self._heap = [t for t in self._heap if t.alive]
+                heapq.heapify(self._heap)
+                self._cancelled = 0
             heapq.heappush(self._heap, timer)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvdd-sim-watchdog",
@@ -47,16 +54,17 @@ class Watchdog:
                 self._cv.notify()       # request: most timers are cancelled long before)
         return timer
 
-    @staticmethod
-    def cancel(timer: Timer | None) -> None:
-        if timer is not None:
+    def cancel(self, timer: Timer | None) -> None:
+        if timer is not None and timer.alive:
             timer.alive = False
+            self._cancelled += 1
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while self._heap and not self._heap[0].alive:
                     heapq.heappop(self._heap)
+                    self._cancelled = max(0, self._cancelled - 1)
                 if not self._heap:
                     self._cv.wait(5.0)
                     continue
@@ -76,3 +84,35 @@ class Watchdog:
 WATCHDOG = Watchdog()
 
 
+
+
+class DeadlineGuard:
+    """One timer for the deadlines of many requests: ``on_late()`` runs when one of the
+    deadlines ``waiting()`` returns has passed.  A request that ends before the earliest armed
+    deadline costs no timer (sequential calls with similar deadlines arm one now and then)."""
+
+    def __init__(self, waiting: Callable[[], list[float]], on_late: Callable[[], None]) -> None:
+        self._waiting = waiting
+        self._on_late = on_late
+        self._lock = threading.Lock()
+        self._timer: Timer | None = None
+        self._at: float | None = None
+
+    def arm(self, deadline: float) -> None:
+        """Make sure a check runs no later than ``deadline``."""
+        with self._lock:
+            if self._at is not None and self._at <= deadline:
+                return
+            WATCHDOG.cancel(self._timer)
+            self._at = deadline
+            self._timer = WATCHDOG.schedule(deadline - time.monotonic(), self._fire)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._at = None
+        waiting = self._waiting()
+        now = time.monotonic()
+        if any(d <= now for d in waiting):
+            self._on_late()
+        elif waiting:
+            self.arm(min(waiting))
