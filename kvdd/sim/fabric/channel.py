@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 
 from ...status import S_OK, Status
 from .. import faults
+from ..faults import injections as _injections
 from .endpoints import add_endpoint, close_channels, close_endpoint, discard_endpoint, take_endpoint
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
@@ -239,7 +240,13 @@ class Channel:
                         self._bg_cv.wait(IDLE_S)
                     self._leader = _RECEIVER
                 try:
-                    self._frame()
+                    while True:
+                        self._frame()
+                        with self._lock:  # keep leading while it would take the lead again
+                            if (self._waiters or self.dead.is_set() or not (
+                                    self.rx.end > self.rx.pos or not self._active
+                                    and time.monotonic() - self._last_active >= IDLE_S)):
+                                break
                 finally:
                     self._unlead()
         except BaseException as exc:
@@ -261,7 +268,7 @@ class Channel:
                     if self._waiters and p is not self._leader:
                         self._rx_cv.notify_all()
         elif ftype == F_LEASE_READ:
-            if any(inj.serve for inj in faults.active()):  # a slow server: worker's job
+            if _injections.armed and any(inj.serve for inj in faults.active()):  # slow server
                 self._enqueue(ftype, req, payload)
             else:
                 self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))

@@ -129,6 +129,10 @@ def serve_small_read(owner: LinkOwner, grant: Grant, req: int, payload: bytes) -
         faults.on_serve(owner, "read", r.total)
         if not r.total:
             return _done(req, S_OK)
+        if len(r.tensors) == 1 and len(r.off) == 1:  # one run: DATA header, bytes, DONE
+            return b"".join((HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, r.total),
+                             _string_at(entry.regions[r.tensors[0]].addr + r.off[0], r.total),
+                             _DONE.pack(MAGIC, PROTOCOL_VERSION, F_DONE, req, 4, S_OK)))
         parts = [HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, r.total)]
         pairs = [(o, n) for o, n in zip(r.off, r.length) if n]
         regions = entry.regions
@@ -180,19 +184,19 @@ def serve_small_write(owner: LinkOwner, grant: Grant, rx: Rx, req: int, payload:
 
 
 class SmallSink:
-    """Where a small READ's answer lands: DATA staged (``recv``), then copied into the caller's
-    runs (``scatter``) only after DONE said LLM_SUCCESS."""
+    """Where a small READ's answer lands: DATA staged (``recv``: the payloads as bytes, at most
+    the transfer's total), then copied into the caller's runs (``scatter``) only after DONE said
+    LLM_SUCCESS.  No ctypes object per call: ``memmove`` takes the staged bytes as its source."""
 
-    __slots__ = ("regions", "off", "length", "stage", "left")
+    __slots__ = ("regions", "off", "length", "parts", "left")
 
     def __init__(self, regions: Sequence[Region], off: Sequence[int],
                  length: Sequence[int]) -> None:
         self.regions = regions
         self.off = off
         self.length = length
-        total = sum(length) * len(regions)
-        self.stage = ctypes.create_string_buffer(total)
-        self.left = total
+        self.parts: list[bytes] = []
+        self.left = sum(length) * len(regions)
         for region in regions:  # the caller's own checked runs; kept honest here too
             for o, n in zip(off, length):
                 if o < 0 or n < 0 or o + n > region.nbytes:
@@ -201,15 +205,21 @@ class SmallSink:
     def recv(self, rx: Rx, n: int) -> None:
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        pos = len(self.stage) - self.left
-        rx.into(memoryview(self.stage).cast("B")[pos:pos + n])
+        self.parts.append(rx.exact(n))  # n <= the total <= SMALL_BYTES: one buffered copy
         self.left -= n
 
     def scatter(self) -> None:
-        src = ctypes.addressof(self.stage)
+        parts = self.parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(self.regions) == 1 and len(self.length) == 1:  # one run: no slicing
+            n = self.length[0]
+            if n:
+                _memmove(self.regions[0].addr + self.off[0], data, n)
+            return
+        pos = 0
         for region in self.regions:
             base = region.addr
             for o, n in zip(self.off, self.length):
                 if n:
-                    _memmove(base + o, src, n)
-                    src += n
+                    _memmove(base + o, data[pos:pos + n], n)
+                    pos += n
