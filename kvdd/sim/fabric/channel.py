@@ -393,7 +393,7 @@ class Channel:
         """A leader's answer to a small request, never blocking: a non-blocking send when no
         other thread is sending; what does not fit is the worker's (counted in the queue
         bounds, so a peer that does not read its answers loses its connection)."""
-        if self.send_lock.acquire(blocking=False):
+        if self.send_lock.acquire(False):
             try:
                 if self._tail is None:
                     try:
@@ -441,7 +441,9 @@ class Channel:
             p = Pending(req, deadline, sink)
             self._pending[req] = p
             self._active += 1
-        self._guard.arm(deadline)
+        guard = self._guard
+        if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
+            guard.arm(deadline)
         try:
             if not self.send_lock.acquire(False):
                 left = deadline - time.monotonic()

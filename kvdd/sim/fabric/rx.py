@@ -14,7 +14,12 @@ from __future__ import annotations
 import socket
 from typing import Protocol
 
-from .wire import HDR, RECV_CHUNK, check_header
+from .wire import (HDR, MAGIC, MAX_LEN, PROTOCOL_VERSION, RECV_CHUNK, ProtocolError,
+                   check_header)
+
+_HSIZE = HDR.size
+_unpack_hdr = HDR.unpack_from
+_MAX_LEN = MAX_LEN
 
 __all__ = ["Rx", "RX_BUFFER", "Sink", "Pending", "Goodbye"]
 
@@ -57,12 +62,16 @@ class Rx:
 
     def header(self) -> tuple[int, int, int]:
         """The next frame's ``(type, request id, length)``, checked (:func:`~.wire.check_header`)."""
-        if self.end - self.pos < HDR.size:
-            self._fill(HDR.size)
+        if self.end - self.pos < _HSIZE:
+            self._fill(_HSIZE)
         pos = self.pos
-        out = check_header(self.mv[pos:pos + HDR.size])
-        self.pos = pos + HDR.size
-        return out
+        magic, version, ftype, req, length = _unpack_hdr(self.buf, pos)
+        limit = _MAX_LEN.get(ftype)
+        if magic != MAGIC or version != PROTOCOL_VERSION or limit is None or length > limit:
+            check_header(self.mv[pos:pos + _HSIZE])  # raises the precise error
+            raise ProtocolError("bad frame header")
+        self.pos = pos + _HSIZE
+        return ftype, req, length
 
     def exact(self, n: int) -> bytes:
         """The next ``n`` bytes (a payload of a checked length); memory grows with what arrives."""

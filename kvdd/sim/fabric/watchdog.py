@@ -98,6 +98,12 @@ class DeadlineGuard:
         self._timer: Timer | None = None
         self._at: float | None = None
 
+    @property
+    def armed_until(self) -> float | None:
+        """The deadline a check is armed for (None: none); a caller whose deadline is no
+        earlier may skip :meth:`arm` (it registered its deadline with ``waiting`` before)."""
+        return self._at
+
     def arm(self, deadline: float) -> None:
         """Make sure a check runs no later than ``deadline``."""
         with self._lock:
