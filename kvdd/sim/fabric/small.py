@@ -61,6 +61,8 @@ def encode_small(cache_id: int, tensors: Sequence[int], off: Sequence[int],
                  length: Sequence[int]) -> bytes:
     """A LEASE_READ / LEASE_WRITE payload (the layout of :func:`~.wire.encode_request`)."""
     k, j = len(tensors), len(length)
+    if k == 1 and j == 1:  # most small transfers: one struct, no layout lookup
+        return _ONE_RUN.pack(cache_id, 1, 1, tensors[0], off[0], length[0])
     if k * j > SMALL_MAX_RUNS:
         raise ValueError(f"not a small transfer: {k} x {j} runs")
     return REQ.pack(cache_id, k, j) + _runs(k, j).pack(*tensors, *off, *length)
