@@ -334,8 +334,12 @@ class PeerProcess:
         return ProcessNode(self, cluster_id, role)
 
     def signal(self, sig: int) -> None:
+        """Send `sig` to the child; for SIGSTOP, return only once every thread of it is stopped
+        (the group stop is asynchronous: a thread still running could answer one more request)."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
+            if sig == signal.SIGSTOP:
+                _wait_stopped(self.proc.pid)
 
     def kill(self) -> None:
         """SIGKILL the child (a peer dying mid-transfer) and reap it."""
@@ -547,3 +551,20 @@ def process_world(proc: PeerProcess) -> Iterator[harness.World]:
 
 if __name__ == "__main__":
     _child_main(int(sys.argv[1]))
+
+
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until every thread of `pid` is in the stopped state ('T' in /proc/PID/task/*/stat)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except (OSError, IndexError):  # a thread ended while we looked, or the process is gone
+            if not os.path.exists(f"/proc/{pid}"):
+                return
+            continue
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
