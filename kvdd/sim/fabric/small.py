@@ -166,10 +166,6 @@ def serve_small_read(owner: LinkOwner, grant: Grant, req: int, payload: bytes) -
         faults.on_serve(owner, "read", r.total)
         if not r.total:
             return _done(req, S_OK)
-        if len(r.tensors) == 1 and len(r.off) == 1:  # one run: DATA header, bytes, DONE
-            return b"".join((HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, r.total),
-                             _string_at(entry.regions[r.tensors[0]].addr + r.off[0], r.total),
-                             _DONE.pack(MAGIC, PROTOCOL_VERSION, F_DONE, req, 4, S_OK)))
         parts = [HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, r.total)]
         pairs = [(o, n) for o, n in zip(r.off, r.length) if n]
         regions = entry.regions
