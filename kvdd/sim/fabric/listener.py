@@ -94,11 +94,6 @@ class Listener:
                                         name=f"kvdd-sim-listen {self.ip}:{self.port}")
         self._thread.start()
 
-    @property
-    def preauth_count(self) -> int:
-        """Connections accepted and not yet authenticated (for tests and ``kvdd doctor``)."""
-        return len(self._pre)
-
     def close(self) -> None:
         """Stop accepting (links already made stay until unlink / finalize)."""
         unregister(self.ip, self.port, self.owner)
