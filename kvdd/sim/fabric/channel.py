@@ -47,7 +47,7 @@ from .endpoints import add_endpoint, close_channels, close_endpoint, discard_end
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
 from .protocol import LinkOwner, ServedCache
-from .rx import Goodbye, Pending, Rx, Sink
+from .rx import Goodbye, Pending, Rx, Sink, Stage
 from .serving import serve_read, serve_write
 from .small import serve_small_read, serve_small_write
 from .streams import Layout, send_stream
@@ -244,7 +244,7 @@ class Channel:
                         self._frame()
                         with self._lock:  # keep leading while it would take the lead again
                             if (self._waiters or self.dead.is_set() or not (
-                                    self.rx.end > self.rx.pos or not self._active
+                                    self.rx.buffered or not self._active
                                     and time.monotonic() - self._last_active >= IDLE_S)):
                                 break
                 finally:
@@ -434,6 +434,52 @@ class Channel:
 
         None when the peer did not answer in time (the connection is then closed: the link is
         broken) or the connection died."""
+        p = self._submit(ftype, payload, deadline, sink, data)
+        if p is None:
+            return None
+        try:
+            if not self._await(p, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            if p.sink is not None or p.failed or not p.done:
+                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
+                    p.cancelled = True
+            if p.failed or not p.done:
+                return None
+            reply = p.reply
+            assert not isinstance(reply, int)
+            return reply
+        finally:
+            self._retire(p)
+
+    def read_small(self, payload: bytes, stage: Stage, deadline: float) -> int | None:
+        """One LEASE_READ (``payload``) whose DATA lands in ``stage``: the status DONE carried,
+        or None as for :meth:`request`.  The caller leading the receive side takes its own DATA
+        and DONE through the compiled :meth:`~.rx.Rx.small_reply`; anything else on the
+        connection goes through :meth:`_frame` as always.  No DATA reaches ``stage`` once this
+        returns (``stage`` is full when DONE arrives; more DATA breaks the protocol)."""
+        p = self._submit(F_LEASE_READ, payload, deadline, stage, None)
+        if p is None:
+            return None
+        try:
+            if not self._await(p, deadline):
+                self.kill()
+            if p.failed or not p.done:
+                with self._sink_lock:
+                    p.cancelled = True
+                return None
+            reply = p.reply
+            if isinstance(reply, int):
+                return reply
+            if reply is None or len(reply) != 4:  # a malformed DONE: the link is broken
+                self.kill()
+                return None
+            return int.from_bytes(reply, "little")
+        finally:
+            self._retire(p)
+
+    def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
+                data: Layout | None) -> Pending | None:
+        """Register a request and send it (and its WRITE data); None when it was not sent."""
         if self.dead.is_set():
             return None
         with self._lock:
@@ -444,6 +490,7 @@ class Channel:
         guard = self._guard
         if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
             guard.arm(deadline)
+        sent = False
         try:
             if not self.send_lock.acquire(False):
                 left = deadline - time.monotonic()
@@ -459,19 +506,17 @@ class Channel:
                 return None
             finally:
                 self.send_lock.release()
-            if not self._await(p, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
-            if p.sink is not None or p.failed or not p.done:
-                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
-                    p.cancelled = True
-            if p.failed or not p.done:
-                return None
-            return p.reply
+            sent = True
+            return p
         finally:
-            with self._lock:
-                self._pending.pop(req, None)
-                self._active -= 1
-                self._last_active = time.monotonic()
+            if not sent:
+                self._retire(p)
+
+    def _retire(self, p: Pending) -> None:
+        with self._lock:
+            self._pending.pop(p.req, None)
+            self._active -= 1
+            self._last_active = time.monotonic()
 
     def _waiting(self) -> list[float]:
         """The deadlines of the requests still waiting (for the guard)."""
@@ -499,6 +544,16 @@ class Channel:
             else:
                 return True
         try:
+            sink = p.sink
+            if type(sink) is Stage:  # a small READ: its own DATA and DONE in compiled code
+                rx = self.rx
+                while not p.done:
+                    status = rx.small_reply(p.req, sink)
+                    if status >= 0:
+                        p.reply = status
+                        p.done = True
+                        break
+                    self._frame()  # something else came first
             while not p.done:
                 self._frame()
         except BaseException as exc:
