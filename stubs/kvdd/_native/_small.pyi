@@ -5,6 +5,8 @@ from collections.abc import Callable, Mapping
 
 from typing_extensions import disjoint_base
 
+__all__ = ["FrameReader", "Stage", "read_answer", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+
 HEADER_SIZE: int
 F_DATA: int
 F_DONE: int
@@ -39,7 +41,7 @@ class Stage:
     @property
     def size(self) -> int: ...
     left: int
-    def __init__(self, size: int, limit: int) -> None: ...
+    def __new__(cls, size: int, limit: int) -> Stage: ...
     def recv(self, rx: FrameReader, n: int) -> None: ...
     def land(self, addr: int) -> None: ...
 
