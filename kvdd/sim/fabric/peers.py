@@ -21,7 +21,7 @@ from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
 from .rx import Stage
-from .small import SmallSink, encode_one_run, encode_small, is_small
+from .small import SmallSink, encode_small, is_small
 from .streams import Cursor, Layout
 from .wire import (F_LEASE, F_LEASE_READ, F_LEASE_WRITE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS,
                    SMALL_BYTES, SMALL_MAX_RUNS, encode_request)
@@ -210,8 +210,7 @@ class RemotePeer:
         if dst_off < 0 or dst_off + n > dst.nbytes:  # the caller's own checked run; kept honest
             raise ValueError("run outside its region")
         stage = Stage(n, SMALL_BYTES)
-        status = chan.read_small(encode_one_run(lease.rc.cache_id, tensor, src_off, n), stage,
-                                 lease.deadline)
+        status = chan.read_small(lease.rc.cache_id, tensor, src_off, stage, lease.deadline)
         if status is None:
             return NOT_EXIST if chan.peer_finalized else TIMEOUT
         if status == S_OK:
