@@ -250,13 +250,16 @@ class Channel:
                         wait = min(wait * 2, IDLE_MAX_S)
                     self._leader = _RECEIVER
                 try:
+                    rx = self.rx
                     while True:
                         self._frame()
-                        with self._lock:  # keep leading while it would take the lead again
-                            if (self._waiters or self.dead.is_set() or not (
-                                    self.rx.buffered or not self._active
-                                    and time.monotonic() - self._last_active >= IDLE_S)):
-                                break
+                        # keep leading while it would take the lead again; read without the lock
+                        # (a caller arriving meanwhile finds its reply read by this leader, as
+                        # when it arrives just after the check)
+                        if (self._waiters or self.dead.is_set() or not (
+                                rx.buffered or not self._active
+                                and time.monotonic() - self._last_active >= IDLE_S)):
+                            break
                 finally:
                     self._unlead()
         except BaseException as exc:
@@ -487,7 +490,7 @@ class Channel:
                     p = Pending(req, deadline, stage)
                     self._pending[req] = p
                     self._active += 1
-                    if self._leader is None and self._running.is_set():
+                    if self._leader is None and self._started:  # reading may begin
                         self._leader = p
                         lead = True
                 guard = self._guard
