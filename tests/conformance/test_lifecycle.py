@@ -16,6 +16,9 @@ from kvdd import (
     Status,
 )
 
+from .checked import (
+    pull_cache_checked,
+)
 from .harness import (
     EXIST_LINK,
     FAILED,
@@ -32,7 +35,6 @@ from .harness import (
     link,
     listen_address,
     pair,
-    pull_cache_checked,
     raises,
 )
 from .init_helpers import (
