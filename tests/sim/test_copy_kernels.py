@@ -567,7 +567,8 @@ def test_cpu_features() -> None:
     assert f.get("avx512f", False) == ("avx512" in ISAS)
     assert f.get("avx2", False) == ("avx2" in ISAS)
     s = _copy.thread_stats()
-    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns"}
+    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns", "post_ns", "wait_ns", "moves",
+                      "wakes"}
 
 
 # ---- threads and processes ------------------------------------------------------------------------------
@@ -626,6 +627,29 @@ def test_two_thread_path_works_after_fork() -> None:
         p.kill()
         pytest.fail("child process hung in the 2-thread path after fork")
     assert p.exitcode == 0 and q.get(timeout=5) is True
+
+
+
+def test_resident_helper_sleeps_and_wakes() -> None:
+    """After each call the resident helper spins briefly, then sleeps on a futex (Linux) or a condition
+    variable: calls spaced wider than the spin must wake it (a lost wake would leave every chunk to
+    the caller: the bytes would still be right, so the helper's share is checked too)."""
+    size = 4 << 20
+    a = np.frombuffer(np.random.default_rng(7).bytes(size), dtype=np.uint8)
+    b = np.zeros_like(a)
+    src, dst = [Region(a.ctypes.data, a.nbytes, a)], [Region(b.ctypes.data, b.nbytes, b)]
+    z = arr([0])
+    copy_runs(src, dst, z, z, arr([size]), threads=2)  # the helper exists
+    before = _copy.thread_stats()
+    for i in range(20):
+        b[:] = 0
+        threading.Event().wait(0.005)  # well past the helper's spin: it is asleep
+        assert copy_runs(src, dst, z, z, arr([size - i]), threads=2) == size - i
+        np.testing.assert_array_equal(b[:size - i], a[:size - i])
+        assert not b[size - i:].any()
+    after = _copy.thread_stats()
+    assert after["calls"] == before["calls"] + 20
+    assert after["wakes"] > before["wakes"] and after["helper_chunks"] > before["helper_chunks"]
 
 
 # ---- every kernel path in C, including the ones this machine cannot force from Python ----------------
