@@ -498,3 +498,4 @@ def stream_bench(Region dst not None, Region src not None, nbytes):
 
 
 include "_copy_config.pxi"
+include "_copy_runs.pxi"
