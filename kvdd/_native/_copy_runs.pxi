@@ -10,8 +10,8 @@ from libc.stdint cimport uint64_t as u64
 
 import numpy as _np
 
-#: The most block pairs :func:`group_runs` plans (larger requests: numpy).
-GROUP_RUNS_MAX = 256
+#: The most block pairs :func:`group_small_runs` plans (larger requests: numpy).
+GROUP_SMALL_RUNS_MAX = 256
 
 
 cdef object _u64_list(const u64 *v, Py_ssize_t n):
@@ -38,13 +38,13 @@ cdef int _as_u64(object seq, u64 *out, Py_ssize_t n) except -1:
     return 1
 
 
-def group_runs(src, dst, Py_ssize_t max_pairs):
+def group_small_runs(src, dst, Py_ssize_t max_pairs):
     """The maximal runs of block pairs ``(src[i], dst[i])`` in which both indices step by +1 (uint64:
     2**64 - 1 is followed by 0), as Python int lists ``(s0, d0, ln, s_last, d_last)`` (first source
     and destination block, length in blocks, last source and destination block of each run) and
     ``d_max`` (the largest destination block); None when the request is not 1 to `max_pairs` pairs of
     equal-length lists or tuples of ints in [0, 2**64) (then the caller plans it with numpy); at most
-    ``GROUP_RUNS_MAX`` pairs."""
+    ``GROUP_SMALL_RUNS_MAX`` pairs."""
     if type(src) not in (list, tuple) or type(dst) not in (list, tuple):
         return None
     cdef Py_ssize_t n = len(src), i, r = 0
@@ -82,17 +82,17 @@ def group_runs(src, dst, Py_ssize_t max_pairs):
             _u64_list(cols[4], r), PyLong_FromUnsignedLongLong(dmax))
 
 
-def byte_runs(list s0, list d0, list ln, block, tail):
+def small_byte_plan(list s0, list d0, list ln, block, tail):
     """The byte runs of block runs (lists of ints < 2**32, as checked before): ``(src_off, dst_off,
     length, total, src_end, dst_end)``: three int64 arrays ``s0[i] * block``, ``d0[i] * block`` and
     ``ln[i] * block`` (the last `tail` bytes when `tail` > 0: the §3.11 quirk), their total and the
     largest ``src_off[i] + length[i]`` and ``dst_off[i] + length[i]``."""
     cdef Py_ssize_t n = len(ln), i
     if len(s0) != n or len(d0) != n or n == 0 or n > 256:
-        raise ValueError("byte_runs: s0, d0 and ln must be non-empty lists of equal length <= 256")
+        raise ValueError("small_byte_plan: s0, d0 and ln must be non-empty lists of equal length <= 256")
     cdef int64_t b = block, t = tail
     if b < 0 or b >= (<int64_t>1 << 31) or t < 0:
-        raise ValueError(f"byte_runs: block {block} / tail {tail} out of range")
+        raise ValueError(f"small_byte_plan: block {block} / tail {tail} out of range")
     a = _np.empty((3, n), dtype=_np.int64)
     cdef int64_t[:, ::1] v = a
     cdef int64_t so, do, nb
@@ -100,21 +100,21 @@ def byte_runs(list s0, list d0, list ln, block, tail):
     for i in range(n):
         x = PyLong_AsUnsignedLongLong(s0[i])
         if x >= (<u64>1 << 32):
-            raise ValueError("byte_runs: block index >= 2**32")
+            raise ValueError("small_byte_plan: block index >= 2**32")
         so = <int64_t>x * b
         x = PyLong_AsUnsignedLongLong(d0[i])
         if x >= (<u64>1 << 32):
-            raise ValueError("byte_runs: block index >= 2**32")
+            raise ValueError("small_byte_plan: block index >= 2**32")
         do = <int64_t>x * b
         x = PyLong_AsUnsignedLongLong(ln[i])
         if x >= (<u64>1 << 32):
-            raise ValueError("byte_runs: run length >= 2**32")
+            raise ValueError("small_byte_plan: run length >= 2**32")
         nb = t if (t > 0 and i == n - 1) else <int64_t>x * b
         v[0, i] = so
         v[1, i] = do
         v[2, i] = nb
         if total > <u64>INT64_MAX - <u64>nb:
-            raise ValueError("byte_runs: total length overflows int64")
+            raise ValueError("small_byte_plan: total length overflows int64")
         total += <u64>nb
         if <u64>so + <u64>nb > se:
             se = <u64>so + <u64>nb

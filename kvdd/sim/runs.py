@@ -2,12 +2,14 @@
 (source, destination) block pairs grouped into maximal runs, and the byte runs the copy kernels get.
 
 A request of a few blocks (:data:`SMALL` pairs or fewer: a 1024-token request is 8 blocks of 128
-tokens) is planned in C (``kvdd._native._copy.group_runs`` and ``byte_runs``: Python int lists in,
-one int64 array out), a larger one with numpy.  Both give the same runs; the small path exists
-because every numpy call costs a few microseconds, several times more right after a large copy has
-evicted the interpreter's and numpy's code and data from the caches, which made the plan of an
-8-block pull of a 78-tensor cache cost as much as a third of its 10 MiB copy (docs/benchmarks.md,
-"How the kernels choose"); in Python ints it still cost ~20 us per call.
+tokens) is planned in C into Python int lists (:func:`kvdd._native._copy.group_small_runs`, and
+its byte runs with their total and ends in one more call: :meth:`Runs.byte_plan`), a larger list or
+tuple of plain ints in one pass in C (:func:`kvdd._native._runs.block_runs`), anything else with
+numpy.  All give the same runs; the small path exists because every numpy call costs a few
+microseconds, several times more right after a large copy has evicted the interpreter's and numpy's
+code and data from the caches, which made the plan of an 8-block pull of a 78-tensor cache cost as
+much as a third of its 10 MiB copy (docs/benchmarks.md, "How the kernels choose"); planned in
+Python ints it still cost ~20 us per call, in C ~8.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Union
 
 import numpy as np
 
-from .._native._copy import byte_runs, group_runs
+from .._native._copy import group_small_runs, small_byte_plan
+from .._native._runs import any_end_past, block_runs, byte_runs, sum_int64
 from ..status import PARAM_INVALID
 from .checks import reject
 
@@ -47,7 +50,7 @@ class Runs:
     Indices are uint64 as in C: the index after 2**64-1 wraps to 0 (and fails a bound later).
     """
 
-    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max")
+    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max", "_maxima")
 
     s0: Column
     d0: Column
@@ -56,9 +59,18 @@ class Runs:
     d_last: Column
 
     def __init__(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        small = group_runs(src, dst, SMALL)
+        self._maxima: dict[int, int] = {}
+        small = group_small_runs(src, dst, SMALL)  # up to SMALL plain ints: Python int lists, in C
         if small is not None:
             self.s0, self.d0, self.ln, self.s_last, self.d_last, self.d_max = small
+            return
+        grouped = block_runs(src, dst)  # a list or tuple of plain ints: one pass in C
+        if grouped is not None:
+            self.s0, self.d0, self.ln, self.s_last, self.d_last, self.d_max, maxima = grouped
+            # each column's largest value, by the column's identity: the bound checks and
+            # longest() pass without another numpy call when nothing is out of bounds
+            self._maxima = {id(c): v for c, v in zip((self.s0, self.d0, self.ln, self.s_last, self.d_last),
+                                                     maxima)}
             return
         sa = np.asarray(src, dtype=np.uint64)
         da = np.asarray(dst, dtype=np.uint64)
@@ -83,6 +95,9 @@ class Runs:
                 if f >= bound or la >= bound:
                     return f if f >= bound else la
             return None
+        hi_first, hi_last = self._maxima.get(id(first)), self._maxima.get(id(last))
+        if hi_first is not None and hi_last is not None and max(hi_first, hi_last) < bound:
+            return None
         fa, la_ = np.asarray(first), np.asarray(last)
         bad = (fa >= np.uint64(bound)) | (la_ >= np.uint64(bound))
         if not bad.any():
@@ -99,7 +114,10 @@ class Runs:
 
     def longest(self) -> int:
         """The longest run, in blocks."""
-        return max(self.ln) if isinstance(self.ln, list) else int(self.ln.max())
+        if isinstance(self.ln, list):
+            return max(self.ln)
+        known = self._maxima.get(id(self.ln))
+        return known if known is not None else int(self.ln.max())
 
     def byte_offsets(self, block: int, tail: int = 0) -> tuple[Column, Column, Column]:
         """``(src_off, dst_off, length)`` in bytes: ``s0[i] * block``, ``d0[i] * block`` and
@@ -110,6 +128,8 @@ class Runs:
             s_off: Column = [f * block for f in self.s0]
             d_off: Column = [f * block for f in self.d0]
             length: Column = [n * block for n in self.ln]
+        elif self._maxima:  # the arrays of block_runs: one pass in C
+            return byte_runs(self.s0, self.d0, self.ln, block, tail)
         else:
             s_off = np.asarray(self.s0).astype(_I64) * block
             d_off = np.asarray(self.d0).astype(_I64) * block
@@ -122,21 +142,25 @@ class Runs:
         """The byte runs of :meth:`byte_offsets` as int64 arrays, with their total and ends
         (:data:`BytePlan`): one C call for small requests.  Same precondition."""
         if isinstance(self.ln, list) and isinstance(self.s0, list) and isinstance(self.d0, list):
-            return byte_runs(self.s0, self.d0, self.ln, block, tail)
+            return small_byte_plan(self.s0, self.d0, self.ln, block, tail)
         so, do, ln = int64_arrays(*self.byte_offsets(block, tail))
-        return (so, do, ln, int(ln.sum()), int((so + ln).max()), int((do + ln).max()))
+        return (so, do, ln, total(ln), int((so + ln).max()), int((do + ln).max()))
 
 
 def ends_past(off: Column, length: Column, limit: int) -> bool:
     """Whether any run ``[off[i], off[i] + length[i])`` ends past `limit` bytes."""
     if isinstance(off, list) and isinstance(length, list):
         return any(o + n > limit for o, n in zip(off, length))
+    if type(off) is np.ndarray and type(length) is np.ndarray and off.dtype == _I64 == length.dtype:
+        return any_end_past(off, length, limit)
     return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
 
 
 def total(length: Column) -> int:
     """``sum(length)`` as an int."""
-    return sum(length) if isinstance(length, list) else int(length.sum())
+    if isinstance(length, list):
+        return sum(length)
+    return sum_int64(length) if length.dtype == _I64 else int(length.sum())
 
 
 def int64_arrays(s_off: Column, d_off: Column, length: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

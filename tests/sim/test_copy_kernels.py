@@ -656,32 +656,32 @@ def test_resident_helper_sleeps_and_wakes() -> None:
 # ---- the compiled block-run planner (kvdd/sim/runs.py's small path; tests/sim/test_runs.py compares it
 # with the numpy path) ------------------------------------------------------------------------------------
 
-def test_group_runs_declines_what_it_cannot_plan() -> None:
+def test_group_small_runs_declines_what_it_cannot_plan() -> None:
     """None (the caller plans with numpy) for anything but 1..max_pairs pairs of plain uint64 ints."""
     u64 = (1 << 64) - 1
     for src, dst, cap in (([], [], 8), ([1, 2], [1], 8), ([1, 2, 3], [1, 2, 3], 2), ([-1], [0], 8),
                           ([u64 + 1], [0], 8), ([0], [u64 + 1], 8), ([1.0], [1], 8), ([True], [1], 8),
                           (np.array([1]), [1], 8), ("ab", "ab", 8), ([1] * 257, [1] * 257, 1000)):
-        assert _copy.group_runs(src, dst, cap) is None, (src, dst, cap)
-    assert _copy.group_runs((u64, 0, 5), [3, 4, 9], 8) == ([u64, 5], [3, 9], [2, 1], [0, 5], [4, 9], 9)
-    assert _copy.group_runs([7] * 256, list(range(256)), 256) == ([7] * 256, list(range(256)), [1] * 256,
+        assert _copy.group_small_runs(src, dst, cap) is None, (src, dst, cap)
+    assert _copy.group_small_runs((u64, 0, 5), [3, 4, 9], 8) == ([u64, 5], [3, 9], [2, 1], [0, 5], [4, 9], 9)
+    assert _copy.group_small_runs([7] * 256, list(range(256)), 256) == ([7] * 256, list(range(256)), [1] * 256,
                                                                    [7] * 256, list(range(256)), 255)
 
 
-def test_byte_runs_offsets_tail_and_bounds() -> None:
-    so, do, ln, total, src_end, dst_end = _copy.byte_runs([3, 0], [1, 9], [2, 1], 4096, 0)
+def test_small_byte_plan_offsets_tail_and_bounds() -> None:
+    so, do, ln, total, src_end, dst_end = _copy.small_byte_plan([3, 0], [1, 9], [2, 1], 4096, 0)
     assert (so.tolist(), do.tolist(), ln.tolist()) == ([12288, 0], [4096, 36864], [8192, 4096])
     assert (total, src_end, dst_end) == (12288, 20480, 40960)
-    assert _copy.byte_runs([3, 0], [1, 9], [2, 1], 4096, 100)[2].tolist() == [8192, 100]
+    assert _copy.small_byte_plan([3, 0], [1, 9], [2, 1], 4096, 100)[2].tolist() == [8192, 100]
     big = (1 << 32) - 1
-    assert _copy.byte_runs([big], [0], [1], (1 << 31) - 1, 0)[4] == (big + 1) * ((1 << 31) - 1)
+    assert _copy.small_byte_plan([big], [0], [1], (1 << 31) - 1, 0)[4] == (big + 1) * ((1 << 31) - 1)
     for args in (([1 << 32], [0], [1], 8, 0), ([0], [1 << 32], [1], 8, 0), ([0], [0], [1 << 32], 8, 0),
                  ([0], [0], [1], 1 << 31, 0), ([0], [0], [1], -1, 0), ([0], [0], [1], 8, -1),
                  ([0, 1], [0], [1], 8, 0), ([], [], [], 8, 0)):
         with pytest.raises(ValueError):
-            _copy.byte_runs(*args)
+            _copy.small_byte_plan(*args)
     with pytest.raises(ValueError, match="overflows"):
-        _copy.byte_runs([0] * 3, [0] * 3, [big] * 3, (1 << 31) - 1, 0)
+        _copy.small_byte_plan([0] * 3, [0] * 3, [big] * 3, (1 << 31) - 1, 0)
 
 
 # ---- every kernel path in C, including the ones this machine cannot force from Python ----------------

@@ -12,7 +12,7 @@ DEFAULT_STREAMING_THRESHOLD: Final[int]
 DEFAULT_THREADS_THRESHOLD: Final[None]
 DEFAULT_CHUNK_SIZE: Final[int]
 NOGIL_THRESHOLD: Final[int]
-GROUP_RUNS_MAX: Final[int]
+GROUP_SMALL_RUNS_MAX: Final[int]
 
 @final
 class Region:
@@ -61,10 +61,10 @@ def plan_runs(
 ) -> CopyPlan: ...
 def memcpy_bench(dst: Region, src: Region, nbytes: int) -> None: ...
 def stream_bench(dst: Region, src: Region, nbytes: int) -> None: ...
-def group_runs(
+def group_small_runs(
     src: object, dst: object, max_pairs: int
 ) -> tuple[list[int], list[int], list[int], list[int], list[int], int] | None: ...
-def byte_runs(
+def small_byte_plan(
     s0: list[int], d0: list[int], ln: list[int], block: int, tail: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, int]: ...
 def cpu_features() -> dict[str, bool]: ...
