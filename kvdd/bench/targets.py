@@ -80,7 +80,7 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
     # medians against medians (the limit's min time is a best case kvdd's medians never see)
     limit_med_us = row["bytes"] / row["limit_median_gbps"] / 1e3
     kernel_us = row["bytes"] / row["kernel_gbps"] / 1e3
-    why.append(f"by median the transfer took {total_us:.0f} us, the limit ({row['limit_median']}) {limit_med_us:.0f} us: "
+    why.append(f"(medians) the transfer took {total_us:.0f} us, the limit ({row['limit_median']}) {limit_med_us:.0f} us: "
                f"the copy kernels {kernel_us:.0f} us ({row['kernel_gbps']:.1f} GB/s, {row['two_threads']:.0%} of calls "
                f"on two threads: {limit_med_us / kernel_us:.2f}x the limit's speed) and outside them "
                f"{row['outside_us']:.0f} us per call ({outside / total_us:.0%} of the time: the facade's and the "
