@@ -72,9 +72,11 @@ int kvdd_job_independent(const kvdd_job *job);
  * path cannot start a thread it copies everything on the calling thread. */
 uint64_t kvdd_job_run(const kvdd_job *job);
 
-/* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these. */
+/* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these ... */
 #define KVDD_CHUNK_MIN ((uint64_t)256 << 10)
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
+/* ... except the last 2 items' worth, cut into items of a quarter, at least this. */
+#define KVDD_CHUNK_TAIL ((uint64_t)64 << 10)
 /* The resident helper thread spins this long for the next call before it sleeps. */
 #define KVDD_HELPER_SPIN_NS ((int64_t)200000)
 /* After a 2-thread call stalled, automatic mode uses one thread for KVDD_BACKOFF_FACTOR times what

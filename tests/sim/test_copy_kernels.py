@@ -136,6 +136,33 @@ def test_many_random_runs_disjoint(path: tuple[str, bool], threads: int) -> None
     run(arena, src, dst, list(so), list(do), list(ln), threads)
 
 
+@pytest.mark.parametrize("per_k", [(256 << 10) // 3 + 1, (700 << 10) // 3 + 13, (3 << 20) // 3 - 5])
+def test_two_thread_work_items_cover_every_byte_once(path: tuple[str, bool], per_k: int) -> None:
+    """The automatic work items of the 2-thread path (items of total / 32, the last two items'
+    worth in quarters) cut runs and tensors anywhere, odd sizes included: every byte lands once."""
+    _copy.set_chunk_size(0)  # automatic items (the path fixture fixes 3000 bytes)
+    rng = np.random.default_rng(per_k)
+    K, J = 3, 7
+    cuts = np.sort(rng.choice(np.arange(1, per_k), J - 1, replace=False))
+    ln = [int(x) for x in np.diff(np.concatenate(([0], cuts, [per_k])))]
+    do = [sum(ln[:j]) for j in range(J)]  # destination: the runs in order
+    order = [int(x) for x in rng.permutation(J)]  # source: the same runs in another order
+    so = [0] * J
+    pos = 0
+    for j in order:
+        so[j] = pos
+        pos += ln[j]
+    src = [(3 + k * per_k, per_k) for k in range(K)]  # odd bases
+    dst = [(K * per_k + 69 + k * per_k, per_k) for k in range(K)]
+    arena = Arena(2 * K * per_k + 192, seed=per_k % 97)
+    p = plan_runs([arena.region(*x) for x in src], [arena.region(*x) for x in dst], arr(so), arr(do), arr(ln),
+                  threads=2)
+    assert p.threads == 2
+    before = _copy.thread_stats()
+    run(arena, src, dst, so, do, ln, threads=2)
+    assert _copy.thread_stats()["chunks"] - before["chunks"] >= 2
+
+
 def test_many_random_runs_overlapping_destinations(path: tuple[str, bool], threads: int) -> None:
     """Arbitrary offsets and lengths, destinations overlapping each other: in-order result."""
     rng = np.random.default_rng(3)
