@@ -95,6 +95,12 @@ def test_small_native_and_numpy_paths_agree(p: list[tuple[int, int]], block: int
                 ends = [o + n for o, n in zip(off.tolist(), ln.tolist())]
                 col = cols[0] if off is so else cols[1]
                 assert runs_mod.ends_past(col, cols[2], limit) == any(e > limit for e in ends)
+            pso, pdo, pln, ptotal, src_end, dst_end = r.byte_plan(block, tail)
+            assert [x.dtype for x in (pso, pdo, pln)] == [np.int64] * 3
+            assert (pso.tolist(), pdo.tolist(), pln.tolist()) == (so.tolist(), do.tolist(), ln.tolist())
+            assert ptotal == sum(ln.tolist())
+            assert src_end == max(o + n for o, n in zip(so.tolist(), ln.tolist()))
+            assert dst_end == max(o + n for o, n in zip(do.tolist(), ln.tolist()))
 
 
 def test_invalid_indices_take_the_numpy_path() -> None:
