@@ -54,7 +54,7 @@ EXPECTED_CALLS = {("qwen2.5-7b", "pull_layers"): 28}
 LIMITS = ("numpy_1t", "numpy_2t", "stream_1t", "stream_2t")
 TRANSFER_KEYS = {"geometry", "kind", "tensors", "blocks", "run_bytes", "calls", "bytes", "min_ms", "median_ms",
                  "gbps", *(f"{name}_gbps" for name in LIMITS), "limit", "limit_gbps", "ratio", "ratio_median",
-                 "kernel_gbps", "outside_us", "two_threads", "stalls", "samples", "verified"}
+                 "limit_median", "limit_median_gbps", "kernel_gbps", "outside_us", "two_threads", "stalls", "samples", "verified"}
 POSITIVE = ("min_ms", "median_ms", "gbps", "numpy_1t_gbps", "numpy_2t_gbps", "limit_gbps", "ratio", "ratio_median")
 #: glibc's streaming memcpy is measured where it exists (x86-64 Linux with glibc)
 STREAMING = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -128,6 +128,10 @@ def _check_limits(r: dict[str, Any], key: object) -> None:
     assert r["limit"] == max(measured, key=lambda n: measured[n])
     assert math.isclose(r["limit_gbps"], measured[r["limit"]])
     assert math.isclose(r["ratio"], r["gbps"] / r["limit_gbps"], rel_tol=1e-9)
+    # the fastest limit by median, what kvdd's medians (ratio_median, the "limited by" lines) compare with
+    assert r["limit_median"] in measured and 0 < r["limit_median_gbps"] <= r["limit_gbps"] * (1 + 1e-9)
+    assert math.isclose(r["ratio_median"], r["bytes"] / (r["limit_median_gbps"] * 1e9) / (r["median_ms"] / 1e3),
+                        rel_tol=1e-9)
     assert 0 <= r["two_threads"] <= 1
     # the transfer's time splits into the copy kernels' and the rest
     assert _positive(r["kernel_gbps"]) and r["outside_us"] >= 0

@@ -28,13 +28,15 @@ How a call is executed
   caller, 50 ms to 2 s), and the call is large enough for the
   second thread to pay: by default from ``4 x extra / cost`` bytes, where ``extra`` is what a
   2-thread call measurably costs its caller beyond its own share (posting the work, and waiting at
-  the end for the item the helper is still copying, which grows when the other CPU is busy;
-  stalled calls are left out, the backoff answers them) and
+  the end for the item the helper is still copying, which grows when the other CPU is busy: the
+  median of the last 15 calls, so one descheduled call does not move it; stalled calls are left
+  out, the backoff answers them) and
   ``cost`` the measured one-thread time per byte of this process's own calls
   (:func:`threads_model`; one in 32 smaller calls of at least 256 KiB uses two threads anyway, so
   the measurement follows the machine); ``set_threads_threshold`` fixes a size instead. The
   helper is a resident pthread started at the first 2-thread call and kept off the caller's CPU; it
-  spins 200 us for the next call, then sleeps (after a fork the child starts its own; a second
+  spins 200 us for the next call, then sleeps (a futex on Linux: a wake costs the caller one
+  syscall) (after a fork the child starts its own; a second
   concurrent caller gets a helper created for its call). Both threads claim work items from a shared
   counter, so a helper that starts late only does less.
 
@@ -496,3 +498,4 @@ def stream_bench(Region dst not None, Region src not None, nbytes):
 
 
 include "_copy_config.pxi"
+include "_copy_runs.pxi"

@@ -18,11 +18,15 @@ def cache_sizes():
 def thread_stats():
     """Counters since import: of the 2-thread path ``calls``, ``chunks`` (work items),
     ``helper_chunks`` (those done by the second thread; the rest ran on the calling thread) and
-    ``stalls``; ``jobs`` (copies that moved bytes) and ``job_ns`` (time spent copying them)."""
+    ``stalls``, ``post_ns`` and ``wait_ns`` (the caller's time posting the work and waiting at the end
+    for the helper's last items), ``moves`` (the helper moved off the caller's CPU after the caller
+    changed CPU) and ``wakes`` (the helper woken from sleep); ``jobs`` (copies that moved bytes) and
+    ``job_ns`` (time spent copying them)."""
     cdef uint64_t out[KVDD_STATS]
     kvdd_thread_stats(out)
     return {"calls": out[0], "chunks": out[1], "helper_chunks": out[2], "stalls": out[3],
-            "jobs": out[4], "job_ns": out[5]}
+            "jobs": out[4], "job_ns": out[5], "post_ns": out[6], "wait_ns": out[7], "moves": out[8],
+            "wakes": out[9]}
 
 
 def available_isas():

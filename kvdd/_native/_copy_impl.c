@@ -14,6 +14,10 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 #if KVDD_X86
 #include <immintrin.h>
 #endif
@@ -52,6 +56,8 @@ typedef struct {
     kvdd_job job;
     const uint64_t *prefix; /* J + 1 cumulative lengths */
     uint64_t nchunks;
+    uint64_t head;          /* bytes [0, head) in chunks of job.chunk, the rest in chunks of `small` */
+    uint64_t nbig, small;
     _Atomic uint64_t next;
     _Atomic uint64_t done;
     _Atomic int refs;
@@ -64,8 +70,14 @@ static void release_state(shared_state *st) {
 static void copy_chunk(const shared_state *st, uint64_t c) {
     const kvdd_job *job = &st->job;
     uint64_t total = (uint64_t)job->K * job->per_k;
-    uint64_t pos = c * job->chunk;
-    uint64_t end = pos + job->chunk < total ? pos + job->chunk : total;
+    uint64_t pos, end;
+    if (c < st->nbig) {
+        pos = c * job->chunk;
+        end = pos + job->chunk < st->head ? pos + job->chunk : st->head;
+    } else {
+        pos = st->head + (c - st->nbig) * st->small;
+        end = pos + st->small < total ? pos + st->small : total;
+    }
     size_t k = (size_t)(pos / job->per_k);
     uint64_t r = pos % job->per_k;
     /* run j containing byte r of tensor k: last j with prefix[j] <= r (and len[j] > 0) */
@@ -116,6 +128,7 @@ static uint64_t work(shared_state *st) {
 }
 
 static _Atomic uint64_t stat_calls, stat_chunks, stat_helper_chunks, stat_stalls, stat_jobs, stat_job_ns;
+static _Atomic uint64_t stat_post_ns, stat_wait_ns, stat_moves, stat_wakes;
 static _Atomic int64_t backoff_until_ns;
 
 void kvdd_thread_stats(uint64_t out[KVDD_STATS]) {
@@ -125,6 +138,10 @@ void kvdd_thread_stats(uint64_t out[KVDD_STATS]) {
     out[3] = atomic_load_explicit(&stat_stalls, memory_order_relaxed);
     out[4] = atomic_load_explicit(&stat_jobs, memory_order_relaxed);
     out[5] = atomic_load_explicit(&stat_job_ns, memory_order_relaxed);
+    out[6] = atomic_load_explicit(&stat_post_ns, memory_order_relaxed);
+    out[7] = atomic_load_explicit(&stat_wait_ns, memory_order_relaxed);
+    out[8] = atomic_load_explicit(&stat_moves, memory_order_relaxed);
+    out[9] = atomic_load_explicit(&stat_wakes, memory_order_relaxed);
 }
 
 static int64_t now_ns(void) {
@@ -140,16 +157,35 @@ int kvdd_auto_threads_allowed(void) {
 }
 
 /* The cost model of the automatic thread choice, from this process's own calls: what a 2-thread call
- * costs its caller beyond its own share of the work (posting the work or starting a helper, plus
- * waiting at the end for the item the helper is still copying: a helper that starts late costs
- * nothing else, it only does less), and the time per byte of one-thread copies of at least
- * KVDD_CHUNK_MIN bytes (both exponential moving averages, weight 1/8). */
+ * costs its caller beyond its own share of the work (posting the work, which wakes a sleeping helper,
+ * plus waiting at the end for the item the helper is still copying: a helper that starts late costs
+ * nothing else, it only does less), the median of the last KVDD_COST_SAMPLES calls (a mean let one
+ * call whose post or wait was descheduled for milliseconds on a shared VM move the 2-thread size
+ * past 16 MiB for dozens of calls); and the time per byte of one-thread copies of at least
+ * KVDD_CHUNK_MIN bytes (an exponential moving average, weight 1/8). */
 static _Atomic int64_t model_cost_ns = KVDD_MODEL_COST_NS;
 static _Atomic int64_t model_ps_per_byte = KVDD_MODEL_PS_PER_BYTE;
+static _Atomic int64_t cost_ring[KVDD_COST_SAMPLES];
+static _Atomic uint32_t cost_next, cost_count;
 
 static void model_update(_Atomic int64_t *avg, int64_t sample) {
     int64_t old = atomic_load_explicit(avg, memory_order_relaxed);
     atomic_store_explicit(avg, old + (sample - old) / 8, memory_order_relaxed);
+}
+
+static void cost_update(int64_t sample) {
+    uint32_t i = atomic_fetch_add_explicit(&cost_next, 1, memory_order_relaxed) % KVDD_COST_SAMPLES;
+    atomic_store_explicit(&cost_ring[i], sample, memory_order_relaxed);
+    uint32_t n = atomic_load_explicit(&cost_count, memory_order_relaxed);
+    if (n < KVDD_COST_SAMPLES) atomic_store_explicit(&cost_count, ++n, memory_order_relaxed);
+    int64_t v[KVDD_COST_SAMPLES];
+    for (uint32_t k = 0; k < n; k++) { /* insertion sort of at most KVDD_COST_SAMPLES values */
+        int64_t x = atomic_load_explicit(&cost_ring[k], memory_order_relaxed);
+        uint32_t m = k;
+        for (; m > 0 && v[m - 1] > x; m--) v[m] = v[m - 1];
+        v[m] = x;
+    }
+    atomic_store_explicit(&model_cost_ns, n ? v[n / 2] : sample, memory_order_relaxed);
 }
 
 void kvdd_threads_model(int64_t out[2]) {
@@ -227,28 +263,62 @@ static int start_helper(shared_state *st) {
 
 /* The resident helper: started at the first 2-thread call and kept, so later calls do not pay for a
  * thread start (~20-30 us). After each share of work it spins for KVDD_HELPER_SPIN_NS waiting for
- * the next post (per-layer pulls post every 100-200 us), then sleeps on a condition variable. Only
- * one post at a time: a caller that finds the helper taken starts a per-call helper instead. After
- * fork() the child has no helper thread (pthread_atfork resets the state; the next call starts one). */
-static pthread_mutex_t res_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t res_cv = PTHREAD_COND_INITIALIZER;
+ * the next post (per-layer pulls post every 100-200 us), then sleeps. Only one post at a time (the
+ * caller that wins res_busy owns the post and the helper's bookkeeping until the helper is idle
+ * again): a caller that finds the helper taken starts a per-call helper instead. After fork() the
+ * child has no helper thread (pthread_atfork resets the state; the next call starts one).
+ *
+ * Sleeping and waking: on Linux a futex on res_word (the poster bumps it after posting and wakes the
+ * helper only when it announced sleep: one FUTEX_WAKE, no mutex, so a helper descheduled while going
+ * to sleep never blocks the caller; a wake costs the caller ~10-20 us on a VM, a mutex and condition
+ * variable about twice that), elsewhere a condition variable. */
 static shared_state *_Atomic res_post;  /* posted and not yet taken */
 static _Atomic int res_busy;            /* 1 from a post until the helper is idle again */
-static int res_running, res_sleeping;    /* under res_mu */
+static _Atomic int res_sleeping;        /* the helper is (about to be) asleep */
+static _Atomic uint32_t res_word;       /* bumped at every post (the futex word) */
+static int res_running;                 /* owned by the res_busy holder */
 static pthread_t res_thread;
-static int res_cpu = -1;                 /* the caller CPU the helper's affinity excludes */
+static int res_cpu = -1;                /* the caller CPU the helper's affinity excludes */
 static pthread_once_t res_once = PTHREAD_ONCE_INIT;
+#if !defined(__linux__)
+static pthread_mutex_t res_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t res_cv = PTHREAD_COND_INITIALIZER;
+#endif
 
 static void res_after_fork(void) {
+#if !defined(__linux__)
     pthread_mutex_init(&res_mu, NULL);
     pthread_cond_init(&res_cv, NULL);
+#endif
     atomic_store_explicit(&res_post, NULL, memory_order_relaxed);
     atomic_store_explicit(&res_busy, 0, memory_order_relaxed);
-    res_running = res_sleeping = 0;
+    atomic_store_explicit(&res_sleeping, 0, memory_order_relaxed);
+    res_running = 0;
     res_cpu = -1;
 }
 
 static void res_init(void) { pthread_atfork(NULL, NULL, res_after_fork); }
+
+/* Sleep until res_word differs from `seen` (or spuriously: the caller re-checks). */
+static void res_sleep(uint32_t seen) {
+#if defined(__linux__)
+    syscall(SYS_futex, &res_word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&res_mu);
+    while (atomic_load(&res_word) == seen) pthread_cond_wait(&res_cv, &res_mu);
+    pthread_mutex_unlock(&res_mu);
+#endif
+}
+
+static void res_wake(void) {
+#if defined(__linux__)
+    syscall(SYS_futex, &res_word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&res_mu);
+    pthread_cond_signal(&res_cv);
+    pthread_mutex_unlock(&res_mu);
+#endif
+}
 
 static void *res_main(void *arg) {
     (void)arg;
@@ -260,13 +330,12 @@ static void *res_main(void *arg) {
                 cpu_relax();
                 continue;
             }
-            pthread_mutex_lock(&res_mu);
-            res_sleeping = 1;
-            while ((st = atomic_exchange_explicit(&res_post, NULL, memory_order_acquire)) == NULL)
-                pthread_cond_wait(&res_cv, &res_mu);
-            res_sleeping = 0;
-            pthread_mutex_unlock(&res_mu);
-            break;
+            /* announce sleep, then re-check (seq_cst pairs with the poster's store and load) */
+            uint32_t seen = atomic_load(&res_word);
+            atomic_store(&res_sleeping, 1);
+            if ((st = atomic_exchange(&res_post, NULL)) == NULL) res_sleep(seen);
+            atomic_store(&res_sleeping, 0);
+            if (st) break;
         }
         run_helper_share(st);
         atomic_store_explicit(&res_busy, 0, memory_order_release);
@@ -282,7 +351,6 @@ static int post_resident(shared_state *st) {
                                                  memory_order_relaxed))
         return 0;
     pthread_once(&res_once, res_init);
-    pthread_mutex_lock(&res_mu);
     int created = 0;
     if (!res_running) {
         pthread_attr_t attr;
@@ -295,7 +363,6 @@ static int post_resident(shared_state *st) {
         res_cpu = -1;
     }
     if (!res_running) {
-        pthread_mutex_unlock(&res_mu);
         atomic_store_explicit(&res_busy, 0, memory_order_release);
         return 0;
     }
@@ -305,11 +372,15 @@ static int post_resident(shared_state *st) {
         cpu_set_t cpus;
         if (other_cpus(&cpus)) pthread_setaffinity_np(res_thread, sizeof(cpus), &cpus);
         res_cpu = me;
+        atomic_fetch_add_explicit(&stat_moves, 1, memory_order_relaxed);
     }
 #endif
-    atomic_store_explicit(&res_post, st, memory_order_release);
-    if (res_sleeping) pthread_cond_signal(&res_cv);
-    pthread_mutex_unlock(&res_mu);
+    atomic_store(&res_post, st);
+    atomic_fetch_add(&res_word, 1);
+    if (atomic_load(&res_sleeping)) {
+        res_wake();
+        atomic_fetch_add_explicit(&stat_wakes, 1, memory_order_relaxed);
+    }
     return created ? 2 : 1;
 }
 
@@ -326,11 +397,17 @@ static int retract_resident(shared_state *st) {
 
 static uint64_t run_two(const kvdd_job *job) {
     uint64_t total = (uint64_t)job->K * job->per_k;
-    uint64_t chunk = job->chunk;
-    if (!chunk) { /* automatic: about 32 work items, 256 KiB to 1 MiB each */
+    uint64_t chunk = job->chunk, small = chunk, head = total;
+    if (!chunk) {
+        /* automatic: about 32 work items, 256 KiB to 1 MiB each, the last 2 items' worth cut into
+         * items of a quarter (at least KVDD_CHUNK_TAIL): the caller, done with its items, waits for
+         * the one the helper is still copying, and that wait is now a quarter as long (a 2 MiB
+         * per-layer pull is 8 items of 256 KiB, ~14 us each on this VM: the wait was ~10% of it) */
         chunk = total / 32;
         if (chunk < KVDD_CHUNK_MIN) chunk = KVDD_CHUNK_MIN;
         if (chunk > KVDD_CHUNK_MAX) chunk = KVDD_CHUNK_MAX;
+        small = chunk / 4 < KVDD_CHUNK_TAIL ? KVDD_CHUNK_TAIL : chunk / 4;
+        head = total > 2 * chunk ? (total - 2 * chunk) / small * small : 0;
     }
     uint64_t *prefix = malloc((job->J + 1) * sizeof(uint64_t));
     shared_state *st = malloc(sizeof(shared_state));
@@ -344,7 +421,10 @@ static uint64_t run_two(const kvdd_job *job) {
     st->job = *job;
     st->job.chunk = chunk;
     st->prefix = prefix;
-    st->nchunks = (total + chunk - 1) / chunk;
+    st->head = head;
+    st->small = small;
+    st->nbig = (head + chunk - 1) / chunk;
+    st->nchunks = st->nbig + (total - head + small - 1) / small;
     atomic_init(&st->next, 0);
     atomic_init(&st->done, 0);
     atomic_init(&st->refs, 2);
@@ -377,11 +457,12 @@ static uint64_t run_two(const kvdd_job *job) {
      * did the work at one thread's speed and waited for nothing (on a VM an idle vCPU can take
      * milliseconds to wake; backing off for it kept quiet runs on one thread). */
     int stalled = resident != 2 && t2 - t1 > 1000000 && t2 - t1 > (t1 - t0) / 4;
-    /* The cost model learns the typical extra cost; a stall is answered by the backoff, not averaged
-     * in (with weight 1/8 a 5 ms stall adds ~600 us, which kept calls below ~20 MB on one thread for
-     * the hundreds of calls the probes need to undo it). The first call of the resident helper pays
-     * for creating it once: not a cost of later calls either. */
-    if (resident != 2 && !stalled) model_update(&model_cost_ns, (t0 - posted) + (t2 - t1));
+    /* The cost model learns the typical extra cost; a stall is answered by the backoff, not counted
+     * in. The first call of the resident helper pays for creating it once: not a cost of later calls
+     * either. */
+    atomic_fetch_add_explicit(&stat_post_ns, (uint64_t)(t0 - posted), memory_order_relaxed);
+    atomic_fetch_add_explicit(&stat_wait_ns, (uint64_t)(t2 - t1), memory_order_relaxed);
+    if (resident != 2 && !stalled) cost_update((t0 - posted) + (t2 - t1));
     if (stalled) {
         atomic_fetch_add_explicit(&stat_stalls, 1, memory_order_relaxed);
         int64_t backoff = (t2 - t1) * KVDD_BACKOFF_FACTOR;

@@ -72,9 +72,11 @@ int kvdd_job_independent(const kvdd_job *job);
  * path cannot start a thread it copies everything on the calling thread. */
 uint64_t kvdd_job_run(const kvdd_job *job);
 
-/* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these. */
+/* Work items of the 2-thread path when kvdd_job.chunk is 0: total / 32 clamped to these ... */
 #define KVDD_CHUNK_MIN ((uint64_t)256 << 10)
 #define KVDD_CHUNK_MAX ((uint64_t)1 << 20)
+/* ... except the last 2 items' worth, cut into items of a quarter, at least this. */
+#define KVDD_CHUNK_TAIL ((uint64_t)64 << 10)
 /* The resident helper thread spins this long for the next call before it sleeps. */
 #define KVDD_HELPER_SPIN_NS ((int64_t)200000)
 /* After a 2-thread call stalled, automatic mode uses one thread for KVDD_BACKOFF_FACTOR times what
@@ -91,6 +93,8 @@ uint64_t kvdd_job_run(const kvdd_job *job);
  * byte), initially these: */
 #define KVDD_MODEL_COST_NS ((int64_t)30000)
 #define KVDD_MODEL_PS_PER_BYTE ((int64_t)100)
+/* The 2-thread cost is the median of this many recent calls. */
+#define KVDD_COST_SAMPLES 15u
 uint64_t kvdd_threads_min_bytes(void);
 /* 1 for every KVDD_PROBE_EVERY-th call: a call of at least KVDD_CHUNK_MIN bytes that the model keeps on
  * one thread then uses two anyway, so the measured cost follows the machine (a model that learned
@@ -105,8 +109,10 @@ uint64_t kvdd_l2_bytes(void);
 
 /* Counters since the module was loaded: of the 2-thread path calls, chunks, chunks done by helpers,
  * stalls (calls after which automatic mode backed off to one thread); of all jobs that moved bytes
- * their number and the nanoseconds spent in kvdd_job_run. */
-#define KVDD_STATS 6
+ * their number and the nanoseconds spent in kvdd_job_run; of the 2-thread path the nanoseconds spent
+ * posting the work and waiting for the helper's last items, the helper's moves off a caller's new CPU
+ * and its wake-ups from sleep. */
+#define KVDD_STATS 10
 void kvdd_thread_stats(uint64_t out[KVDD_STATS]);
 /* 0 while automatic mode is backing off after a stall. */
 int kvdd_auto_threads_allowed(void);

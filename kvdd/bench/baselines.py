@@ -279,12 +279,15 @@ class Limits:
 def limit_columns(res: Mapping[str, Timing], nbytes: int, candidate: str = "transfer") -> Row:
     """The limit columns of a result row: each limit's GB/s (None when not measured), ``limit`` (the
     fastest, by min time), ``limit_gbps``, ``ratio`` = limit time / candidate time (min times;
-    ``ratio_median`` from medians: > 1 is faster than the limit)."""
+    ``ratio_median`` from medians: > 1 is faster than the limit), ``limit_median`` and
+    ``limit_median_gbps`` (the fastest by median time: what kvdd's medians compare with)."""
     cand = res[candidate]
     out: Row = {f"{name}_gbps": (gbps(nbytes, res[name]["min_s"]) if name in res else None) for name in LIMIT_NAMES}
     measured = [name for name in LIMIT_NAMES if name in res]
     best = min(measured, key=lambda name: res[name]["min_s"])
-    best_median = min(res[name]["median_s"] for name in measured)
+    best_m = min(measured, key=lambda name: res[name]["median_s"])
+    best_median = res[best_m]["median_s"]
     out.update({"limit": best, "limit_gbps": gbps(nbytes, res[best]["min_s"]),
-                "ratio": res[best]["min_s"] / cand["min_s"], "ratio_median": best_median / cand["median_s"]})
+                "ratio": res[best]["min_s"] / cand["min_s"], "ratio_median": best_median / cand["median_s"],
+                "limit_median": best_m, "limit_median_gbps": gbps(nbytes, best_median)})
     return out

@@ -25,7 +25,7 @@ from .checks import (
     require_remote_tensors,
     require_tensor_count,
 )
-from .runs import Runs, ends_past, int64_arrays, row_run, total
+from .runs import Runs, row_run
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -130,13 +130,12 @@ def pull_kv_blocks(backend: SimBackend, src_cache_index: CacheIndex, dst_cache: 
         require_remote_tensors(remote_tensors, rc)  # kvdd rule 1
         # all indices are now < 2**32 (bounded by B or by the remote block count)
         tail = rc.tensor_nbytes % S  # quirk §3.11: the last group copies only R.T % L.S bytes
-        s_off, d_off, length = runs.byte_offsets(S, tail)
-        require_inside_remote(ends_past(s_off, length, rc.tensor_nbytes), "a block run reads")  # kvdd rule 1
+        src_off, dst_off, lengths, nbytes, src_end, _ = runs.byte_plan(S, tail)
+        require_inside_remote(src_end > rc.tensor_nbytes, "a block run reads")  # kvdd rule 1
         local_tensors: Sequence[int] = dst_list if dst_list is not None else range(local.n)
         status = faults.on_transfer(backend, "pull_kv_blocks", src_cache_index.cluster_id, entity,
-                                    len(local_tensors) * total(length))
+                                    len(local_tensors) * nbytes)
         if status != S_OK:
             return status
-        src_off, dst_off, lengths = int64_arrays(s_off, d_off, length)
         return run(entity, local, rc, True, backend.sync_wait_ms, local_tensors, remote_tensors,
                    dst_off, src_off, lengths)

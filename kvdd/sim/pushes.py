@@ -26,7 +26,7 @@ from .checks import (
     require_local_cache,
     require_not_ragged,
 )
-from .runs import Runs, ends_past, int64_arrays, row_run
+from .runs import BytePlan, Runs, row_run
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -189,6 +189,7 @@ def push_kv_blocks(backend: SimBackend, src_cache: Cache, dst_cache_index: Cache
     plan = _push_prologue(src_cache, ext_param)  # 6, 7
     t = ext_param.tensor_num_per_layer
     runs = Runs(src_blocks, dst_blocks)
+    planned: dict[int, BytePlan] = {}  # by block size: check_layer's plan, reused by offsets
 
     def check_layer(local: CacheEntry, rc: RemoteCache, ls: int) -> None:
         if runs.d_max >= rc.batch_size:
@@ -197,12 +198,15 @@ def push_kv_blocks(backend: SimBackend, src_cache: Cache, dst_cache_index: Cache
         runs.require_below(runs.s0, runs.s_last, local.B, "src block", "local block count")
         require_not_ragged(local, rc)  # kvdd rule 10
         # indices are now < 2**32; block size = local stride on both sides (§3.13, §7.4)
-        _, d_off, length = runs.byte_offsets(local.S)
-        require_inside_remote(ends_past(d_off, length, rc.tensor_nbytes),
-                              "a block run would be written")  # kvdd rule 1
+        plan = runs.byte_plan(local.S)
+        planned[local.S] = plan
+        require_inside_remote(plan[5] > rc.tensor_nbytes, "a block run would be written")  # kvdd rule 1
 
     def offsets(local: CacheEntry, rc: RemoteCache) -> Offsets:
-        return int64_arrays(*runs.byte_offsets(local.S))
+        plan = planned.get(local.S)
+        if plan is None:
+            plan = runs.byte_plan(local.S)
+        return plan[0], plan[1], plan[2]
 
     return _push_layers(backend, "push_kv_blocks", src_cache, dst_cache_index, plan, t,
                         check_layer, offsets)  # 8

@@ -2,46 +2,44 @@
 (source, destination) block pairs grouped into maximal runs, and the byte runs the copy kernels get.
 
 A request of a few blocks (:data:`SMALL` pairs or fewer: a 1024-token request is 8 blocks of 128
-tokens) is planned with Python integers, a larger one with numpy.  Both give the same runs; the
-small path exists because every numpy call costs a few microseconds, several times more right after
-a large copy has evicted the interpreter's and numpy's code and data from the caches, which made
-the plan of an 8-block pull of a 78-tensor cache cost as much as a third of its 10 MiB copy
-(docs/benchmarks.md, "How the kernels choose").
+tokens) is planned in C into Python int lists (:func:`kvdd._native._copy.group_small_runs`, and
+its byte runs with their total and ends in one more call: :meth:`Runs.byte_plan`), a larger list or
+tuple of plain ints in one pass in C (:func:`kvdd._native._runs.block_runs`), anything else with
+numpy.  All give the same runs; the small path exists because every numpy call costs a few
+microseconds, several times more right after a large copy has evicted the interpreter's and numpy's
+code and data from the caches, which made the plan of an 8-block pull of a 78-tensor cache cost as
+much as a third of its 10 MiB copy (docs/benchmarks.md, "How the kernels choose"); planned in
+Python ints it still cost ~20 us per call, in C ~8.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from typing import Union
 
 import numpy as np
 
+from .._native._copy import group_small_runs, small_byte_plan
+from .._native._runs import block_runs, byte_runs, sum_int64
 from ..status import PARAM_INVALID
 from .checks import reject
 
-__all__ = ["SMALL", "Runs", "ends_past", "int64_arrays", "row_run", "total"]
+__all__ = ["SMALL", "BytePlan", "Runs", "int64_arrays", "row_run", "total"]
 
 #: Requests of at most this many block pairs are planned without numpy.
 SMALL = 64
 
-_U64 = (1 << 64) - 1
 _I64 = np.int64
 
 #: One index per run: a list of Python ints (small requests) or a uint64 / int64 array.
 Column = Union[list[int], np.ndarray]
 
 
-def _small(blocks: Sequence[int]) -> list[int] | None:
-    """`blocks` as Python ints when they are few and all valid uint64 values (else None: numpy)."""
-    if not 0 < len(blocks) <= SMALL:
-        return None
-    try:
-        out = [operator.index(b) for b in blocks]
-    except TypeError:
-        return None
-    return out if min(out) >= 0 and max(out) <= _U64 else None
+#: The byte runs of a request and their bounds: ``(src_off, dst_off, length, total, src_end,
+#: dst_end)``, three int64 arrays, ``sum(length)`` and the largest ``src_off + length`` and
+#: ``dst_off + length``.
+BytePlan = tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]
 
 
 class Runs:
@@ -52,7 +50,7 @@ class Runs:
     Indices are uint64 as in C: the index after 2**64-1 wraps to 0 (and fails a bound later).
     """
 
-    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max")
+    __slots__ = ("s0", "d0", "ln", "s_last", "d_last", "d_max", "_maxima")
 
     s0: Column
     d0: Column
@@ -61,9 +59,18 @@ class Runs:
     d_last: Column
 
     def __init__(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        s, d = _small(src), _small(dst)
-        if s is not None and d is not None and len(s) == len(d):
-            self._group_small(s, d)
+        self._maxima: dict[int, int] = {}
+        small = group_small_runs(src, dst, SMALL)  # up to SMALL plain ints: Python int lists, in C
+        if small is not None:
+            self.s0, self.d0, self.ln, self.s_last, self.d_last, self.d_max = small
+            return
+        grouped = block_runs(src, dst)  # a list or tuple of plain ints: one pass in C
+        if grouped is not None:
+            self.s0, self.d0, self.ln, self.s_last, self.d_last, self.d_max, maxima = grouped
+            # each column's largest value, by the column's identity: the bound checks and
+            # longest() pass without another numpy call when nothing is out of bounds
+            self._maxima = {id(c): v for c, v in zip((self.s0, self.d0, self.ln, self.s_last, self.d_last),
+                                                     maxima)}
             return
         sa = np.asarray(src, dtype=np.uint64)
         da = np.asarray(dst, dtype=np.uint64)
@@ -78,25 +85,6 @@ class Runs:
         self.d_last = da[ends - 1]
         self.d_max = int(da.max())
 
-    def _group_small(self, s: list[int], d: list[int]) -> None:
-        s0, d0, ln, s_last, d_last = [s[0]], [d[0]], [], [], []
-        n = 1
-        for i in range(1, len(s)):
-            if s[i] == (s[i - 1] + 1) & _U64 and d[i] == (d[i - 1] + 1) & _U64:
-                n += 1
-                continue
-            ln.append(n)
-            s_last.append(s[i - 1])
-            d_last.append(d[i - 1])
-            s0.append(s[i])
-            d0.append(d[i])
-            n = 1
-        ln.append(n)
-        s_last.append(s[-1])
-        d_last.append(d[-1])
-        self.s0, self.d0, self.ln, self.s_last, self.d_last = s0, d0, ln, s_last, d_last
-        self.d_max = max(d)
-
     def __len__(self) -> int:
         return len(self.ln)
 
@@ -106,6 +94,9 @@ class Runs:
             for f, la in zip(first, last):
                 if f >= bound or la >= bound:
                     return f if f >= bound else la
+            return None
+        hi_first, hi_last = self._maxima.get(id(first)), self._maxima.get(id(last))
+        if hi_first is not None and hi_last is not None and max(hi_first, hi_last) < bound:
             return None
         fa, la_ = np.asarray(first), np.asarray(last)
         bad = (fa >= np.uint64(bound)) | (la_ >= np.uint64(bound))
@@ -123,7 +114,10 @@ class Runs:
 
     def longest(self) -> int:
         """The longest run, in blocks."""
-        return max(self.ln) if isinstance(self.ln, list) else int(self.ln.max())
+        if isinstance(self.ln, list):
+            return max(self.ln)
+        known = self._maxima.get(id(self.ln))
+        return known if known is not None else int(self.ln.max())
 
     def byte_offsets(self, block: int, tail: int = 0) -> tuple[Column, Column, Column]:
         """``(src_off, dst_off, length)`` in bytes: ``s0[i] * block``, ``d0[i] * block`` and
@@ -134,6 +128,8 @@ class Runs:
             s_off: Column = [f * block for f in self.s0]
             d_off: Column = [f * block for f in self.d0]
             length: Column = [n * block for n in self.ln]
+        elif self._maxima:  # the arrays of block_runs: one pass in C
+            return byte_runs(self.s0, self.d0, self.ln, block, tail)[:3]
         else:
             s_off = np.asarray(self.s0).astype(_I64) * block
             d_off = np.asarray(self.d0).astype(_I64) * block
@@ -142,17 +138,22 @@ class Runs:
             length[-1] = tail
         return s_off, d_off, length
 
-
-def ends_past(off: Column, length: Column, limit: int) -> bool:
-    """Whether any run ``[off[i], off[i] + length[i])`` ends past `limit` bytes."""
-    if isinstance(off, list) and isinstance(length, list):
-        return any(o + n > limit for o, n in zip(off, length))
-    return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
+    def byte_plan(self, block: int, tail: int = 0) -> BytePlan:
+        """The byte runs of :meth:`byte_offsets` as int64 arrays, with their total and ends
+        (:data:`BytePlan`): one C call for small requests and for long lists.  Same precondition."""
+        if isinstance(self.ln, list) and isinstance(self.s0, list) and isinstance(self.d0, list):
+            return small_byte_plan(self.s0, self.d0, self.ln, block, tail)
+        if self._maxima:  # the arrays of block_runs: one pass in C
+            return byte_runs(self.s0, self.d0, self.ln, block, tail)
+        so, do, ln = int64_arrays(*self.byte_offsets(block, tail))
+        return (so, do, ln, total(ln), int((so + ln).max()), int((do + ln).max()))
 
 
 def total(length: Column) -> int:
     """``sum(length)`` as an int."""
-    return sum(length) if isinstance(length, list) else int(length.sum())
+    if isinstance(length, list):
+        return sum(length)
+    return sum_int64(length) if length.dtype == _I64 else int(length.sum())
 
 
 def int64_arrays(s_off: Column, d_off: Column, length: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,15 +9,17 @@ import pytest
 from kvdd import DataType
 
 from . import reference as ref
+from .checked import (
+    pull_blocks_checked,
+    pull_cache_checked,
+    push_blocks_checked,
+    push_cache_checked,
+)
 from .harness import (
     Spec,
     World,
     ext,
     linked,
-    pull_blocks_checked,
-    pull_cache_checked,
-    push_blocks_checked,
-    push_cache_checked,
 )
 
 SPECS = {

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from kvdd import ClusterInfo, Status
 
+from .checked import (
+    pull_cache_checked,
+)
 from .harness import (
     ALREADY_LINK,
     NOT_YET_LINK,
@@ -13,7 +16,6 @@ from .harness import (
     World,
     link,
     pair,
-    pull_cache_checked,
     raises,
 )
 

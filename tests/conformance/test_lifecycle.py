@@ -1,5 +1,5 @@
-"""Initialize / Finalize / SetRole: SEMANTICS.md §3.2-§3.4, §6 scenarios 1-16 and 39-42, §7.12-15,
-§7.21, §10.6 (real listening), §10.14."""
+"""Finalize / SetRole and calls on an uninitialized or finalized instance: SEMANTICS.md §3.3-§3.4,
+§6 scenarios 15-16 and 39-42, §7.12."""
 
 from __future__ import annotations
 
@@ -9,21 +9,16 @@ from collections.abc import Callable
 import pytest
 
 import kvdd
-import kvdd.testing as kt
 from kvdd import (
-    OPTION_BUF_POOL_CFG,
-    OPTION_DEVICE_ID,
-    OPTION_ENABLE_SET_ROLE,
-    OPTION_GLOBAL_RESOURCE_CONFIG,
     OPTION_LISTEN_IP_INFO,
-    OPTION_LOCAL_COMM_RES,
-    OPTION_SYNC_CACHE_WAIT_TIME,
-    OPTION_TRANSFER_BACKEND,
     CacheIndex,
     LlmRole,
     Status,
 )
 
+from .checked import (
+    pull_cache_checked,
+)
 from .harness import (
     EXIST_LINK,
     FAILED,
@@ -40,352 +35,16 @@ from .harness import (
     link,
     listen_address,
     pair,
-    pull_cache_checked,
     raises,
 )
-
-DEV = {OPTION_DEVICE_ID: str(kt.device_ids()[0])}
-LISTEN0 = {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0"}
-HIXL = {OPTION_TRANSFER_BACKEND: "hixl"}
-#: For tests that check the port bound for port 0, which the real library cannot report.
-NEEDS_PORT0 = pytest.mark.needs_bound_port
-
-
-def _listen(world: World) -> dict[str, str]:
-    """``llm.ListenIpInfo`` on some free port: port 0 on sim, a pre-chosen one on native."""
-    return {OPTION_LISTEN_IP_INFO: listen_address(world.backend)}
-
-
-def _free_port_v6() -> int:
-    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-        s.bind(("::1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
-def _is_listening(port: int, host: str = LOCALHOST) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        return s.connect_ex((host, port)) == 0
-
-
-def _ipv6_loopback() -> bool:
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-def _assert_initialized(d: Node) -> None:
-    # An initialized instance registers (id 1 on a fresh one); an uninitialized one returns FAILED.
-    assert d.register().cache_id >= 1
-
-
-def _assert_uninitialized(d: Node) -> None:
-    with raises(FAILED):
-        d.register()
-
-
-# -- Initialize (§3.2) --------------------------------------------------------------------------
-
-
-def test_s01_device_id_and_unvalidated_local_comm_res(world: World) -> None:
-    d = world.dut()
-    d.initialize_raw({OPTION_DEVICE_ID: "1", OPTION_LOCAL_COMM_RES: "mock"})
-    assert d.register().cache_id == 1
-
-
-def test_s02_missing_device_id_then_retry(world: World) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({})
-    _assert_uninitialized(d)  # §3.2 step 10: stays uninitialized, may be retried
-    d.initialize_raw(DEV)
-    assert d.register().cache_id == 1
-
-
-@pytest.mark.parametrize("value", ["", "-1", "abc", "0;", ";0", "0;;1", "0 ", "1x", "0.5",
-                                   "2147483648", " "])
-def test_s03_bad_device_id(world: World, value: str) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({OPTION_DEVICE_ID: value})
-    _assert_uninitialized(d)
-
-
-@pytest.mark.parametrize("value", ["+0", " 0", "\t3", "00"])
-def test_device_id_stream_parse_tolerates_leading_space_and_plus(world: World, value: str) -> None:
-    d = world.dut()
-    d.initialize_raw({OPTION_DEVICE_ID: value})
-    _assert_initialized(d)
-
-
-def test_s04_multi_device_rejected(world: World) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({OPTION_DEVICE_ID: "0;1"})
-
-
-def test_user_ge_exec_device_id_is_overwritten(world: World) -> None:
-    d = world.dut()
-    d.initialize_raw({OPTION_DEVICE_ID: "0", "ge.exec.deviceId": "not a number"})
-    _assert_initialized(d)
-
-
-def test_s05_second_initialize_ignores_options(world: World) -> None:
-    d = world.dut()
-    d.initialize_raw(DEV)
-    assert d.register().cache_id == 1
-    d.initialize_raw({OPTION_DEVICE_ID: "abc", OPTION_TRANSFER_BACKEND: "foo"})
-    d.initialize_raw({})
-    assert d.register().cache_id == 2  # state kept, nothing re-initialized
-    assert d.listen_port is None  # the options were ignored
-
-
-@pytest.mark.parametrize("role", [0, 4, -1, 2**31 - 1])
-def test_s06_constructor_role_checked_at_initialize(world: World, role: int) -> None:
-    d = world.dut(role=role)  # the constructor validates nothing (§3.1)
-    with raises(PARAM_INVALID):
-        d.initialize_raw(DEV)
-
-
-@pytest.mark.parametrize("role", list(LlmRole))
-def test_valid_roles(world: World, role: LlmRole) -> None:
-    d = world.dut(role=role)
-    d.initialize_raw(DEV)
-    _assert_initialized(d)
-
-
-@pytest.mark.parametrize("value", [
-    "127.0.0.1", "localhost:0", "::1:0", "1.1.1.1:-1", "127.0.0.1:", ":0", "127.0.0.1:0:0",
-    "127.0.0.1:abc", "127.0.0.1:0x10", "127.0.0.1:1 ", "256.0.0.1:0", "[::1]", "[::1]0",
-    "127.0.0.1:4294967296", "", "[localhost]:0",
-])
-def test_s07_bad_listen_ip_info(world: World, value: str) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: value})
-    assert d.listen_port is None
-    _assert_uninitialized(d)
-
-
-def test_s07_bracketed_ipv6_listen_accepted(world: World) -> None:
-    if not _ipv6_loopback():
-        pytest.skip("no IPv6 loopback on this host")
-    d = world.dut()
-    asked = 0 if world.backend == "sim" else _free_port_v6()
-    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"[::1]:{asked}"})
-    port = d.listen_port
-    assert port is not None and port > 0 and (asked == 0 or port == asked)
-    assert _is_listening(port, "::1")
-
-
-def test_s07_port_above_65535_truncated_to_16_bits(world: World) -> None:
-    # §3.2 step 4 and §7.15: accepted up to 4294967295; 65536 keeps its low 16 bits = 0 -> free
-    # port (sim); on native 65536 + p keeps p (a pre-chosen port: the bound one is not reported).
-    d = world.dut()
-    low = 0 if world.backend == "sim" else free_port()
-    d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{65536 + low}"})
-    port = d.listen_port
-    assert port is not None and 0 < port <= 65535 and (low == 0 or port == low)
-    assert _is_listening(port)
-
-
-@pytest.mark.parametrize("value", ["foo", "", "HIXL", "hixl ", "comm"])
-def test_s08_bad_transfer_backend(world: World, value: str) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, **LISTEN0, OPTION_TRANSFER_BACKEND: value})
-    assert d.listen_port is None
-
-
-def test_s09_hixl_requires_listen_ip(world: World) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, **HIXL})
-    _assert_uninitialized(d)
-
-
-def test_s10_hixl_global_resource_config_invalid_json(world: World) -> None:
-    d = world.dut()
-    with pytest.raises(kvdd.LLMError) as info:
-        d.initialize_raw({**DEV, **LISTEN0, **HIXL, OPTION_GLOBAL_RESOURCE_CONFIG: "not_json"})
-    assert info.value.status != Status.LLM_SUCCESS
-    if world.backend == "sim":
-        # kvdd rule 14 (§10.14): a malformed option value is LLM_PARAM_INVALID.
-        assert type(info.value) is kvdd.LLMParamInvalidError
-    _assert_uninitialized(d)
-
-
-def test_s10_hixl_global_resource_config_valid_json(world: World) -> None:
-    d = world.dut()
-    d.initialize_raw({**DEV, **LISTEN0, **HIXL, OPTION_GLOBAL_RESOURCE_CONFIG: "{}"})
-    _assert_initialized(d)
-
-
-@pytest.mark.parametrize("value", ["abc", "-5", "", "+5", " 5", "5 ", "1.5"])
-def test_s11_bad_sync_wait_time(world: World, value: str) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, OPTION_SYNC_CACHE_WAIT_TIME: value})
-    _assert_uninitialized(d)
-
-
-@pytest.mark.parametrize("value", ["0", "1", "1000", "007"])
-def test_s11_sync_wait_time_accepted(world: World, value: str) -> None:
-    d = world.dut()
-    d.initialize_raw({**DEV, OPTION_SYNC_CACHE_WAIT_TIME: value})
-    _assert_initialized(d)
-
-
-@pytest.mark.parametrize("key,value", [
-    ("llm.LinkRetryCount", "0"), ("llm.LinkRetryCount", "101"), ("llm.LinkRetryCount", "x"),
-    ("llm.LinkTotalTime", "x"), ("llm.RdmaTrafficClass", "abc"), ("llm.RdmaServiceLevel", "abc"),
-])
-def test_s12_bad_comm_link_options(world: World, key: str, value: str) -> None:
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, key: value})
-    _assert_uninitialized(d)
-
-
-@pytest.mark.parametrize("value", ["1", "100"])
-def test_s12_link_retry_count_bounds_accepted(world: World, value: str) -> None:
-    d = world.dut()
-    d.initialize_raw({**DEV, "llm.LinkRetryCount": value})
-    _assert_initialized(d)
-
-
-def test_s14_auto_local_comm_res_unknown_device(world: World) -> None:
-    d = world.dut()
-    d.initialize_raw({OPTION_DEVICE_ID: "9", **_listen(world)})
-    assert d.listen_port
-    _assert_initialized(d)
-
-
-@pytest.mark.parametrize("key", ["llm.MemPoolConfig", "llm.HostMemPoolConfig"])
-@pytest.mark.parametrize("value", [
-    "not json", "{}", '{"memory_size": -1}',
-    '{"memory_size": 1048576, "page_shift": 9}', '{"memory_size": 1048576, "page_shift": 31}',
-    '{"memory_size": 4398046511104, "page_shift": 10}',  # (size >> 10) = 2**32 >= UINT32_MAX
-])
-def test_bad_mem_pool_config(world: World, key: str, value: str) -> None:
-    # §3.2 step 9: parsed if present; malformed -> PARAM_INVALID.
-    d = world.dut()
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, key: value})
-    _assert_uninitialized(d)
-
-
-@pytest.mark.parametrize("value", ['{"memory_size": 1048576}',
-                                   '{"memory_size": 1048576, "page_shift": 10}',
-                                   '{"memory_size": 1048576, "page_shift": 30}'])
-def test_mem_pool_config_accepted(world: World, value: str) -> None:
-    d = world.dut()
-    d.initialize_raw({**DEV, "llm.MemPoolConfig": value})
-    _assert_initialized(d)
-
-
-def test_backend_name(world: World) -> None:
-    d = world.dut()
-    assert d.backend_name == world.backend
-
-
-def test_ignored_options_on_comm(world: World) -> None:
-    # §3.2: EnableSwitchRole and BufPoolCfg ignored; GlobalResourceConfig ignored on comm.
-    d = world.dut()
-    d.initialize_raw({**DEV, OPTION_ENABLE_SET_ROLE: "garbage", OPTION_BUF_POOL_CFG: "garbage",
-                      OPTION_GLOBAL_RESOURCE_CONFIG: "not_json"})
-    _assert_initialized(d)
-
-
-@pytest.mark.parametrize("local_comm_res", ["not json{", '{"version": "1.9"}', '{"version": "1.3"}'])
-def test_s13_local_comm_res_checked_only_at_link(world: World, local_comm_res: str) -> None:
-    # §3.2 step 8 (not validated at Initialize), §3.5 e (PARAM_INVALID at link), §7.27 (1.3 on comm).
-    p = world.peer()
-    p.initialize(listen=True)
-    h = p.register()
-    d = world.dut()
-    d.initialize_raw({**DEV, OPTION_LOCAL_COMM_RES: local_comm_res})
-    port = p.listen_port
-    assert port is not None
-    with raises(PARAM_INVALID, rets=[Status.LLM_PARAM_INVALID]):
-        d.link_clusters([cluster(port, 1)])
-    dh = d.register()
-    with raises(NOT_YET_LINK):  # nothing was linked
-        d.pull_kv_cache(h.index(), dh.cache())
-
-
-def test_initialize_bind_failure_is_llm_failed_then_retry(world: World) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind((LOCALHOST, 0))
-        busy.listen(1)
-        port = busy.getsockname()[1]
-        d = world.dut()
-        with raises(FAILED):  # §3.2 step 8: bind failure -> FAILED (TransRetToLlmCodes)
-            d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}"})
-        assert d.listen_port is None
-        _assert_uninitialized(d)
-    d.initialize_raw({**DEV, **_listen(world)})
-    assert d.listen_port
-
-
-def test_initialize_order_bind_failure_before_sync_wait_time(world: World) -> None:
-    # §3.2: step 8 (listen daemon, FAILED) precedes step 9 (SyncKvCacheWaitTime, PARAM_INVALID).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind((LOCALHOST, 0))
-        busy.listen(1)
-        port = busy.getsockname()[1]
-        d = world.dut()
-        with raises(FAILED):
-            d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}",
-                              OPTION_SYNC_CACHE_WAIT_TIME: "abc"})
-
-
-def test_initialize_order_link_options_before_bind(world: World) -> None:
-    # §3.2 step 8: link options are parsed before the listen daemon starts.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind((LOCALHOST, 0))
-        busy.listen(1)
-        port = busy.getsockname()[1]
-        d = world.dut()
-        with raises(PARAM_INVALID):
-            d.initialize_raw({**DEV, OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{port}",
-                              "llm.LinkRetryCount": "0"})
-
-
-def test_initialize_order_role_before_listen(world: World) -> None:
-    # §3.2: step 2 (role) precedes step 4/8 (listen): nothing gets bound when the role is invalid.
-    d = world.dut(role=0)
-    with raises(PARAM_INVALID):
-        d.initialize_raw({**DEV, **LISTEN0})
-    assert d.listen_port is None
-
-
-# -- listening (§10.6) ----------------------------------------------------------------------------
-
-
-def test_listen_port_is_real(world: World, transfer: str) -> None:
-    d = world.dut()
-    assert d.listen_port is None
-    d.initialize(listen=True, transfer=transfer)
-    port = d.listen_port
-    assert port is not None and port > 0
-    assert _is_listening(port)
-    d.finalize()
-    assert d.listen_port is None
-    assert not _is_listening(port)
-
-
-def test_no_listen_port_without_listen_ip(world: World) -> None:
-    d = world.dut()
-    d.initialize()
-    assert d.listen_port is None
+from .init_helpers import (
+    DEV,
+    LISTEN0,
+    NEEDS_PORT0,
+    listen_any,
+    is_listening,
+    assert_uninitialized,
+)
 
 
 # -- uninitialized / finalized (§3.3, scenarios 15-16, §7.12) -------------------------------------
@@ -440,7 +99,7 @@ def test_s16_finalize_twice_and_before_initialize(world: World) -> None:
     d.initialize()
     d.finalize()
     d.finalize()
-    _assert_uninitialized(d)
+    assert_uninitialized(d)
 
 
 def test_s16_reinitialize_starts_fresh(world: World, transfer: str) -> None:
@@ -491,26 +150,26 @@ def test_s39_set_role_sequence_without_links(world: World) -> None:
     p.initialize()
     d = world.dut()
     d.initialize()
-    listen = _listen(world)
+    listen = listen_any(world)
     assert d.listen_port is None
     d.set_role(LlmRole.DECODER, {})
     assert d.listen_port is None
     d.set_role(LlmRole.PROMPT, listen)
     port1 = d.listen_port
-    assert port1 and _is_listening(port1)
+    assert port1 and is_listening(port1)
     d.set_role(LlmRole.DECODER, listen)  # same port string: no-op
     assert d.listen_port == port1
     d.set_role(LlmRole.MIX, {})  # stops listening
     assert d.listen_port is None
-    assert not _is_listening(port1)
+    assert not is_listening(port1)
     d.set_role(LlmRole.PROMPT, listen)
     port2 = d.listen_port
-    assert port2 and _is_listening(port2)
+    assert port2 and is_listening(port2)
     d.set_role(LlmRole.PROMPT, {})
     assert d.listen_port is None
     d.set_role(LlmRole.DECODER, listen)
     port3 = d.listen_port
-    assert port3 and _is_listening(port3)
+    assert port3 and is_listening(port3)
     # it really accepts links now (peer = caller), and a peer linking in makes SetRole fail
     assert p.link(port3, 2) == [Status.LLM_SUCCESS]
     with raises(EXIST_LINK):
@@ -530,7 +189,7 @@ def test_set_role_same_port_string_is_noop_even_if_ip_changes(world: World) -> N
     port = d.listen_port
     d.set_role(LlmRole.MIX, {OPTION_LISTEN_IP_INFO: "127.0.0.2:" + asked.rsplit(":", 1)[1]})
     assert d.listen_port == port
-    assert port and _is_listening(port)
+    assert port and is_listening(port)
 
 
 def test_set_role_moves_listener_to_new_port(world: World) -> None:
@@ -540,8 +199,8 @@ def test_set_role_moves_listener_to_new_port(world: World) -> None:
     new = free_port()
     d.set_role(LlmRole.MIX, {OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:{new}"})
     assert d.listen_port == new
-    assert _is_listening(new)
-    assert old and not _is_listening(old)
+    assert is_listening(new)
+    assert old and not is_listening(old)
 
 
 def test_set_role_bind_failure(world: World) -> None:
@@ -614,7 +273,7 @@ def test_s42_hixl_set_role_listen_change_not_enabled(world: World) -> None:
     d.set_role(LlmRole.PROMPT, LISTEN0)
     assert d.listen_port == port
     d.set_role(LlmRole.MIX, {})  # never stops listening on hixl
-    assert d.listen_port == port and _is_listening(port)
+    assert d.listen_port == port and is_listening(port)
 
 
 def test_hixl_set_role_ignores_links(world: World) -> None:

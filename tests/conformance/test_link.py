@@ -9,6 +9,10 @@ import pytest
 
 from kvdd import ClusterInfo, IpInfo, LlmRole, Status
 
+from .checked import (
+    pull_cache_checked,
+    push_cache_checked,
+)
 from .harness import (
     ALREADY_LINK,
     EXIST_LINK,
@@ -24,8 +28,6 @@ from .harness import (
     free_port,
     link,
     pair,
-    pull_cache_checked,
-    push_cache_checked,
     raises,
     unlink,
 )

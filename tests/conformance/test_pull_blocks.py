@@ -10,6 +10,9 @@ import pytest
 from kvdd import Cache, CacheIndex, DataType, KvCacheExtParam
 
 from . import reference as ref
+from .checked import (
+    pull_blocks_checked,
+)
 from .harness import (
     KV_CACHE_NOT_EXIST,
     NOT_YET_LINK,
@@ -21,7 +24,6 @@ from .harness import (
     ext,
     linked,
     pair,
-    pull_blocks_checked,
 )
 
 UNLINKED = 77

@@ -10,6 +10,10 @@ import pytest
 from kvdd import Cache, CacheIndex, CachePlacement, KvCacheExtParam
 
 from . import reference as ref
+from .checked import (
+    push_blocks_checked,
+    push_cache_checked,
+)
 from .harness import (
     KV_CACHE_NOT_EXIST,
     NOT_YET_LINK,
@@ -21,8 +25,6 @@ from .harness import (
     ext,
     linked,
     pair,
-    push_blocks_checked,
-    push_cache_checked,
 )
 
 UNLINKED = 77

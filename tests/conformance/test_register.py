@@ -9,6 +9,9 @@ import kvdd
 from kvdd import CacheDesc, CachePlacement, DataType, Status
 
 from . import reference as ref
+from .checked import (
+    pull_cache_checked,
+)
 from .harness import (
     FAILED,
     FEATURE_NOT_ENABLED,
@@ -17,7 +20,6 @@ from .harness import (
     World,
     link,
     pair,
-    pull_cache_checked,
     raises,
 )
 

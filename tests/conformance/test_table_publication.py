@@ -7,12 +7,14 @@ from __future__ import annotations
 from kvdd import CacheDesc, CacheIndex, DataType, Status
 
 from . import reference as ref
+from .checked import (
+    pull_cache_checked,
+)
 from .harness import (
     KV_CACHE_NOT_EXIST,
     PARAM_INVALID,
     Node,
     World,
-    pull_cache_checked,
     raises,
 )
 

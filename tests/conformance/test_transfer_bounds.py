@@ -6,15 +6,17 @@ from __future__ import annotations
 from kvdd import DataType
 
 from . import reference as ref
+from .checked import (
+    pull_blocks_checked,
+    pull_cache_checked,
+    push_cache_checked,
+)
 from .harness import (
     PARAM_INVALID,
     Spec,
     World,
     ext,
     linked,
-    pull_blocks_checked,
-    pull_cache_checked,
-    push_cache_checked,
 )
 
 INT4_45 = Spec(n=4, dtype=DataType.DT_INT4, shape=(4, 5))

@@ -8,6 +8,12 @@ import pytest
 
 from kvdd import Cache, CacheDesc, DataType, Status
 
+from .checked import (
+    pull_blocks_checked,
+    pull_cache_checked,
+    push_blocks_checked,
+    push_cache_checked,
+)
 from .harness import (
     KV_CACHE_NOT_EXIST,
     PARAM_INVALID,
@@ -17,10 +23,6 @@ from .harness import (
     link,
     linked,
     pair,
-    pull_blocks_checked,
-    pull_cache_checked,
-    push_blocks_checked,
-    push_cache_checked,
     unlink,
 )
 

@@ -34,6 +34,10 @@ from kvdd.sim.fabric.auth import mac as auth_mac
 from kvdd.sim.fabric.handshake import transcript_of
 from kvdd.sim.fabric.leases import REVOKE_GRACE_S
 
+from conformance.checked import (
+    pull_cache_checked,
+    push_cache_checked,
+)
 from conformance.harness import (
     CacheHandle,
     Node,
@@ -41,8 +45,6 @@ from conformance.harness import (
     Spec,
     World,
     link,
-    pull_cache_checked,
-    push_cache_checked,
     register,
 )
 from hostile import rawpeer

@@ -32,6 +32,12 @@ from kvdd.sim.fabric.samehost_path import OneSidedPeer
 
 import peer_proc
 from conformance import reference as ref
+from conformance.checked import (
+    pull_blocks_checked,
+    pull_cache_checked,
+    push_blocks_checked,
+    push_cache_checked,
+)
 from conformance.harness import (
     KV_CACHE_NOT_EXIST,
     CacheHandle,
@@ -39,10 +45,6 @@ from conformance.harness import (
     Spec,
     World,
     link,
-    pull_blocks_checked,
-    pull_cache_checked,
-    push_blocks_checked,
-    push_cache_checked,
     register,
 )
 from hostile import rawpeer

@@ -136,6 +136,33 @@ def test_many_random_runs_disjoint(path: tuple[str, bool], threads: int) -> None
     run(arena, src, dst, list(so), list(do), list(ln), threads)
 
 
+@pytest.mark.parametrize("per_k", [(256 << 10) // 3 + 1, (700 << 10) // 3 + 13, (3 << 20) // 3 - 5])
+def test_two_thread_work_items_cover_every_byte_once(path: tuple[str, bool], per_k: int) -> None:
+    """The automatic work items of the 2-thread path (items of total / 32, the last two items'
+    worth in quarters) cut runs and tensors anywhere, odd sizes included: every byte lands once."""
+    _copy.set_chunk_size(0)  # automatic items (the path fixture fixes 3000 bytes)
+    rng = np.random.default_rng(per_k)
+    K, J = 3, 7
+    cuts = np.sort(rng.choice(np.arange(1, per_k), J - 1, replace=False))
+    ln = [int(x) for x in np.diff(np.concatenate(([0], cuts, [per_k])))]
+    do = [sum(ln[:j]) for j in range(J)]  # destination: the runs in order
+    order = [int(x) for x in rng.permutation(J)]  # source: the same runs in another order
+    so = [0] * J
+    pos = 0
+    for j in order:
+        so[j] = pos
+        pos += ln[j]
+    src = [(3 + k * per_k, per_k) for k in range(K)]  # odd bases
+    dst = [(K * per_k + 69 + k * per_k, per_k) for k in range(K)]
+    arena = Arena(2 * K * per_k + 192, seed=per_k % 97)
+    p = plan_runs([arena.region(*x) for x in src], [arena.region(*x) for x in dst], arr(so), arr(do), arr(ln),
+                  threads=2)
+    assert p.threads == 2
+    before = _copy.thread_stats()
+    run(arena, src, dst, so, do, ln, threads=2)
+    assert _copy.thread_stats()["chunks"] - before["chunks"] >= 2
+
+
 def test_many_random_runs_overlapping_destinations(path: tuple[str, bool], threads: int) -> None:
     """Arbitrary offsets and lengths, destinations overlapping each other: in-order result."""
     rng = np.random.default_rng(3)
@@ -567,7 +594,8 @@ def test_cpu_features() -> None:
     assert f.get("avx512f", False) == ("avx512" in ISAS)
     assert f.get("avx2", False) == ("avx2" in ISAS)
     s = _copy.thread_stats()
-    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns"}
+    assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns", "post_ns", "wait_ns", "moves",
+                      "wakes"}
 
 
 # ---- threads and processes ------------------------------------------------------------------------------
@@ -626,6 +654,61 @@ def test_two_thread_path_works_after_fork() -> None:
         p.kill()
         pytest.fail("child process hung in the 2-thread path after fork")
     assert p.exitcode == 0 and q.get(timeout=5) is True
+
+
+
+def test_resident_helper_sleeps_and_wakes() -> None:
+    """After each call the resident helper spins briefly, then sleeps on a futex (Linux) or a condition
+    variable: calls spaced wider than the spin must wake it (a lost wake would leave every chunk to
+    the caller: the bytes would still be right, so the helper's share is checked too)."""
+    size = 4 << 20
+    a = np.frombuffer(np.random.default_rng(7).bytes(size), dtype=np.uint8)
+    b = np.zeros_like(a)
+    src, dst = [Region(a.ctypes.data, a.nbytes, a)], [Region(b.ctypes.data, b.nbytes, b)]
+    z = arr([0])
+    copy_runs(src, dst, z, z, arr([size]), threads=2)  # the helper exists
+    before = _copy.thread_stats()
+    for i in range(20):
+        b[:] = 0
+        threading.Event().wait(0.005)  # well past the helper's spin: it is asleep
+        assert copy_runs(src, dst, z, z, arr([size - i]), threads=2) == size - i
+        np.testing.assert_array_equal(b[:size - i], a[:size - i])
+        assert not b[size - i:].any()
+    after = _copy.thread_stats()
+    assert after["calls"] == before["calls"] + 20
+    assert after["wakes"] > before["wakes"] and after["helper_chunks"] > before["helper_chunks"]
+
+
+
+# ---- the compiled block-run planner (kvdd/sim/runs.py's small path; tests/sim/test_runs.py compares it
+# with the numpy path) ------------------------------------------------------------------------------------
+
+def test_group_small_runs_declines_what_it_cannot_plan() -> None:
+    """None (the caller plans with numpy) for anything but 1..max_pairs pairs of plain uint64 ints."""
+    u64 = (1 << 64) - 1
+    for src, dst, cap in (([], [], 8), ([1, 2], [1], 8), ([1, 2, 3], [1, 2, 3], 2), ([-1], [0], 8),
+                          ([u64 + 1], [0], 8), ([0], [u64 + 1], 8), ([1.0], [1], 8), ([True], [1], 8),
+                          (np.array([1]), [1], 8), ("ab", "ab", 8), ([1] * 257, [1] * 257, 1000)):
+        assert _copy.group_small_runs(src, dst, cap) is None, (src, dst, cap)
+    assert _copy.group_small_runs((u64, 0, 5), [3, 4, 9], 8) == ([u64, 5], [3, 9], [2, 1], [0, 5], [4, 9], 9)
+    assert _copy.group_small_runs([7] * 256, list(range(256)), 256) == ([7] * 256, list(range(256)), [1] * 256,
+                                                                   [7] * 256, list(range(256)), 255)
+
+
+def test_small_byte_plan_offsets_tail_and_bounds() -> None:
+    so, do, ln, total, src_end, dst_end = _copy.small_byte_plan([3, 0], [1, 9], [2, 1], 4096, 0)
+    assert (so.tolist(), do.tolist(), ln.tolist()) == ([12288, 0], [4096, 36864], [8192, 4096])
+    assert (total, src_end, dst_end) == (12288, 20480, 40960)
+    assert _copy.small_byte_plan([3, 0], [1, 9], [2, 1], 4096, 100)[2].tolist() == [8192, 100]
+    big = (1 << 32) - 1
+    assert _copy.small_byte_plan([big], [0], [1], (1 << 31) - 1, 0)[4] == (big + 1) * ((1 << 31) - 1)
+    for args in (([1 << 32], [0], [1], 8, 0), ([0], [1 << 32], [1], 8, 0), ([0], [0], [1 << 32], 8, 0),
+                 ([0], [0], [1], 1 << 31, 0), ([0], [0], [1], -1, 0), ([0], [0], [1], 8, -1),
+                 ([0, 1], [0], [1], 8, 0), ([], [], [], 8, 0)):
+        with pytest.raises(ValueError):
+            _copy.small_byte_plan(*args)
+    with pytest.raises(ValueError, match="overflows"):
+        _copy.small_byte_plan([0] * 3, [0] * 3, [big] * 3, (1 << 31) - 1, 0)
 
 
 # ---- every kernel path in C, including the ones this machine cannot force from Python ----------------

@@ -39,6 +39,12 @@ from kvdd.sim.fabric import wire
 import peer_proc
 from hostile import rawpeer
 from conformance import reference as ref
+from conformance.checked import (
+    pull_blocks_checked,
+    pull_cache_checked,
+    push_blocks_checked,
+    push_cache_checked,
+)
 from conformance.harness import (
     ALREADY_LINK,
     KV_CACHE_NOT_EXIST,
@@ -52,10 +58,6 @@ from conformance.harness import (
     World,
     cluster,
     link,
-    pull_blocks_checked,
-    pull_cache_checked,
-    push_blocks_checked,
-    push_cache_checked,
     raises,
     register,
     unlink,

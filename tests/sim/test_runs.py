@@ -1,7 +1,11 @@
 """kvdd.sim.runs: the block runs of PullKvBlocks / PushKvBlocks, planned with Python integers for
-small requests and with numpy for large ones: both paths must give the same runs and byte runs."""
+small requests, in C (kvdd._native._runs) for long lists and tuples of ints, and with numpy for
+anything else: all three paths must give the same runs, bound checks and byte runs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import pytest
@@ -19,10 +23,19 @@ index = st.one_of(st.integers(0, 12), st.integers(U64 - 3, U64))
 pairs = st.lists(st.tuples(index, index), min_size=1, max_size=80)
 
 
-def _numpy_runs(src: list[int], dst: list[int], monkeypatch: pytest.MonkeyPatch) -> Runs:
+def _native_runs(src: list[int], dst: list[int], monkeypatch: pytest.MonkeyPatch) -> Runs:
+    """The compiled path: lists of ints longer than SMALL."""
     with monkeypatch.context() as m:
         m.setattr(runs_mod, "SMALL", 0)
         return Runs(src, dst)
+
+
+def _numpy_runs(src: list[int], dst: list[int], monkeypatch: pytest.MonkeyPatch) -> Runs:
+    """The numpy path: arrays longer than SMALL (never planned in C)."""
+    with monkeypatch.context() as m:
+        m.setattr(runs_mod, "SMALL", 0)
+        arrays = np.array(src, dtype=np.uint64), np.array(dst, dtype=np.uint64)
+        return Runs(*cast(tuple[Sequence[int], Sequence[int]], arrays))
 
 
 def _as_list(col: object) -> list[int]:
@@ -42,14 +55,16 @@ def _reference(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 @settings(max_examples=200, deadline=None)
 @given(pairs, st.integers(1, 16), st.integers(0, 20))
-def test_small_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound: int) -> None:
+def test_small_native_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound: int) -> None:
     src, dst = [s for s, _ in p], [d for _, d in p]
     with pytest.MonkeyPatch.context() as mp:
-        big = _numpy_runs(src, dst, mp)
+        native = _native_runs(src, dst, mp)
+        numpy_ = _numpy_runs(src, dst, mp)
     small = Runs(src, dst)
     assert isinstance(small.ln, list) == (len(p) <= runs_mod.SMALL)
+    assert isinstance(native.ln, np.ndarray) and isinstance(numpy_.ln, np.ndarray)
     ref = _reference(src, dst)
-    for r in (small, big):
+    for r in (small, native, numpy_):
         assert len(r) == len(ref)
         assert list(zip(_as_list(r.s0), _as_list(r.d0), _as_list(r.ln))) == ref
         assert _as_list(r.s_last) == [(s + n - 1) & U64 for s, _, n in ref]
@@ -57,9 +72,9 @@ def test_small_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound
         assert r.d_max == max(dst) and r.longest() == max(n for _, _, n in ref)
     for first, last in (("s0", "s_last"), ("d0", "d_last"), ("s0", "s0")):
         a = small.first_at_or_above(getattr(small, first), getattr(small, last), bound)
-        b = big.first_at_or_above(getattr(big, first), getattr(big, last), bound)
-        assert a == b
-        for r in (small, big):
+        for other in (native, numpy_):
+            assert other.first_at_or_above(getattr(other, first), getattr(other, last), bound) == a
+        for r in (small, native, numpy_):
             if a is None:
                 r.require_below(getattr(r, first), getattr(r, last), bound, "block", "count")
             else:
@@ -67,8 +82,7 @@ def test_small_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound
                     r.require_below(getattr(r, first), getattr(r, last), bound, "block", "count")
     if max(src + dst) < 1 << 32:  # byte runs are computed after the indices were bounded
         tail = block // 2
-        limit = 8 * block
-        for r in (small, big):
+        for r in (small, native, numpy_):
             cols = r.byte_offsets(block, tail)
             so, do, ln = runs_mod.int64_arrays(*cols)
             assert so.dtype == do.dtype == ln.dtype == np.int64
@@ -76,10 +90,12 @@ def test_small_and_numpy_paths_agree(p: list[tuple[int, int]], block: int, bound
             assert do.tolist() == [d * block for _, d, _ in ref]
             assert ln.tolist() == [n * block for _, _, n in ref][:-1] + [tail or ref[-1][2] * block]
             assert runs_mod.total(cols[2]) == sum(ln.tolist())
-            for off in (so, do):
-                ends = [o + n for o, n in zip(off.tolist(), ln.tolist())]
-                col = cols[0] if off is so else cols[1]
-                assert runs_mod.ends_past(col, cols[2], limit) == any(e > limit for e in ends)
+            pso, pdo, pln, ptotal, src_end, dst_end = r.byte_plan(block, tail)
+            assert [x.dtype for x in (pso, pdo, pln)] == [np.int64] * 3
+            assert (pso.tolist(), pdo.tolist(), pln.tolist()) == (so.tolist(), do.tolist(), ln.tolist())
+            assert ptotal == sum(ln.tolist())
+            assert src_end == max(o + n for o, n in zip(so.tolist(), ln.tolist()))
+            assert dst_end == max(o + n for o, n in zip(do.tolist(), ln.tolist()))
 
 
 def test_invalid_indices_take_the_numpy_path() -> None:
@@ -104,3 +120,10 @@ def test_row_run_is_one_read_only_run() -> None:
     with pytest.raises(ValueError):
         a[0] = 0
     assert runs_mod.row_run(4096, 8192, 100)[0] is a  # cached
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=50))
+def test_total_of_an_int64_array_is_computed_in_c(length: list[int]) -> None:
+    ln = np.array(length, dtype=np.int64)
+    assert runs_mod.total(ln) == int(ln.sum()) == sum(length)
