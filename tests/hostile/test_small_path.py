@@ -51,6 +51,15 @@ REPLIES: dict[str, tuple[Reply, Status | None]] = {
     "data_for_another_request": (lambda r: _data(r + 1, b"\xcc" * SIZE) + _done(r, S), None),
     "success_without_all_bytes": (lambda r: _data(r, b"\xdd" * (SIZE // 2)) + _done(r, S), None),
     "silent": (lambda r: b"", None),
+    # the caller's compiled reader: several DATA frames; a DONE of the wrong size; no DATA;
+    # a garbage header; the peer's own request (served on the way) before the answer
+    "data_in_three_frames": (lambda r: _data(r, PATTERN[:10]) + _data(r, PATTERN[10:11])
+                             + _data(r, PATTERN[11:]) + _done(r, S), S),
+    "long_done": (lambda r: _data(r, PATTERN) + rawpeer.frame(wire.F_DONE, bytes(8), r), None),
+    "success_without_data": (lambda r: _done(r, S), None),
+    "bad_header": (lambda r: b"XY" + bytes(10) + _data(r, PATTERN) + _done(r, S), None),
+    "ping_first": (lambda r: rawpeer.frame(wire.F_PING, b"", 999) + _data(r, PATTERN)
+                   + _done(r, S), S),
 }
 
 
