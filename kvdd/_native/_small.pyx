@@ -33,16 +33,21 @@ import os
 cdef extern from "sys/socket.h" nogil:
     ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
 
-__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE",
+           "F_LEASE_READ", "ONE_RUN_SIZE", "RECV_CHUNK"]
 
 HEADER_SIZE = 12  # magic (2), version, type, request id (u32), payload length (u32); little-endian
 F_DATA = 15
 F_DONE = 16
+F_LEASE_READ = 22
+ONE_RUN_SIZE = 36  # a LEASE_READ payload of one tensor and one run: <QII Iqq
 RECV_CHUNK = 1 << 20  # bytes asked of one recv when receiving straight into a destination
 cdef enum:
     _HSIZE = 12
     _F_DATA = 15
     _F_DONE = 16
+    _F_LEASE_READ = 22
+    _ONE_RUN = 36
     _CHUNK = 1 << 20
 
 
@@ -258,6 +263,33 @@ cdef class FrameReader:
                 return -1
 
 
+    def serve_lease_read(self, grant, owner, served, Py_ssize_t small_bytes,
+                         uint32_t param_invalid):
+        """The owner's side: when the next frame is a LEASE_READ of one tensor and one run (of at
+        most ``small_bytes``), consume it and serve it as :func:`serve_one_run` does:
+        ``(request id, answer)``.  None, with nothing consumed, when it is anything else."""
+        cdef const char* h
+        cdef uint32_t req
+        cdef uint8_t m[2]
+        self._fill(_HSIZE)
+        h = self._p + self._pos
+        if (not self._header_ok(h) or <uint8_t>h[3] != _F_LEASE_READ
+                or _u32(h + 8) != _ONE_RUN):
+            return None
+        self._fill(_HSIZE + _ONE_RUN)
+        h = self._p + self._pos
+        if not _one_run(h + _HSIZE, small_bytes):
+            return None
+        req = _u32(h + 4)
+        self._pos += _HSIZE + _ONE_RUN
+        m[0] = self._m0
+        m[1] = self._m1
+        # the payload is copied out of the buffer first: grant() runs Python, never this reader
+        cdef char payload[_ONE_RUN]
+        memcpy(payload, h + _HSIZE, _ONE_RUN)
+        return req, _serve(req, payload, grant, owner, served, param_invalid, m, self._version)
+
+
 cdef class Stage:
     """Where a one-run small READ's answer is staged: ``size`` bytes (at most ``limit``), of which
     ``left`` have not arrived.  A :class:`~kvdd.sim.fabric.rx.Sink` (``recv``)."""
@@ -295,31 +327,33 @@ cdef class Stage:
             memcpy(<void*>addr, self._p, <size_t>self.size)
 
 
-def read_answer(uint32_t req, uintptr_t addr, Py_ssize_t n, bytes magic, int version):
-    """A one-run small READ's answer: DATA (``n`` bytes copied from ``addr``, a run the owner
-    checked) and DONE(LLM_SUCCESS), in one bytes object."""
-    cdef bytes out
-    cdef char* p
-    if n <= 0 or n > 0xFFFFFFFF or len(magic) != 2:
-        raise ValueError("bad answer")
-    out = PyBytes_FromStringAndSize(NULL, 2 * _HSIZE + n + 4)
-    p = PyBytes_AS_STRING(out)
-    p[0] = magic[0]
-    p[1] = magic[1]
+cdef bytes _answer(uint32_t req, uintptr_t addr, Py_ssize_t n, const uint8_t* magic, int version):
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 2 * _HSIZE + n + 4)
+    cdef char* p = PyBytes_AS_STRING(out)
+    p[0] = <char>magic[0]
+    p[1] = <char>magic[1]
     p[2] = <char>version
     p[3] = _F_DATA
     _put32(p + 4, req)
     _put32(p + 8, <uint32_t>n)
     memcpy(p + _HSIZE, <const void*>addr, <size_t>n)
     p += _HSIZE + n
-    p[0] = magic[0]
-    p[1] = magic[1]
+    p[0] = <char>magic[0]
+    p[1] = <char>magic[1]
     p[2] = <char>version
     p[3] = _F_DONE
     _put32(p + 4, req)
     _put32(p + 8, 4)
     _put32(p + 12, 0)
     return out
+
+
+def read_answer(uint32_t req, uintptr_t addr, Py_ssize_t n, bytes magic, int version):
+    """A one-run small READ's answer: DATA (``n`` bytes copied from ``addr``, a run the owner
+    checked) and DONE(LLM_SUCCESS), in one bytes object."""
+    if n <= 0 or n > 0xFFFFFFFF or len(magic) != 2:
+        raise ValueError("bad answer")
+    return _answer(req, addr, n, <const uint8_t*>PyBytes_AS_STRING(magic), version)
 
 
 cdef bytes _done(uint32_t req, uint32_t status, const uint8_t* magic, int version):
@@ -335,31 +369,18 @@ cdef bytes _done(uint32_t req, uint32_t status, const uint8_t* magic, int versio
     return out
 
 
-def serve_one_run(bytes payload, uint32_t req, grant, owner, served, Py_ssize_t small_bytes,
-                  uint32_t param_invalid, bytes magic, int version):
-    """The owner's answer to a LEASE_READ of one tensor and one run: the checks of LEASE and READ
-    in their order and with their statuses (``grant(owner, served, cache_id)`` = the lease checks:
-    ``(status, entry)``, the entry acquired when it is not None; the run must lie inside the
-    tensor's size ``entry.T`` and its registered region ``entry.regions[k]``), then DATA + DONE
-    built while the entry is held (released before returning).  None when ``payload`` is not a
-    one-run request of at most ``small_bytes`` (the generic path then parses, or refuses, it)."""
-    cdef const char* p
-    cdef uint64_t cache_id
-    cdef uint32_t k
-    cdef int64_t o, n, t
-    cdef const uint8_t* m
-    if len(payload) != 36 or len(magic) != 2:
-        return None
-    p = PyBytes_AS_STRING(payload)
-    if _u32(p + 8) != 1 or _u32(p + 12) != 1:
-        return None
-    cache_id = <uint64_t>_u32(p) | (<uint64_t>_u32(p + 4) << 32)
-    k = _u32(p + 16)
-    o = <int64_t>(<uint64_t>_u32(p + 20) | (<uint64_t>_u32(p + 24) << 32))
-    n = <int64_t>(<uint64_t>_u32(p + 28) | (<uint64_t>_u32(p + 32) << 32))
-    if n > small_bytes:
-        return None
-    m = <const uint8_t*>PyBytes_AS_STRING(magic)
+cdef inline int64_t _i64(const char* p) noexcept nogil:
+    return <int64_t>(<uint64_t>_u32(p) | (<uint64_t>_u32(p + 4) << 32))
+
+
+cdef object _serve(uint32_t req, const char* p, grant, owner, served, uint32_t param_invalid,
+                   const uint8_t* m, int version):
+    """Serve the one-run LEASE_READ payload at ``p`` (ONE_RUN_SIZE bytes, k = j = 1 checked)."""
+    cdef uint64_t cache_id = <uint64_t>_i64(p)
+    cdef uint32_t k = _u32(p + 16)
+    cdef int64_t o = _i64(p + 20)
+    cdef int64_t n = _i64(p + 28)
+    cdef int64_t t
     status, entry = grant(owner, served, cache_id)
     if entry is None:
         return _done(req, status, m, version)
@@ -373,6 +394,28 @@ def serve_one_run(bytes payload, uint32_t req, grant, owner, served, Py_ssize_t 
             return _done(req, param_invalid, m, version)
         if n == 0:
             return _done(req, 0, m, version)
-        return read_answer(req, <uintptr_t>region.addr + <uintptr_t>o, n, magic, version)
+        return _answer(req, <uintptr_t>region.addr + <uintptr_t>o, n, m, version)
     finally:
         entry.release()
+
+
+cdef inline bint _one_run(const char* p, Py_ssize_t small_bytes) noexcept:
+    """Whether the LEASE_READ payload at ``p`` (ONE_RUN_SIZE bytes) is one tensor x one run of at
+    most ``small_bytes`` (anything else is the generic path's: parsed there, or refused)."""
+    return _u32(p + 8) == 1 and _u32(p + 12) == 1 and _i64(p + 28) <= small_bytes
+
+
+def serve_one_run(bytes payload, uint32_t req, grant, owner, served, Py_ssize_t small_bytes,
+                  uint32_t param_invalid, bytes magic, int version):
+    """The owner's answer to a LEASE_READ of one tensor and one run: the checks of LEASE and READ
+    in their order and with their statuses (``grant(owner, served, cache_id)`` = the lease checks:
+    ``(status, entry)``, the entry acquired when it is not None; the run must lie inside the
+    tensor's size ``entry.T`` and its registered region ``entry.regions[k]``), then DATA + DONE
+    built while the entry is held (released before returning).  None when ``payload`` is not a
+    one-run request of at most ``small_bytes`` (the generic path then parses, or refuses, it)."""
+    if len(payload) != _ONE_RUN or len(magic) != 2:
+        return None
+    if not _one_run(PyBytes_AS_STRING(payload), small_bytes):
+        return None
+    return _serve(req, PyBytes_AS_STRING(payload), grant, owner, served, param_invalid,
+                  <const uint8_t*>PyBytes_AS_STRING(magic), version)

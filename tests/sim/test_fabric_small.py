@@ -4,9 +4,10 @@
   :func:`~kvdd.sim.fabric.wire.check_header` refuses, with the same error, and delivers payloads
   exactly however the bytes are split on the wire;
 * ``small_reply`` takes only its own request's DATA and DONE and leaves anything else unread;
-* ``serve_one_run`` answers every one-run LEASE_READ byte for byte as the Python
+* ``serve_one_run`` (and ``FrameReader.serve_lease_read``, the same from a connection) answers
+  every one-run LEASE_READ byte for byte as the Python
   :func:`~kvdd.sim.fabric.small.serve_small_read` does (statuses, order, the bytes, the entry
-  released), and leaves any other payload to it.
+  released), and leaves any other payload (or frame, unread) to it.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class _Owner:
     initialized = True
 
 
-def test_serve_one_run_answers_as_serve_small_read() -> None:
+def test_serve_one_run_answers_as_serve_small_read(pair: tuple[socket.socket, Rx]) -> None:
+    a, rx = pair
     owner = _Owner()
     served = {3: _Entry(2, 100, [100, 60]), 4: _Entry(3, 100, [100, 100]),
               5: _Entry(1, 64, [64])}
@@ -201,10 +203,16 @@ def test_serve_one_run_answers_as_serve_small_read() -> None:
             want = wire.ProtocolError
         got = serve_one_run(payload, 77, grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID,
                             wire.MAGIC, wire.PROTOCOL_VERSION)
+        # the same request as a frame, served straight from a connection's reader
+        a.sendall(wire.frame(wire.F_LEASE_READ, 77, payload))
+        framed = rx.serve_lease_read(grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID)
         if want is wire.ProtocolError:
-            assert got is None  # left to the generic path, which refuses it
+            assert got is None and framed is None  # left to the generic path, which refuses it
+            rx.discard(wire.HDR.size + len(payload))
         else:
             assert got == want, (cache_id, k, o, n)
+            assert framed == (77, want)
+        assert rx.buffered == 0
         assert all(e.held == 0 for e in served.values())
         cases += 1
     assert cases == 4 * 5 * 9 * 8
@@ -214,3 +222,10 @@ def test_serve_one_run_answers_as_serve_small_read() -> None:
                     struct.pack("<QIIIqq", 3, 1, 1, 0, 0, 8) + b"\0"):
         assert serve_one_run(payload, 1, grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID,
                              wire.MAGIC, wire.PROTOCOL_VERSION) is None
+        a.sendall(wire.frame(wire.F_LEASE_READ, 1, payload))
+        assert rx.serve_lease_read(grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID) is None
+        assert rx.buffered == wire.HDR.size + len(payload)  # left unread
+        rx.discard(rx.buffered)
+    a.sendall(wire.frame(wire.F_PING, 3))  # not a LEASE_READ: left unread
+    assert rx.serve_lease_read(grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID) is None
+    assert rx.header() == (wire.F_PING, 3, 0)

@@ -15,14 +15,16 @@ import socket
 from typing import Protocol
 
 from ..._native import _small
-from .wire import F_DATA, F_DONE, HDR, MAGIC, MAX_LEN, PROTOCOL_VERSION, RECV_CHUNK, ProtocolError, check_header
+from .wire import (F_DATA, F_DONE, F_LEASE_READ, HDR, MAGIC, MAX_LEN, PROTOCOL_VERSION, RECV_CHUNK,
+                   REQ, ProtocolError, check_header)
 
 __all__ = ["Rx", "RX_BUFFER", "Sink", "Pending", "Goodbye", "Stage"]
 
 RX_BUFFER = 64 << 10  # bytes buffered per connection
 # the compiled reader's twins of the wire format (kvdd/_native/_small.pyx)
-assert (_small.HEADER_SIZE, _small.F_DATA, _small.F_DONE, _small.RECV_CHUNK) == (
-    HDR.size, F_DATA, F_DONE, RECV_CHUNK)
+assert (_small.HEADER_SIZE, _small.F_DATA, _small.F_DONE, _small.F_LEASE_READ,
+        _small.ONE_RUN_SIZE, _small.RECV_CHUNK) == (HDR.size, F_DATA, F_DONE, F_LEASE_READ,
+                                                    REQ.size + 20, RECV_CHUNK)
 
 #: A one-run small READ's staging buffer (``Stage(size, limit)``): a :class:`Sink`.
 Stage = _small.Stage
@@ -35,7 +37,7 @@ def _bad_header(head: bytes) -> None:
 class Rx(_small.FrameReader):
     """Buffered frame reader of one socket (not thread-safe: one reader at a time): ``header()``
     (checked: :func:`~.wire.check_header`), ``exact(n)``, ``into(dst)``, ``discard(n)``,
-    ``small_reply(req, stage)`` (see :mod:`kvdd._native._small`)."""
+    ``small_reply(req, stage)``, ``serve_lease_read(...)`` (see :mod:`kvdd._native._small`)."""
 
     __slots__ = ()
 

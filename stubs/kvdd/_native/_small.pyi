@@ -6,11 +6,13 @@ from typing import Any
 
 from typing_extensions import disjoint_base
 
-__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE", "F_LEASE_READ", "ONE_RUN_SIZE", "RECV_CHUNK"]
 
 HEADER_SIZE: int
 F_DATA: int
 F_DONE: int
+F_LEASE_READ: int
+ONE_RUN_SIZE: int
 RECV_CHUNK: int
 
 @disjoint_base
@@ -36,6 +38,14 @@ class FrameReader:
     def into(self, dst: bytearray | memoryview) -> None: ...
     def discard(self, n: int) -> None: ...
     def small_reply(self, req: int, stage: Stage) -> int: ...
+    def serve_lease_read(
+        self,
+        grant: Callable[[Any, Any, int], tuple[int, Any]],
+        owner: object,
+        served: object,
+        small_bytes: int,
+        param_invalid: int,
+    ) -> tuple[int, bytes] | None: ...
 
 @disjoint_base
 class Stage:
