@@ -549,7 +549,16 @@ class Channel:
                 return None
             return int.from_bytes(reply, "little")
         finally:
-            self._end_small(p, lead)
+            with self._lock:  # _end_small, inline (once per small call)
+                if lead:
+                    self._leader = None
+                    if self._waiters:
+                        self._rx_cv.notify_all()
+                    if self.rx.buffered:
+                        self._bg_cv.notify()
+                self._pending.pop(p.req, None)
+                self._active -= 1
+                self._last_active = time.monotonic()
 
     def _end_small(self, p: Pending, lead: bool) -> None:
         """:meth:`_unlead` (when ``lead``) and :meth:`_retire` in one lock section."""
