@@ -229,3 +229,16 @@ def test_serve_one_run_answers_as_serve_small_read(pair: tuple[socket.socket, Rx
     a.sendall(wire.frame(wire.F_PING, 3))  # not a LEASE_READ: left unread
     assert rx.serve_lease_read(grant3, owner, served, wire.SMALL_BYTES, PARAM_INVALID) is None
     assert rx.header() == (wire.F_PING, 3, 0)
+
+
+def test_a_socket_in_timeout_mode_waits_with_its_timeout() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(0.2)  # non-blocking underneath: the reader waits through the socket
+        rx = Rx(b)
+        timer = threading.Timer(0.05, a.sendall, args=(_hdr(wire.F_PONG, 4, 0),))
+        timer.start()
+        assert rx.header() == (wire.F_PONG, 4, 0)
+        timer.join()
+        with pytest.raises(TimeoutError):
+            rx.header()
