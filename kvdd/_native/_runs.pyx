@@ -172,45 +172,40 @@ def block_runs(src: object, dst: object) -> tuple | None:
 
 
 def byte_runs(s0: object, d0: object, ln: object, block: int, tail: int) -> tuple:
-    """The byte runs of block runs: ``s0 * block``, ``d0 * block`` and ``ln * block`` as int64
-    arrays (two's-complement wrapping, as numpy's ``astype(int64) * block``), the last length
-    `tail` when `tail` > 0 (the §3.11 quirk).  `s0`, `d0`: uint64 arrays, `ln`: int64, of equal
-    length >= 1."""
+    """The byte plan of block runs in one pass: ``s0 * block``, ``d0 * block`` and ``ln * block`` as
+    int64 arrays (two's-complement wrapping, as numpy's ``astype(int64) * block``), the last length
+    `tail` when `tail` > 0 (the §3.11 quirk), then ``sum(length)`` and the largest
+    ``src_off + length`` and ``dst_off + length`` (ints; int64 wrapping as numpy's).  `s0`, `d0`:
+    uint64 arrays, `ln`: int64, of equal length >= 1."""
     cdef const uint64_t[:] s = s0, d = d0
     cdef const int64_t[:] n = ln
     cdef Py_ssize_t m = n.shape[0], i
     if s.shape[0] != m or d.shape[0] != m or m == 0:
         raise ValueError("byte_runs: s0, d0 and ln must have the same length >= 1")
-    so_ = np.empty(m, dtype=np.int64)
-    do_ = np.empty(m, dtype=np.int64)
-    lo_ = np.empty(m, dtype=np.int64)
-    cdef int64_t[::1] so = so_, do = do_, lo = lo_
+    buf = np.empty((3, m), dtype=np.int64)
+    cdef int64_t[::1] so = buf[0], do = buf[1], lo = buf[2]
     cdef uint64_t b = <uint64_t><int64_t>block
+    cdef int64_t last = <int64_t>tail
+    cdef uint64_t tot = 0
+    cdef int64_t s_end, d_end, e
     with nogil:
         for i in range(m):
             so[i] = <int64_t>(s[i] * b)
             do[i] = <int64_t>(d[i] * b)
             lo[i] = <int64_t>(<uint64_t>n[i] * b)
-    if tail > 0:
-        lo[m - 1] = tail
-    return so_, do_, lo_
-
-
-def any_end_past(off: object, length: object, limit: int) -> bool:
-    """Whether any ``off[i] + length[i] > limit`` (int64 arrays of equal length; the sum wraps as
-    numpy's int64 addition does)."""
-    cdef const int64_t[:] o = off, n = length
-    if o.shape[0] != n.shape[0]:
-        raise ValueError("any_end_past: off and length must have the same length")
-    cdef int64_t lim = limit
-    cdef Py_ssize_t i
-    cdef bint past = False
-    with nogil:
-        for i in range(o.shape[0]):
-            if <int64_t>(<uint64_t>o[i] + <uint64_t>n[i]) > lim:
-                past = True
-                break
-    return past
+        if last > 0:
+            lo[m - 1] = last
+        s_end = <int64_t>(<uint64_t>so[0] + <uint64_t>lo[0])
+        d_end = <int64_t>(<uint64_t>do[0] + <uint64_t>lo[0])
+        for i in range(m):
+            tot += <uint64_t>lo[i]
+            e = <int64_t>(<uint64_t>so[i] + <uint64_t>lo[i])
+            if e > s_end:
+                s_end = e
+            e = <int64_t>(<uint64_t>do[i] + <uint64_t>lo[i])
+            if e > d_end:
+                d_end = e
+    return buf[0], buf[1], buf[2], <int64_t>tot, s_end, d_end
 
 
 def sum_int64(a: object) -> int:

@@ -21,11 +21,11 @@ from typing import Union
 import numpy as np
 
 from .._native._copy import group_small_runs, small_byte_plan
-from .._native._runs import any_end_past, block_runs, byte_runs, sum_int64
+from .._native._runs import block_runs, byte_runs, sum_int64
 from ..status import PARAM_INVALID
 from .checks import reject
 
-__all__ = ["SMALL", "BytePlan", "Runs", "ends_past", "int64_arrays", "row_run", "total"]
+__all__ = ["SMALL", "BytePlan", "Runs", "int64_arrays", "row_run", "total"]
 
 #: Requests of at most this many block pairs are planned without numpy.
 SMALL = 64
@@ -129,7 +129,7 @@ class Runs:
             d_off: Column = [f * block for f in self.d0]
             length: Column = [n * block for n in self.ln]
         elif self._maxima:  # the arrays of block_runs: one pass in C
-            return byte_runs(self.s0, self.d0, self.ln, block, tail)
+            return byte_runs(self.s0, self.d0, self.ln, block, tail)[:3]
         else:
             s_off = np.asarray(self.s0).astype(_I64) * block
             d_off = np.asarray(self.d0).astype(_I64) * block
@@ -140,20 +140,13 @@ class Runs:
 
     def byte_plan(self, block: int, tail: int = 0) -> BytePlan:
         """The byte runs of :meth:`byte_offsets` as int64 arrays, with their total and ends
-        (:data:`BytePlan`): one C call for small requests.  Same precondition."""
+        (:data:`BytePlan`): one C call for small requests and for long lists.  Same precondition."""
         if isinstance(self.ln, list) and isinstance(self.s0, list) and isinstance(self.d0, list):
             return small_byte_plan(self.s0, self.d0, self.ln, block, tail)
+        if self._maxima:  # the arrays of block_runs: one pass in C
+            return byte_runs(self.s0, self.d0, self.ln, block, tail)
         so, do, ln = int64_arrays(*self.byte_offsets(block, tail))
         return (so, do, ln, total(ln), int((so + ln).max()), int((do + ln).max()))
-
-
-def ends_past(off: Column, length: Column, limit: int) -> bool:
-    """Whether any run ``[off[i], off[i] + length[i])`` ends past `limit` bytes."""
-    if isinstance(off, list) and isinstance(length, list):
-        return any(o + n > limit for o, n in zip(off, length))
-    if type(off) is np.ndarray and type(length) is np.ndarray and off.dtype == _I64 == length.dtype:
-        return any_end_past(off, length, limit)
-    return bool(np.any(np.asarray(off) + np.asarray(length) > limit))
 
 
 def total(length: Column) -> int:

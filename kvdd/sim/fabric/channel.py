@@ -12,7 +12,9 @@ the peer that arrive meanwhile are handled on the way.  A caller whose reply ano
 is woken by it.  The connection's receiver thread leads when no caller was active for
 :data:`IDLE_S` (it then waits in ``recv``: the peer's requests, the connection's end, and the
 first reply of a caller arriving meanwhile); while callers are active it leaves the socket to
-them, looking again every :data:`IDLE_S` (and at once when a leader leaves bytes behind).
+them, looking again after :data:`IDLE_S`, then less and less often while they stay busy (at
+most every :data:`IDLE_MAX_S`: a peer's request arriving just after a burst of calls waits that
+long at most), and at once when a leader leaves bytes behind.
 *Sending.*  ``send_lock`` orders whole frames; a worker thread answers queued requests and sends
 READ data; a receiving leader answers a small request with a non-blocking send when the
 connection is free (the rest goes to the worker, counted in the queue bounds; whoever sends next
@@ -47,22 +49,23 @@ from .endpoints import add_endpoint, close_channels, close_endpoint, discard_end
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
 from .protocol import LinkOwner, ServedCache
-from .rx import Goodbye, Pending, Rx, Sink
+from .rx import Goodbye, Pending, Rx, Sink, Stage
 from .serving import serve_read, serve_write
-from .small import serve_small_read, serve_small_write
+from .small import encode_one_run, serve_small_read, serve_small_write
 from .streams import Layout, send_stream
 from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
-                   F_WRITE, MAX_JOBS, MAX_QUEUED_BYTES, ProtocolError, Reader, decode_request,
-                   frame)
+                   F_WRITE, HDR, MAGIC, MAX_JOBS, MAX_QUEUED_BYTES, PROTOCOL_VERSION,
+                   ProtocolError, Reader, decode_request, frame)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "Pending", "Sink", "take_endpoint", "close_channels", "close_endpoint",
-           "IDLE_S"]
+           "IDLE_S", "IDLE_MAX_S"]
 
 IDLE_S = 0.001  # the receiver thread leaves the socket to callers active within this (seconds)
+IDLE_MAX_S = 0.008  # the longest it sleeps while callers keep the socket busy (seconds)
 _J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
 _J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the queue bounds)
@@ -76,6 +79,9 @@ def _charge(ftype: int, payload: bytes | bytearray | int) -> tuple[int, int]:
         return 0, max(len(payload) if not isinstance(payload, int) else 0, ANSWER_CHARGE)
     return 1, 0 if isinstance(payload, int) else len(payload)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_LEASE_READ_1 = struct.Struct("<2sBBIIQIIIqq")  # a LEASE_READ frame of one tensor and one run
+_ONE_RUN_LEN = _LEASE_READ_1.size - HDR.size  # its payload: encode_one_run's layout
+assert len(encode_one_run(0, 0, 0, 0)) == _ONE_RUN_LEN
 _RECEIVER = object()  # the leader token of the receiver thread
 
 
@@ -230,6 +236,7 @@ class Channel:
         try:
             while True:
                 with self._lock:
+                    wait = IDLE_S
                     while True:
                         if self.dead.is_set():
                             return
@@ -237,14 +244,16 @@ class Channel:
                                 self.rx.buffered or not self._active
                                 and time.monotonic() - self._last_active >= IDLE_S):
                             break
-                        self._bg_cv.wait(IDLE_S)
+                        self._bg_cv.wait(wait)
+                        # callers keep the socket busy: look less often (up to IDLE_MAX_S)
+                        wait = min(wait * 2, IDLE_MAX_S)
                     self._leader = _RECEIVER
                 try:
                     while True:
                         self._frame()
                         with self._lock:  # keep leading while it would take the lead again
                             if (self._waiters or self.dead.is_set() or not (
-                                    self.rx.end > self.rx.pos or not self._active
+                                    self.rx.buffered or not self._active
                                     and time.monotonic() - self._last_active >= IDLE_S)):
                                 break
                 finally:
@@ -434,6 +443,86 @@ class Channel:
 
         None when the peer did not answer in time (the connection is then closed: the link is
         broken) or the connection died."""
+        p = self._submit(ftype, payload, deadline, sink, data)
+        if p is None:
+            return None
+        try:
+            if not self._await(p, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            if p.sink is not None or p.failed or not p.done:
+                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
+                    p.cancelled = True
+            if p.failed or not p.done:
+                return None
+            reply = p.reply
+            assert not isinstance(reply, int)
+            return reply
+        finally:
+            self._retire(p)
+
+    def read_small(self, cache_id: int, tensor: int, off: int, stage: Stage,
+                   deadline: float) -> int | None:
+        """One LEASE_READ of ``stage.size`` bytes at ``off`` of tensor ``tensor`` of the peer's
+        cache ``cache_id``, landing in ``stage``: the status DONE carried, or None as for
+        :meth:`request`.  The caller leading the receive side takes its own DATA and DONE
+        through the compiled :meth:`~.rx.Rx.small_reply`; anything else on the connection goes
+        through :meth:`_frame` as always.  When the connection is free (nobody sending, nobody
+        reading) the caller takes the lead as it registers the request, before sending it.  No
+        DATA reaches ``stage`` once this returns (``stage`` is full when DONE arrives; more
+        DATA breaks the protocol)."""
+        if self.dead.is_set():
+            return None
+        lock = self._lock
+        if self.send_lock.acquire(False):  # the common case: one lock section, then send
+            try:
+                with lock:
+                    self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
+                    p = Pending(req, deadline, stage)
+                    self._pending[req] = p
+                    self._active += 1
+                    if self._leader is None and self._running.is_set():
+                        self._leader = p
+                guard = self._guard
+                if guard.armed_until is None or guard.armed_until > deadline:
+                    guard.arm(deadline)
+                try:
+                    if self._tail is not None:
+                        self._flush_tail()
+                    self.sock.sendall(_LEASE_READ_1.pack(
+                        MAGIC, PROTOCOL_VERSION, F_LEASE_READ, req, _ONE_RUN_LEN, cache_id, 1,
+                        1, tensor, off, stage.size))
+                except OSError:
+                    self.kill()
+                    self._retire(p)
+                    return None
+            finally:
+                self.send_lock.release()
+        else:
+            q = self._submit(F_LEASE_READ, encode_one_run(cache_id, tensor, off, stage.size),
+                             deadline, stage, None)
+            if q is None:
+                return None
+            p = q
+        try:
+            if not self._await(p, deadline):
+                self.kill()
+            if p.failed or not p.done:
+                with self._sink_lock:
+                    p.cancelled = True
+                return None
+            reply = p.reply
+            if isinstance(reply, int):
+                return reply
+            if reply is None or len(reply) != 4:  # a malformed DONE: the link is broken
+                self.kill()
+                return None
+            return int.from_bytes(reply, "little")
+        finally:
+            self._retire(p)
+
+    def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
+                data: Layout | None) -> Pending | None:
+        """Register a request and send it (and its WRITE data); None when it was not sent."""
         if self.dead.is_set():
             return None
         with self._lock:
@@ -444,6 +533,7 @@ class Channel:
         guard = self._guard
         if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
             guard.arm(deadline)
+        sent = False
         try:
             if not self.send_lock.acquire(False):
                 left = deadline - time.monotonic()
@@ -459,19 +549,17 @@ class Channel:
                 return None
             finally:
                 self.send_lock.release()
-            if not self._await(p, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
-            if p.sink is not None or p.failed or not p.done:
-                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
-                    p.cancelled = True
-            if p.failed or not p.done:
-                return None
-            return p.reply
+            sent = True
+            return p
         finally:
-            with self._lock:
-                self._pending.pop(req, None)
-                self._active -= 1
-                self._last_active = time.monotonic()
+            if not sent:
+                self._retire(p)
+
+    def _retire(self, p: Pending) -> None:
+        with self._lock:
+            self._pending.pop(p.req, None)
+            self._active -= 1
+            self._last_active = time.monotonic()
 
     def _waiting(self) -> list[float]:
         """The deadlines of the requests still waiting (for the guard)."""
@@ -481,6 +569,8 @@ class Channel:
     def _await(self, p: Pending, deadline: float) -> bool:
         """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
         deadline passed first."""
+        if self._leader is p:  # read_small took the lead as it registered the request
+            return self._lead(p)
         if not self._running.is_set():  # an acceptor's handle used before its handshake ended
             self._running.wait(max(deadline - time.monotonic(), 0.0))
         with self._lock:
@@ -498,7 +588,21 @@ class Channel:
                     self._waiters -= 1
             else:
                 return True
+        return self._lead(p)
+
+    def _lead(self, p: Pending) -> bool:
+        """Read frames as the leader until ``p``'s reply is in (or the connection fails)."""
         try:
+            sink = p.sink
+            if type(sink) is Stage:  # a small READ: its own DATA and DONE in compiled code
+                rx = self.rx
+                while not p.done:
+                    status = rx.small_reply(p.req, sink)
+                    if status >= 0:
+                        p.reply = status
+                        p.done = True
+                        break
+                    self._frame()  # something else came first
             while not p.done:
                 self._frame()
         except BaseException as exc:

@@ -20,6 +20,7 @@ from ..memory import Region, copy_runs
 from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
+from .rx import Stage
 from .small import SmallSink, encode_small, is_small
 from .streams import Cursor, Layout
 from .wire import (F_LEASE, F_LEASE_READ, F_LEASE_WRITE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS,
@@ -188,10 +189,36 @@ class RemotePeer:
             assert self._path is not None
             return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
         assert isinstance(lease, ClientLease)
+        if not lease.lease_id and len(length) == 1 and len(tensors) == 1 and len(dst) == 1:
+            n = int(length[0])
+            if 0 <= n <= SMALL_BYTES:  # most small reads: one tensor, one run
+                return self._read_one_run(lease, int(tensors[0]), int(src_off[0]), dst[0],
+                                          int(dst_off[0]), n)
         status = self._lease_unless_small(lease, tensors, length)
         if status != S_OK:
             return status
         return self.move(lease, tensors, dst, dst_off, src_off, length, False)
+
+    def _read_one_run(self, lease: ClientLease, tensor: int, src_off: int, dst: Region,
+                      dst_off: int, n: int) -> int:
+        """:meth:`move` of a small READ of one tensor and one run (``0 <= n <= SMALL_BYTES``):
+        one LEASE_READ whose answer is staged in a compiled :class:`~.rx.Stage` and copied into
+        ``dst`` only after DONE said LLM_SUCCESS (same checks, statuses and order)."""
+        chan = self._chan
+        if chan.dead.is_set() or lease.deadline <= time.monotonic():
+            return TIMEOUT
+        if dst_off < 0 or dst_off + n > dst.nbytes:  # the caller's own checked run; kept honest
+            raise ValueError("run outside its region")
+        stage = Stage(n, SMALL_BYTES)
+        status = chan.read_small(lease.rc.cache_id, tensor, src_off, stage, lease.deadline)
+        if status is None:
+            return NOT_EXIST if chan.peer_finalized else TIMEOUT
+        if status == S_OK:
+            if stage.left:  # the peer claimed success without sending every byte
+                chan.kill()
+                return TIMEOUT
+            stage.land(dst.addr + dst_off)
+        return status
 
     def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
               src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,

@@ -19,6 +19,7 @@ import ctypes
 import struct
 from collections.abc import Callable, Sequence
 
+from ..._native._small import read_answer
 from ...status import PARAM_INVALID, S_OK
 from .. import faults
 from ..memory import Region
@@ -27,12 +28,13 @@ from .rx import Rx
 from .wire import (F_DATA, F_DONE, HDR, MAGIC, PROTOCOL_VERSION, REQ, SMALL_BYTES, SMALL_MAX_RUNS,
                    ProtocolError)
 
-__all__ = ["Grant", "SmallRequest", "decode_small", "encode_small", "serve_small_read",
+__all__ = ["Grant", "SmallRequest", "decode_small", "encode_one_run", "encode_small", "serve_small_read",
            "serve_small_write", "SmallSink", "is_small"]
 
 #: The lease checks of a small request: ``(status, entry)``, the entry acquired when S_OK.
 Grant = Callable[[int], tuple[int, ServedCache | None]]
 _DONE = struct.Struct("<2sBBIII")  # a DONE frame: header + status
+assert S_OK == 0  # read_answer's DONE carries status 0
 _ONE_RUN = struct.Struct("<QIIIqq")  # a LEASE_READ payload of one tensor and one run
 assert _ONE_RUN.size == REQ.size + 4 + 16
 #: ctypes' own string_at without its Python wrapper frame (the wrapper when that is missing)
@@ -55,6 +57,11 @@ def is_small(n_tensors: int, length: Sequence[int]) -> bool:
     """Whether a transfer goes as one LEASE_READ / LEASE_WRITE."""
     return (n_tensors * len(length) <= SMALL_MAX_RUNS
             and sum(n for n in length if n > 0) * n_tensors <= SMALL_BYTES)
+
+
+def encode_one_run(cache_id: int, tensor: int, off: int, length: int) -> bytes:
+    """The LEASE_READ / LEASE_WRITE payload of one tensor and one run."""
+    return _ONE_RUN.pack(cache_id, 1, 1, tensor, off, length)
 
 
 def encode_small(cache_id: int, tensors: Sequence[int], off: Sequence[int],
@@ -140,9 +147,7 @@ def _serve_one_run(owner: LinkOwner, grant: Grant, req: int, cache_id: int, k: i
         faults.on_serve(owner, "read", total)
         if not total:
             return _done(req, S_OK)
-        return b"".join((HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, total),
-                         _string_at(regions[k].addr + o, total),
-                         _DONE.pack(MAGIC, PROTOCOL_VERSION, F_DONE, req, 4, S_OK)))
+        return read_answer(req, regions[k].addr + o, total, MAGIC, PROTOCOL_VERSION)
     finally:
         entry.release()
 

@@ -1,0 +1,320 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: embedsignature=True, embedsignature.format=python, autotestdict=False, auto_pickle=False
+"""The TCP fabric's receive side in C: a buffered frame reader and a small READ's staging buffer.
+
+:class:`FrameReader` is the base of :class:`kvdd.sim.fabric.rx.Rx` (one per link connection; the
+thread leading the connection's receive side reads every frame through it): frame headers are
+checked against the protocol's magic, version and per-type length bounds (anything else is handed
+to the ``bad_header`` callable given at construction, which raises the precise error), payloads
+are returned as bytes or received straight into a destination buffer, and the socket is read with
+``recv`` with the GIL released (EINTR retried after the signal handlers ran; a socket in timeout
+mode falls back to its own ``recv_into``).  Memory per connection: the buffer given at
+construction; a payload longer than the buffer grows with what arrives (1 MiB at a time).
+
+:meth:`FrameReader.small_reply` is the caller's side of a small READ (``LEASE_READ``): it takes
+the DATA and DONE frames of one request, and only those, checked exactly as the generic path
+checks them, into a :class:`Stage`; whatever else comes first is left unread for the generic path.
+The staged bytes reach the caller's memory (:meth:`Stage.land`) only once DONE said LLM_SUCCESS.
+:func:`read_answer` builds the owner's answer to a one-run small READ (DATA + DONE) in one copy.
+"""
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.errno cimport EAGAIN, EINTR, errno
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy, memmove
+
+import os
+
+cdef extern from "sys/socket.h" nogil:
+    ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
+
+__all__ = ["FrameReader", "Stage", "read_answer", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+
+HEADER_SIZE = 12  # magic (2), version, type, request id (u32), payload length (u32); little-endian
+F_DATA = 15
+F_DONE = 16
+RECV_CHUNK = 1 << 20  # bytes asked of one recv when receiving straight into a destination
+cdef enum:
+    _HSIZE = 12
+    _F_DATA = 15
+    _F_DONE = 16
+    _CHUNK = 1 << 20
+
+
+cdef inline uint32_t _u32(const char* p) noexcept nogil:
+    cdef const uint8_t* b = <const uint8_t*>p
+    return b[0] | (<uint32_t>b[1] << 8) | (<uint32_t>b[2] << 16) | (<uint32_t>b[3] << 24)
+
+
+cdef inline void _put32(char* p, uint32_t v) noexcept nogil:
+    cdef uint8_t* b = <uint8_t*>p
+    b[0] = v & 0xFF
+    b[1] = (v >> 8) & 0xFF
+    b[2] = (v >> 16) & 0xFF
+    b[3] = (v >> 24) & 0xFF
+
+
+cdef class FrameReader:
+    """Buffered frame reader of one socket (not thread-safe: one reader at a time).
+
+    Parameters
+    ----------
+    sock : socket.socket
+        The connection (blocking, or in timeout mode).
+    limits : Mapping[int, int]
+        The largest payload (bytes) of each frame type; other types are refused.
+    magic : bytes
+        The 2-byte magic of every header.
+    version : int
+        The protocol version every header carries.
+    bad_header : Callable[[bytes], object]
+        Called with a refused header (12 bytes); raises the precise error.
+    error : type[Exception]
+        Raised when a peer sends more DATA than a :class:`Stage` holds.
+    size : int
+        Bytes buffered (and the largest payload :meth:`exact` returns from the buffer).
+    """
+
+    cdef readonly object sock
+    cdef bytearray _buf
+    cdef char* _p
+    cdef Py_ssize_t _pos, _end, _cap
+    cdef int64_t _limit[256]
+    cdef uint8_t _m0, _m1, _version
+    cdef object _bad
+    cdef readonly object error
+
+    def __init__(self, sock, limits, bytes magic, int version, bad_header, error,
+                 Py_ssize_t size=65536):
+        cdef int i
+        if len(magic) != 2 or not 0 <= version <= 255 or size < _HSIZE + 4:
+            raise ValueError("bad frame reader configuration")
+        self.sock = sock
+        self._buf = bytearray(size)  # never resized: _p stays valid
+        self._p = self._buf
+        self._cap = size
+        self._pos = self._end = 0
+        for i in range(256):
+            self._limit[i] = -1
+        for ftype, limit in limits.items():
+            if not 0 <= ftype <= 255 or limit < 0:
+                raise ValueError("bad frame limit")
+            self._limit[ftype] = limit
+        self._m0 = magic[0]
+        self._m1 = magic[1]
+        self._version = version
+        self._bad = bad_header
+        self.error = error
+
+    @property
+    def buffered(self):
+        """Bytes received and not yet consumed."""
+        return self._end - self._pos
+
+    cdef Py_ssize_t _recv(self, char* dst, Py_ssize_t n) except -1:
+        """Receive 1..n bytes into ``dst`` (blocking, GIL released); ConnectionError at the end."""
+        cdef int fd, err
+        cdef ssize_t got
+        while True:
+            fd = self.sock.fileno()
+            if fd < 0:
+                raise OSError(9, "Bad file descriptor")
+            with nogil:
+                got = c_recv(fd, dst, <size_t>n, 0)
+                err = errno
+            if got > 0:
+                return got
+            if got == 0:
+                raise ConnectionError("connection closed by the peer")
+            if err == EINTR:
+                PyErr_CheckSignals()  # a handler's exception propagates (except -1)
+                continue
+            if err == EAGAIN:  # timeout mode: the socket's own wait
+                got = self.sock.recv_into(memoryview(<char[:n]>dst))
+                if got == 0:
+                    raise ConnectionError("connection closed by the peer")
+                return got
+            raise OSError(err, os.strerror(err))
+
+    cdef int _fill(self, Py_ssize_t need) except -1:
+        """At least ``need`` (<= the buffer size) bytes buffered, blocking until they arrive."""
+        cdef Py_ssize_t n
+        if self._end - self._pos >= need:
+            return 0
+        if self._pos:  # keep the unread rest at the start
+            n = self._end - self._pos
+            memmove(self._p, self._p + self._pos, <size_t>n)
+            self._pos = 0
+            self._end = n
+        while self._end < need:
+            self._end += self._recv(self._p + self._end, self._cap - self._end)
+        return 0
+
+    cdef inline bint _header_ok(self, const char* h) noexcept:
+        cdef uint8_t ftype = <uint8_t>h[3]
+        cdef int64_t limit = self._limit[ftype]
+        return (<uint8_t>h[0] == self._m0 and <uint8_t>h[1] == self._m1
+                and <uint8_t>h[2] == self._version and limit >= 0 and _u32(h + 8) <= limit)
+
+    def header(self):
+        """The next frame's ``(type, request id, length)``, checked (``bad_header`` raises)."""
+        cdef const char* h
+        self._fill(_HSIZE)
+        h = self._p + self._pos
+        if not self._header_ok(h):
+            self._bad(PyBytes_FromStringAndSize(h, _HSIZE))
+            raise self.error("bad frame header")
+        self._pos += _HSIZE
+        return <uint8_t>h[3], _u32(h + 4), _u32(h + 8)
+
+    def exact(self, Py_ssize_t n):
+        """The next ``n`` bytes (a payload of a checked length); memory grows with what arrives."""
+        cdef bytes out
+        cdef bytearray big
+        cdef Py_ssize_t take
+        if n < 0:
+            raise ValueError("negative length")
+        if n <= self._cap:
+            self._fill(n)
+            out = PyBytes_FromStringAndSize(self._p + self._pos, n)
+            self._pos += n
+            return out
+        big = bytearray(self._p[self._pos:self._end])
+        self._pos = self._end = 0
+        while len(big) < n:
+            take = min(n - len(big), _CHUNK)
+            chunk = bytearray(take)
+            self.into(chunk)
+            big += chunk
+        return bytes(big)
+
+    def into(self, dst):
+        """The next ``len(dst)`` bytes into the writable buffer ``dst``: what is buffered, then
+        straight from the socket (at most RECV_CHUNK bytes asked of one recv)."""
+        cdef Py_buffer view
+        cdef char* d
+        cdef Py_ssize_t n, take
+        PyObject_GetBuffer(dst, &view, PyBUF_WRITABLE)
+        try:
+            d = <char*>view.buf
+            n = view.len
+            take = min(self._end - self._pos, n)
+            if take:
+                memcpy(d, self._p + self._pos, <size_t>take)
+                self._pos += take
+                d += take
+                n -= take
+            while n:
+                take = self._recv(d, min(n, <Py_ssize_t>_CHUNK))
+                d += take
+                n -= take
+        finally:
+            PyBuffer_Release(&view)
+
+    def discard(self, Py_ssize_t n):
+        """Skip the next ``n`` bytes (received into this reader's own buffer)."""
+        cdef Py_ssize_t have = min(self._end - self._pos, n)
+        self._pos += have
+        n -= have
+        if n:
+            self._pos = self._end = 0  # the buffer is empty: use it as scratch
+            while n > 0:
+                n -= self._recv(self._p, min(n, self._cap))
+
+    def small_reply(self, uint32_t req, Stage stage not None):
+        """The answer to this end's small READ ``req``: its DATA frames go into ``stage`` and its
+        DONE's status (0 .. 2**32-1) is returned.  -1 as soon as the next frame is anything else
+        (another request's, a refused header, more DATA than ``stage`` lacks, a DONE whose
+        payload is not 4 bytes): that frame is left unread, for the generic path to handle."""
+        cdef const char* h
+        cdef uint32_t length
+        cdef uint8_t ftype
+        cdef uint32_t status
+        while True:
+            self._fill(_HSIZE)
+            h = self._p + self._pos
+            if not self._header_ok(h) or _u32(h + 4) != req:
+                return -1
+            ftype = <uint8_t>h[3]
+            length = _u32(h + 8)
+            if ftype == _F_DATA:
+                if length > stage.left or length > self._cap - _HSIZE:
+                    return -1
+                self._fill(_HSIZE + length)
+                memcpy(stage._p + (stage.size - stage.left), self._p + self._pos + _HSIZE, length)
+                stage.left -= length
+                self._pos += _HSIZE + length
+            elif ftype == _F_DONE and length == 4:
+                self._fill(_HSIZE + 4)
+                status = _u32(self._p + self._pos + _HSIZE)
+                self._pos += _HSIZE + 4
+                return status
+            else:
+                return -1
+
+
+cdef class Stage:
+    """Where a one-run small READ's answer is staged: ``size`` bytes (at most ``limit``), of which
+    ``left`` have not arrived.  A :class:`~kvdd.sim.fabric.rx.Sink` (``recv``)."""
+
+    cdef char* _p
+    cdef readonly Py_ssize_t size
+    cdef public Py_ssize_t left
+
+    def __cinit__(self, Py_ssize_t size, Py_ssize_t limit):
+        if size < 0 or size > limit:
+            raise ValueError(f"a stage of {size} bytes (limit {limit})")
+        self._p = <char*>PyMem_Malloc(<size_t>size if size else 1)
+        if self._p == NULL:
+            raise MemoryError()
+        self.size = size
+        self.left = size
+
+    def __dealloc__(self):
+        PyMem_Free(self._p)
+
+    def recv(self, FrameReader rx not None, Py_ssize_t n):
+        """The next ``n`` bytes of ``rx`` (a DATA payload): more than ``left`` breaks the protocol."""
+        if n < 0 or n > self.left:
+            raise rx.error("more DATA than the transfer holds")
+        if n:
+            rx.into(memoryview(<char[:n]>(self._p + (self.size - self.left))))
+            self.left -= n
+
+    def land(self, uintptr_t addr):
+        """Copy the staged bytes to ``addr`` (the caller's checked run of ``size`` bytes), once all
+        arrived (ValueError otherwise)."""
+        if self.left:
+            raise ValueError("the answer is incomplete")
+        if self.size:
+            memcpy(<void*>addr, self._p, <size_t>self.size)
+
+
+def read_answer(uint32_t req, uintptr_t addr, Py_ssize_t n, bytes magic, int version):
+    """A one-run small READ's answer: DATA (``n`` bytes copied from ``addr``, a run the owner
+    checked) and DONE(LLM_SUCCESS), in one bytes object."""
+    cdef bytes out
+    cdef char* p
+    if n <= 0 or n > 0xFFFFFFFF or len(magic) != 2:
+        raise ValueError("bad answer")
+    out = PyBytes_FromStringAndSize(NULL, 2 * _HSIZE + n + 4)
+    p = PyBytes_AS_STRING(out)
+    p[0] = magic[0]
+    p[1] = magic[1]
+    p[2] = <char>version
+    p[3] = _F_DATA
+    _put32(p + 4, req)
+    _put32(p + 8, <uint32_t>n)
+    memcpy(p + _HSIZE, <const void*>addr, <size_t>n)
+    p += _HSIZE + n
+    p[0] = magic[0]
+    p[1] = magic[1]
+    p[2] = <char>version
+    p[3] = _F_DONE
+    _put32(p + 4, req)
+    _put32(p + 8, 4)
+    _put32(p + 12, 0)
+    return out

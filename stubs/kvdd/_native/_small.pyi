@@ -1,0 +1,48 @@
+"""Stub of kvdd/_native/_small.pyx: the TCP fabric's frame reader and small-READ staging."""
+
+import socket
+from collections.abc import Callable, Mapping
+
+from typing_extensions import disjoint_base
+
+__all__ = ["FrameReader", "Stage", "read_answer", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+
+HEADER_SIZE: int
+F_DATA: int
+F_DONE: int
+RECV_CHUNK: int
+
+@disjoint_base
+class FrameReader:
+    @property
+    def sock(self) -> socket.socket: ...
+    @property
+    def error(self) -> type[Exception]: ...
+    def __init__(
+        self,
+        sock: socket.socket,
+        limits: Mapping[int, int],
+        magic: bytes,
+        version: int,
+        bad_header: Callable[[bytes], object],
+        error: type[Exception],
+        size: int = 65536,
+    ) -> None: ...
+    @property
+    def buffered(self) -> int: ...
+    def header(self) -> tuple[int, int, int]: ...
+    def exact(self, n: int) -> bytes: ...
+    def into(self, dst: bytearray | memoryview) -> None: ...
+    def discard(self, n: int) -> None: ...
+    def small_reply(self, req: int, stage: Stage) -> int: ...
+
+@disjoint_base
+class Stage:
+    @property
+    def size(self) -> int: ...
+    left: int
+    def __new__(cls, size: int, limit: int) -> Stage: ...
+    def recv(self, rx: FrameReader, n: int) -> None: ...
+    def land(self, addr: int) -> None: ...
+
+def read_answer(req: int, addr: int, n: int, magic: bytes, version: int) -> bytes: ...
