@@ -18,8 +18,10 @@ fabric).
 
 Modules, one concern each: :mod:`.wire` (frames, codecs, limits), :mod:`.hostprobe` (same-host
 detection), :mod:`.watchdog` (deadlines), :mod:`.streams` (byte streams of a transfer),
-:mod:`.channel` (one link's connection, leases, serving requests), :mod:`.small` (one-request
-small transfers, served by the connection's reader), :mod:`.peers` (peer handles and
+:mod:`.channel` (one link's connection, leases, serving requests), :mod:`.calls` (this end's
+requests on it), :mod:`.rx` (its frame reader, compiled: :mod:`kvdd._native._small`),
+:mod:`.small` (one-request small transfers, served by the connection's reader), :mod:`.peers`
+(peer handles and
 data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.registry` and
 :mod:`.listener` (listening).
 

@@ -27,7 +27,11 @@ A lease ends when the reader releases it, when the reader's connection closes, o
 expires: ``SyncKvCacheWaitTime`` of the reader (announced in the handshake, capped by the owner)
 plus a grace; if the owner is still moving bytes for it then, the connection is closed.  Small
 transfers (:mod:`~.small`) take one round trip: LEASE_READ / LEASE_WRITE, served by the leader
-inline with the same checks and statuses, the cache held only around the copy.
+inline with the same checks and statuses, the cache held only around the copy (a one-run
+LEASE_READ by compiled code: :meth:`~.rx.Rx.serve_lease_read`).
+
+This end's requests (registering, sending, waiting and leading) are :class:`~.calls.Calls`, a
+mixin of :class:`Channel` in its own module.
 """
 
 from __future__ import annotations
@@ -46,18 +50,18 @@ from ..._native._small import serve_one_run
 from ...status import PARAM_INVALID, S_OK, Status
 from .. import faults
 from ..faults import injections as _injections
+from .calls import Calls
 from .endpoints import add_endpoint, close_channels, close_endpoint, discard_endpoint, take_endpoint
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
 from .protocol import LinkOwner, ServedCache
-from .rx import Goodbye, Pending, Rx, Sink, Stage
+from .rx import Goodbye, Pending, Rx, Sink
 from .serving import serve_read, serve_write
-from .small import encode_one_run, serve_small_read, serve_small_write
-from .streams import Layout, send_stream
+from .small import serve_small_read, serve_small_write
 from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
-                   F_WRITE, HDR, MAGIC, MAX_JOBS, MAX_QUEUED_BYTES, PROTOCOL_VERSION,
+                   F_WRITE, MAGIC, MAX_JOBS, MAX_QUEUED_BYTES, PROTOCOL_VERSION,
                    SMALL_BYTES, ProtocolError, Reader, decode_request, frame)
 
 logger = logging.getLogger(__name__)
@@ -80,13 +84,10 @@ def _charge(ftype: int, payload: bytes | bytearray | int) -> tuple[int, int]:
         return 0, max(len(payload) if not isinstance(payload, int) else 0, ANSWER_CHARGE)
     return 1, 0 if isinstance(payload, int) else len(payload)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-_LEASE_READ_1 = struct.Struct("<2sBBIIQIIIqq")  # a LEASE_READ frame of one tensor and one run
-_ONE_RUN_LEN = _LEASE_READ_1.size - HDR.size  # its payload: encode_one_run's layout
-assert len(encode_one_run(0, 0, 0, 0)) == _ONE_RUN_LEN
 _RECEIVER = object()  # the leader token of the receiver thread
 
 
-class Channel:
+class Channel(Calls):
     """One end of a link's TCP connection: serves the peer's requests on ``owner``'s caches and
     carries this end's requests (see the module docstring)."""
 
@@ -451,215 +452,3 @@ class Channel:
             if not self._closing:
                 self._jobs.append((_J_SEND, 0, frame(ftype, 0, payload)))
                 self._jobs_cv.notify()
-
-    def request(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None = None,
-                data: Layout | None = None) -> bytes | None:
-        """Send a request (and WRITE data) and wait for its reply until ``deadline``, reading
-        the socket itself when no other thread does (see the module docstring).
-
-        None when the peer did not answer in time (the connection is then closed: the link is
-        broken) or the connection died."""
-        p = self._submit(ftype, payload, deadline, sink, data)
-        if p is None:
-            return None
-        try:
-            if not self._await(p, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
-            if p.sink is not None or p.failed or not p.done:
-                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
-                    p.cancelled = True
-            if p.failed or not p.done:
-                return None
-            reply = p.reply
-            assert not isinstance(reply, int)
-            return reply
-        finally:
-            self._retire(p)
-
-    def read_small(self, cache_id: int, tensor: int, off: int, stage: Stage,
-                   deadline: float) -> int | None:
-        """One LEASE_READ of ``stage.size`` bytes at ``off`` of tensor ``tensor`` of the peer's
-        cache ``cache_id``, landing in ``stage``: the status DONE carried, or None as for
-        :meth:`request`.  The caller leading the receive side takes its own DATA and DONE
-        through the compiled :meth:`~.rx.Rx.small_reply`; anything else on the connection goes
-        through :meth:`_frame` as always.  When the connection is free (nobody sending, nobody
-        reading) the caller takes the lead as it registers the request, before sending it.  No
-        DATA reaches ``stage`` once this returns (``stage`` is full when DONE arrives; more
-        DATA breaks the protocol)."""
-        if self.dead.is_set():
-            return None
-        lead = False
-        if self.send_lock.acquire(False):  # the common case: one lock section, then send
-            try:
-                with self._lock:
-                    self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
-                    p = Pending(req, deadline, stage)
-                    self._pending[req] = p
-                    self._active += 1
-                    if self._leader is None and self._started:  # reading may begin
-                        self._leader = p
-                        lead = True
-                guard = self._guard
-                if guard.armed_until is None or guard.armed_until > deadline:
-                    guard.arm(deadline)
-                try:
-                    if self._tail is not None:
-                        self._flush_tail()
-                    self.sock.sendall(_LEASE_READ_1.pack(
-                        MAGIC, PROTOCOL_VERSION, F_LEASE_READ, req, _ONE_RUN_LEN, cache_id, 1,
-                        1, tensor, off, stage.size))
-                except OSError:
-                    self.kill()
-                    self._end_small(p, lead)
-                    return None
-            finally:
-                self.send_lock.release()
-        else:
-            q = self._submit(F_LEASE_READ, encode_one_run(cache_id, tensor, off, stage.size),
-                             deadline, stage, None)
-            if q is None:
-                return None
-            p = q
-        try:
-            if lead:  # as _lead, for this request's own answer
-                rx = self.rx
-                try:
-                    while not p.done:
-                        status = rx.small_reply(req, stage)
-                        if status >= 0:
-                            p.reply = status
-                            p.done = True
-                            break
-                        self._frame()  # something else came first
-                except BaseException as exc:
-                    self._fail(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-            elif not self._await(p, deadline):
-                self.kill()
-            if p.failed or not p.done:
-                with self._sink_lock:
-                    p.cancelled = True
-                return None
-            reply = p.reply
-            if isinstance(reply, int):
-                return reply
-            if reply is None or len(reply) != 4:  # a malformed DONE: the link is broken
-                self.kill()
-                return None
-            return int.from_bytes(reply, "little")
-        finally:
-            with self._lock:  # _end_small, inline (once per small call)
-                if lead:
-                    self._leader = None
-                    if self._waiters:
-                        self._rx_cv.notify_all()
-                    if self.rx.buffered:
-                        self._bg_cv.notify()
-                self._pending.pop(p.req, None)
-                self._active -= 1
-                self._last_active = time.monotonic()
-
-    def _end_small(self, p: Pending, lead: bool) -> None:
-        """:meth:`_unlead` (when ``lead``) and :meth:`_retire` in one lock section."""
-        with self._lock:
-            if lead:
-                self._leader = None
-                if self._waiters:
-                    self._rx_cv.notify_all()
-                if self.rx.buffered:
-                    self._bg_cv.notify()
-            self._pending.pop(p.req, None)
-            self._active -= 1
-            self._last_active = time.monotonic()
-
-    def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
-                data: Layout | None) -> Pending | None:
-        """Register a request and send it (and its WRITE data); None when it was not sent."""
-        if self.dead.is_set():
-            return None
-        with self._lock:
-            self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
-            p = Pending(req, deadline, sink)
-            self._pending[req] = p
-            self._active += 1
-        guard = self._guard
-        if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
-            guard.arm(deadline)
-        sent = False
-        try:
-            if not self.send_lock.acquire(False):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.send_lock.acquire(timeout=left):
-                    return None
-            try:
-                self._flush_tail()
-                self.sock.sendall(frame(ftype, req, payload))
-                if data is not None:
-                    send_stream(self.sock, req, data)
-            except OSError:
-                self.kill()
-                return None
-            finally:
-                self.send_lock.release()
-            sent = True
-            return p
-        finally:
-            if not sent:
-                self._retire(p)
-
-    def _retire(self, p: Pending) -> None:
-        with self._lock:
-            self._pending.pop(p.req, None)
-            self._active -= 1
-            self._last_active = time.monotonic()
-
-    def _waiting(self) -> list[float]:
-        """The deadlines of the requests still waiting (for the guard)."""
-        with self._lock:
-            return [p.deadline for p in self._pending.values() if not p.done]
-
-    def _await(self, p: Pending, deadline: float) -> bool:
-        """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
-        deadline passed first."""
-        if not self._running.is_set():  # an acceptor's handle used before its handshake ended
-            self._running.wait(max(deadline - time.monotonic(), 0.0))
-        with self._lock:
-            while not p.done:
-                if self._leader is None:
-                    self._leader = p
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._waiters += 1
-                try:
-                    self._rx_cv.wait(left)
-                finally:
-                    self._waiters -= 1
-            else:
-                return True
-        return self._lead(p)
-
-    def _lead(self, p: Pending) -> bool:
-        """Read frames as the leader until ``p``'s reply is in (or the connection fails)."""
-        try:
-            sink = p.sink
-            if type(sink) is Stage:  # a small READ: its own DATA and DONE in compiled code
-                rx = self.rx
-                while not p.done:
-                    status = rx.small_reply(p.req, sink)
-                    if status >= 0:
-                        p.reply = status
-                        p.done = True
-                        break
-                    self._frame()  # something else came first
-            while not p.done:
-                self._frame()
-        except BaseException as exc:
-            self._fail(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._unlead()
-        return True

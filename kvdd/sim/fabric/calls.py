@@ -1,0 +1,269 @@
+"""This end's requests on a link's connection: the calling side of :class:`~.channel.Channel`.
+
+A caller registers its request (:class:`~.rx.Pending`), sends it under the channel's
+``send_lock`` and waits for its reply, reading the socket itself when no other thread does (it
+then *leads* the receive side, handling every frame it reads, see :mod:`~.channel`).  A small READ
+of one tensor and one run (:meth:`Calls.read_small`) takes the lead as it registers the request
+when the connection is free, and takes its own DATA and DONE through the compiled
+:meth:`~.rx.Rx.small_reply` into a :class:`~.rx.Stage`.  The connection's
+:class:`~.watchdog.DeadlineGuard` closes it when a request outlives its deadline.
+
+:class:`Calls` is a mixin of :class:`~.channel.Channel`: the state it names below is the
+channel's own (one object, one lock; split in two modules by concern).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+from .rx import Pending, Rx, Sink, Stage
+from .small import encode_one_run
+from .streams import Layout, send_stream
+from .watchdog import DeadlineGuard
+from .wire import F_LEASE_READ, HDR, MAGIC, PROTOCOL_VERSION, frame
+
+__all__ = ["Calls"]
+
+_LEASE_READ_1 = struct.Struct("<2sBBIIQIIIqq")  # a LEASE_READ frame of one tensor and one run
+_ONE_RUN_LEN = _LEASE_READ_1.size - HDR.size  # its payload: encode_one_run's layout
+assert len(encode_one_run(0, 0, 0, 0)) == _ONE_RUN_LEN
+
+
+class Calls:
+    """The requests of this end of a :class:`~.channel.Channel` (a mixin: see the module)."""
+
+    # the channel's state and methods this side uses (set and defined by Channel)
+    sock: socket.socket
+    send_lock: threading.Lock
+    rx: Rx
+    dead: threading.Event
+    _lock: threading.Lock
+    _sink_lock: threading.Lock
+    _rx_cv: threading.Condition
+    _bg_cv: threading.Condition
+    _pending: dict[int, Pending]
+    _guard: DeadlineGuard
+    _req_ids: int
+    _leader: object | None
+    _waiters: int
+    _active: int
+    _last_active: float
+    _started: bool
+    _running: threading.Event
+    _tail: bytes | None
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def _frame(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def _flush_tail(self) -> None:
+        raise NotImplementedError
+
+    def _unlead(self) -> None:
+        raise NotImplementedError
+
+    def request(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None = None,
+                data: Layout | None = None) -> bytes | None:
+        """Send a request (and WRITE data) and wait for its reply until ``deadline``, reading
+        the socket itself when no other thread does (see the module docstring).
+
+        None when the peer did not answer in time (the connection is then closed: the link is
+        broken) or the connection died."""
+        p = self._submit(ftype, payload, deadline, sink, data)
+        if p is None:
+            return None
+        try:
+            if not self._await(p, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            if p.sink is not None or p.failed or not p.done:
+                with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
+                    p.cancelled = True
+            if p.failed or not p.done:
+                return None
+            reply = p.reply
+            assert not isinstance(reply, int)
+            return reply
+        finally:
+            self._end(p)
+
+    def read_small(self, cache_id: int, tensor: int, off: int, stage: Stage,
+                   deadline: float) -> int | None:
+        """One LEASE_READ of ``stage.size`` bytes at ``off`` of tensor ``tensor`` of the peer's
+        cache ``cache_id``, landing in ``stage``: the status DONE carried, or None as for
+        :meth:`request`.  The caller leading the receive side takes its own DATA and DONE
+        through the compiled :meth:`~.rx.Rx.small_reply`; anything else on the connection goes
+        through :meth:`_frame` as always.  When the connection is free (nobody sending, nobody
+        reading) the caller takes the lead as it registers the request, before sending it.  No
+        DATA reaches ``stage`` once this returns (``stage`` is full when DONE arrives; more
+        DATA breaks the protocol)."""
+        if self.dead.is_set():
+            return None
+        lead = False
+        if self.send_lock.acquire(False):  # the common case: one lock section, then send
+            try:
+                with self._lock:
+                    self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
+                    p = Pending(req, deadline, stage)
+                    self._pending[req] = p
+                    self._active += 1
+                    if self._leader is None and self._started:  # reading may begin
+                        self._leader = p
+                        lead = True
+                guard = self._guard
+                if guard.armed_until is None or guard.armed_until > deadline:
+                    guard.arm(deadline)
+                try:
+                    if self._tail is not None:
+                        self._flush_tail()
+                    self.sock.sendall(_LEASE_READ_1.pack(
+                        MAGIC, PROTOCOL_VERSION, F_LEASE_READ, req, _ONE_RUN_LEN, cache_id, 1,
+                        1, tensor, off, stage.size))
+                except OSError:
+                    self.kill()
+                    self._end(p, lead)
+                    return None
+            finally:
+                self.send_lock.release()
+        else:
+            q = self._submit(F_LEASE_READ, encode_one_run(cache_id, tensor, off, stage.size),
+                             deadline, stage, None)
+            if q is None:
+                return None
+            p = q
+        try:
+            if lead:  # as _lead, for this request's own answer
+                rx = self.rx
+                try:
+                    while not p.done:
+                        status = rx.small_reply(req, stage)
+                        if status >= 0:
+                            p.reply = status
+                            p.done = True
+                            break
+                        self._frame()  # something else came first
+                except BaseException as exc:
+                    self._fail(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+            elif not self._await(p, deadline):
+                self.kill()
+            if p.failed or not p.done:
+                with self._sink_lock:
+                    p.cancelled = True
+                return None
+            reply = p.reply
+            if isinstance(reply, int):
+                return reply
+            if reply is None or len(reply) != 4:  # a malformed DONE: the link is broken
+                self.kill()
+                return None
+            return int.from_bytes(reply, "little")
+        finally:
+            self._end(p, lead)
+
+    def _end(self, p: Pending, lead: bool = False) -> None:
+        """A request ends: no longer pending (and :meth:`_unlead`, in the same lock section, for
+        a caller that took the lead as it registered the request)."""
+        with self._lock:
+            if lead:
+                self._leader = None
+                if self._waiters:
+                    self._rx_cv.notify_all()
+                if self.rx.buffered:
+                    self._bg_cv.notify()
+            self._pending.pop(p.req, None)
+            self._active -= 1
+            self._last_active = time.monotonic()
+
+    def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
+                data: Layout | None) -> Pending | None:
+        """Register a request and send it (and its WRITE data); None when it was not sent."""
+        if self.dead.is_set():
+            return None
+        with self._lock:
+            self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
+            p = Pending(req, deadline, sink)
+            self._pending[req] = p
+            self._active += 1
+        guard = self._guard
+        if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
+            guard.arm(deadline)
+        sent = False
+        try:
+            if not self.send_lock.acquire(False):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.send_lock.acquire(timeout=left):
+                    return None
+            try:
+                self._flush_tail()
+                self.sock.sendall(frame(ftype, req, payload))
+                if data is not None:
+                    send_stream(self.sock, req, data)
+            except OSError:
+                self.kill()
+                return None
+            finally:
+                self.send_lock.release()
+            sent = True
+            return p
+        finally:
+            if not sent:
+                self._end(p)
+
+    def _waiting(self) -> list[float]:
+        """The deadlines of the requests still waiting (for the guard)."""
+        with self._lock:
+            return [p.deadline for p in self._pending.values() if not p.done]
+
+    def _await(self, p: Pending, deadline: float) -> bool:
+        """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
+        deadline passed first."""
+        if not self._running.is_set():  # an acceptor's handle used before its handshake ended
+            self._running.wait(max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            while not p.done:
+                if self._leader is None:
+                    self._leader = p
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._waiters += 1
+                try:
+                    self._rx_cv.wait(left)
+                finally:
+                    self._waiters -= 1
+            else:
+                return True
+        return self._lead(p)
+
+    def _lead(self, p: Pending) -> bool:
+        """Read frames as the leader until ``p``'s reply is in (or the connection fails)."""
+        try:
+            sink = p.sink
+            if type(sink) is Stage:  # a small READ: its own DATA and DONE in compiled code
+                rx = self.rx
+                while not p.done:
+                    status = rx.small_reply(p.req, sink)
+                    if status >= 0:
+                        p.reply = status
+                        p.done = True
+                        break
+                    self._frame()  # something else came first
+            while not p.done:
+                self._frame()
+        except BaseException as exc:
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._unlead()
+        return True
