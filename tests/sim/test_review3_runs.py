@@ -10,6 +10,7 @@ and read-only arrays, values at 2**32 / 2**63 / 2**64), and fuzzed against plain
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 import pytest
@@ -239,4 +240,5 @@ def test_small_byte_plan_refuses_out_of_domain(args: tuple[list[int], list[int],
 @pytest.mark.parametrize("bad", [-1, 2**64, 2**200, 1.5, None, "1"])
 def test_small_byte_plan_refuses_non_uint64_items(bad: object) -> None:
     with pytest.raises((ValueError, TypeError, OverflowError)):
-        small_byte_plan([0, bad], [0, 0], [1, 1], 8, 0)
+        s0: list[Any] = [0, bad]
+        small_byte_plan(s0, [0, 0], [1, 1], 8, 0)
