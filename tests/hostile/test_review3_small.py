@@ -342,3 +342,53 @@ def test_two_threads_on_one_reader_cannot_overrun_its_buffer(
     got = rx.buffered
     # leave the reader in a safe state whatever happened (its destructor only frees the buffer)
     assert got <= RX_BUFFER, f"{got} bytes counted as buffered in a {RX_BUFFER}-byte buffer"
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signals reach the main thread only")
+@pytest.mark.xfail(strict=True, reason="review3 F4: an Exception raised by a signal handler while a "
+                   "pull waits in the compiled recv is caught by Channel._lead (only BaseExceptions "
+                   "that are not Exceptions are re-raised), logged as a kvdd bug ('receiving "
+                   "failed'), the link is killed and the pull returns LLM_TIMEOUT: the user's "
+                   "exception (e.g. a SIGALRM timeout) is swallowed")
+def test_a_signal_handlers_exception_comes_out_of_the_pull(caller: Caller) -> None:  # noqa: F811
+    port = caller.dd.listen_port
+    assert port
+    s, _snap = rawpeer.link(port, 9100, caches=1)
+    s.settimeout(None)
+
+    reads = [0]
+
+    def owner() -> None:
+        with contextlib.suppress(OSError, AssertionError, struct.error):
+            while True:
+                ftype, req, _body = rawpeer.read_frame(s)
+                if ftype == wire.F_LEASE_READ:
+                    reads[0] += 1
+                    if reads[0] > 1:
+                        time.sleep(0.3)  # the caller waits in recv meanwhile
+                    s.sendall(_data(req, b"\x01" * 64) + _done(req))
+
+    class Alarm(Exception):
+        pass
+
+    def on_alarm(_sig: int, _frame: object) -> None:
+        raise Alarm()
+
+    t = threading.Thread(target=owner, daemon=True)
+    t.start()
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        # a first pull, then at once the second: the caller leads the receive side (the receiver
+        # thread only takes it after IDLE_S without callers), so it waits in the compiled recv
+        assert caller.pull() == Status.LLM_SUCCESS
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Alarm):
+            caller.pull()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+        t.join(10)
