@@ -10,11 +10,14 @@ code they were written against and pass once it is fixed (then drop the mark).
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 
 import numpy as np
@@ -293,6 +296,52 @@ def test_owner_flooding_empty_data_at_full_speed_is_cut_at_the_deadline(
             s.shutdown(socket.SHUT_RDWR)
         s.close()
         t.join(10)
+
+
+def test_a_long_frame_announced_costs_only_what_arrives(pair: tuple[Rx, socket.socket]) -> None:
+    """A header announcing the longest request (MAX_REQUEST) followed by a trickle: the reader's
+    memory grows with what arrives (one RECV_CHUNK at a time), not with the announced length."""
+    rx, peer = pair
+    rx.sock.settimeout(0.2)
+    n = wire.MAX_LEN[wire.F_READ]
+    assert n > 2 * wire.RECV_CHUNK
+    peer.sendall(rawpeer.hdr(wire.F_READ, n, 5) + b"\x01" * 100)
+    assert rx.header() == (wire.F_READ, 5, n)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TimeoutError):
+            rx.exact(n)
+        _cur, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < wire.RECV_CHUNK + RX_BUFFER + (64 << 10), peak
+
+
+def test_no_reference_leaks_in_the_compiled_reader(pair: tuple[Rx, socket.socket]) -> None:
+    """A thousand answers through small_reply, header/exact/into/discard: the stage's and the
+    reader's reference counts and the number of live objects come back where they were."""
+    rx, peer = pair
+    stage_refs: list[int] = []
+    body = b"\x07" * 32
+    one = _data(REQ, body) + _done(REQ) + rawpeer.frame(wire.F_PONG, b"abc", 3) + _data(REQ, b"xy")
+    for rnd in range(2):
+        gc.collect()
+        objects = len(gc.get_objects())
+        rx_refs = sys.getrefcount(rx)
+        for _ in range(500):
+            stage = Stage(32, 1 << 16)
+            peer.sendall(one)
+            assert rx.small_reply(REQ, stage) == S
+            assert rx.header() == (wire.F_PONG, 3, 3) and rx.exact(3) == b"abc"
+            assert rx.header() == (wire.F_DATA, REQ, 2)
+            rx.discard(2)
+            stage_refs.append(sys.getrefcount(stage))
+        del stage
+        gc.collect()
+        if rnd:  # the first round warms caches up
+            assert sys.getrefcount(rx) == rx_refs
+            assert len(gc.get_objects()) <= objects + 10
+    assert len(set(stage_refs)) == 1
 
 
 # -- findings -----------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ and read-only arrays, values at 2**32 / 2**63 / 2**64), and fuzzed against plain
 from __future__ import annotations
 
 import enum
+import gc
+import sys
 from typing import Any
 
 import numpy as np
@@ -242,3 +244,24 @@ def test_small_byte_plan_refuses_non_uint64_items(bad: object) -> None:
     with pytest.raises((ValueError, TypeError, OverflowError)):
         s0: list[Any] = [0, bad]
         small_byte_plan(s0, [0, 0], [1, 1], 8, 0)
+
+
+def test_no_reference_leaks_in_the_compiled_helpers() -> None:
+    """A thousand calls of each helper: the reference counts of the items (ints that are not
+    cached small ints) and of the lists, and the number of live objects, come back."""
+    big = [2**62 + i for i in (0, 1, 2, 7, 8)]
+    src = list(big)
+    dst = list(big)
+    s0, d0, ln = [2**31 + 1, 5], [9, 2**31 + 3], [2**31 + 5, 3]
+    watched = [*big, src, dst, s0[0], d0[1], ln[0], s0, ln]
+    gc.collect()
+    before = [sys.getrefcount(x) for x in watched]
+    objects = len(gc.get_objects())
+    for _ in range(1000):
+        assert ints_within(src, *UINT64) and not ints_within(src, *UINT32)
+        assert block_runs(src, dst) is not None
+        assert group_small_runs(src, dst, 64) is not None
+        small_byte_plan(s0, d0, ln, 3, 0)
+    gc.collect()
+    assert [sys.getrefcount(x) for x in watched] == before
+    assert len(gc.get_objects()) <= objects + 10
