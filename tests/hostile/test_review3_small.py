@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from kvdd import Status
+from kvdd._native._small import read_answer
 from kvdd.sim.fabric import wire
 from kvdd.sim.fabric.channel import Channel
 from kvdd.sim.fabric.rx import RX_BUFFER, Rx, Stage
@@ -479,6 +480,25 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
             t.join(10)
+
+
+@pytest.mark.parametrize("req", [0, 1, 0x12345678, 2**32 - 1])
+@pytest.mark.parametrize("n", [1, 63, 64, 65536])
+def test_read_answer_is_exactly_data_then_done(req: int, n: int) -> None:
+    """The owner's compiled answer equals the generic framing of DATA(n bytes) + DONE(success),
+    byte for byte, and copies exactly [addr, addr + n)."""
+    src = np.frombuffer(bytes((i * 7 + req) & 0xFF for i in range(n + 32)), dtype=np.uint8).copy()
+    out = read_answer(req, int(src.ctypes.data) + 16, n, wire.MAGIC, wire.PROTOCOL_VERSION)
+    assert out == _data(req, src[16:16 + n].tobytes()) + _done(req, S)
+
+
+@pytest.mark.parametrize("req, n, magic", [(-1, 8, wire.MAGIC), (2**32, 8, wire.MAGIC),
+                                           (1, 0, wire.MAGIC), (1, -8, wire.MAGIC),
+                                           (1, 2**32, wire.MAGIC), (1, 8, b"K"), (1, 8, b"KVX")])
+def test_read_answer_refuses_what_is_not_a_frame(req: int, n: int, magic: bytes) -> None:
+    src = np.zeros(16, dtype=np.uint8)
+    with pytest.raises((ValueError, OverflowError)):
+        read_answer(req, int(src.ctypes.data), n, magic, wire.PROTOCOL_VERSION)
 
 
 # -- findings -----------------------------------------------------------------------------------
