@@ -15,7 +15,9 @@ construction; a payload longer than the buffer grows with what arrives (1 MiB at
 the DATA and DONE frames of one request, and only those, checked exactly as the generic path
 checks them, into a :class:`Stage`; whatever else comes first is left unread for the generic path.
 The staged bytes reach the caller's memory (:meth:`Stage.land`) only once DONE said LLM_SUCCESS.
-:func:`read_answer` builds the owner's answer to a one-run small READ (DATA + DONE) in one copy.
+:func:`read_answer` builds the owner's answer to a one-run small READ (DATA + DONE) in one copy;
+:func:`serve_one_run` is the owner's whole serve of such a request (the twin of
+``kvdd.sim.fabric.small._serve_one_run``, which serves it when fault injections are armed).
 """
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
@@ -31,7 +33,7 @@ import os
 cdef extern from "sys/socket.h" nogil:
     ssize_t c_recv "recv"(int fd, void* buf, size_t n, int flags)
 
-__all__ = ["FrameReader", "Stage", "read_answer", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
 
 HEADER_SIZE = 12  # magic (2), version, type, request id (u32), payload length (u32); little-endian
 F_DATA = 15
@@ -318,3 +320,59 @@ def read_answer(uint32_t req, uintptr_t addr, Py_ssize_t n, bytes magic, int ver
     _put32(p + 8, 4)
     _put32(p + 12, 0)
     return out
+
+
+cdef bytes _done(uint32_t req, uint32_t status, const uint8_t* magic, int version):
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, _HSIZE + 4)
+    cdef char* p = PyBytes_AS_STRING(out)
+    p[0] = <char>magic[0]
+    p[1] = <char>magic[1]
+    p[2] = <char>version
+    p[3] = _F_DONE
+    _put32(p + 4, req)
+    _put32(p + 8, 4)
+    _put32(p + 12, status)
+    return out
+
+
+def serve_one_run(bytes payload, uint32_t req, grant, owner, served, Py_ssize_t small_bytes,
+                  uint32_t param_invalid, bytes magic, int version):
+    """The owner's answer to a LEASE_READ of one tensor and one run: the checks of LEASE and READ
+    in their order and with their statuses (``grant(owner, served, cache_id)`` = the lease checks:
+    ``(status, entry)``, the entry acquired when it is not None; the run must lie inside the
+    tensor's size ``entry.T`` and its registered region ``entry.regions[k]``), then DATA + DONE
+    built while the entry is held (released before returning).  None when ``payload`` is not a
+    one-run request of at most ``small_bytes`` (the generic path then parses, or refuses, it)."""
+    cdef const char* p
+    cdef uint64_t cache_id
+    cdef uint32_t k
+    cdef int64_t o, n, t
+    cdef const uint8_t* m
+    if len(payload) != 36 or len(magic) != 2:
+        return None
+    p = PyBytes_AS_STRING(payload)
+    if _u32(p + 8) != 1 or _u32(p + 12) != 1:
+        return None
+    cache_id = <uint64_t>_u32(p) | (<uint64_t>_u32(p + 4) << 32)
+    k = _u32(p + 16)
+    o = <int64_t>(<uint64_t>_u32(p + 20) | (<uint64_t>_u32(p + 24) << 32))
+    n = <int64_t>(<uint64_t>_u32(p + 28) | (<uint64_t>_u32(p + 32) << 32))
+    if n > small_bytes:
+        return None
+    m = <const uint8_t*>PyBytes_AS_STRING(magic)
+    status, entry = grant(owner, served, cache_id)
+    if entry is None:
+        return _done(req, status, m, version)
+    try:
+        regions = entry.regions
+        if k >= min(<Py_ssize_t>entry.n, len(regions)):
+            return _done(req, param_invalid, m, version)
+        region = regions[k]
+        t = min(<int64_t>entry.T, <int64_t>region.nbytes)
+        if o < 0 or n < 0 or n > t or o > t - n:
+            return _done(req, param_invalid, m, version)
+        if n == 0:
+            return _done(req, 0, m, version)
+        return read_answer(req, <uintptr_t>region.addr + <uintptr_t>o, n, magic, version)
+    finally:
+        entry.release()

@@ -35,7 +35,7 @@ from .. import (
 from .._native import _copy
 from ..models import BLOCK_TOKENS, MODELS
 from .baselines import Limits, arena, fill_pattern, limit_columns
-from .harness import KiB, Row, Timing, gbps, interleaved, repeats_for
+from .harness import KiB, Row, SelfTimed, Timing, gbps, interleaved, repeats_for
 
 __all__ = ["DECODE_ID", "DEFAULT_GEOMETRIES", "GEOMETRIES", "KINDS", "LOCALHOST", "PREFILL_ID", "BenchGeometry", "instance",
            "instance_pair", "link", "measure_transfers"]
@@ -265,7 +265,7 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                     verified = case.expect()
                     split: list[tuple[int, int]] = []
                     fns: dict[str, Callable[[], object]] = {
-                        "transfer": functools.partial(_kernel_timed, case.run, split)}
+                        "transfer": SelfTimed(functools.partial(_kernel_timed, case.run, split))}
                     fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
                     before = _copy.thread_stats()
@@ -283,15 +283,17 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
     return rows
 
 
-def _kernel_timed(run: Callable[[], object], split: list[tuple[int, int]]) -> None:
-    """`run`, appending to `split` the nanoseconds it spent in the copy kernels (``thread_stats``)
-    and outside them."""
-    k0 = _copy.thread_stats()["job_ns"]
+def _kernel_timed(run: Callable[[], object], split: list[tuple[int, int]]) -> float:
+    """`run`, timed around the call alone (a :class:`SelfTimed` operation, like the streaming
+    child's copies: the split's bookkeeping is not in the time); appends to `split` the nanoseconds
+    it spent in the copy kernels (``_copy.job_ns``) and outside them; returns its seconds."""
+    k0 = _copy.job_ns()
     t0 = time.perf_counter_ns()
     run()
     t1 = time.perf_counter_ns()
-    kernel = _copy.thread_stats()["job_ns"] - k0
+    kernel = _copy.job_ns() - k0
     split.append((kernel, t1 - t0 - kernel))
+    return (t1 - t0) / 1e9
 
 
 def _row(geom: BenchGeometry, blocks: int, case: _Case, res: dict[str, Timing], verified: bool,

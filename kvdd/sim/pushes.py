@@ -26,7 +26,7 @@ from .checks import (
     require_local_cache,
     require_not_ragged,
 )
-from .runs import BytePlan, Runs, row_run
+from .runs import BytePlan, Runs, row_run, total
 from .transfers import lookup_remote, run
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def _push_layers(backend: SimBackend, kind: str, src_cache: Cache, idx: CacheInd
         if n_ok:
             src_off, dst_off, length = offsets(local, rc)
             status = faults.on_transfer(backend, kind, idx.cluster_id, entity,
-                                        t * n_ok * int(length.sum()))
+                                        t * n_ok * total(length))
             if status != S_OK:
                 return status
             # the layers that passed are consecutive on both sides: their tensors are two ranges

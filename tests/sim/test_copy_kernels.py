@@ -596,6 +596,7 @@ def test_cpu_features() -> None:
     s = _copy.thread_stats()
     assert set(s) == {"calls", "chunks", "helper_chunks", "stalls", "jobs", "job_ns", "post_ns", "wait_ns", "moves",
                       "wakes"}
+    assert isinstance(_copy.job_ns(), int) and _copy.job_ns() == _copy.thread_stats()["job_ns"] >= s["job_ns"]
 
 
 # ---- threads and processes ------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from ...status import S_OK, Status
+from ..._native._small import serve_one_run
+from ...status import PARAM_INVALID, S_OK, Status
 from .. import faults
 from ..faults import injections as _injections
 from .endpoints import add_endpoint, close_channels, close_endpoint, discard_endpoint, take_endpoint
@@ -57,7 +58,7 @@ from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
                    F_WRITE, HDR, MAGIC, MAX_JOBS, MAX_QUEUED_BYTES, PROTOCOL_VERSION,
-                   ProtocolError, Reader, decode_request, frame)
+                   SMALL_BYTES, ProtocolError, Reader, decode_request, frame)
 
 logger = logging.getLogger(__name__)
 
@@ -249,13 +250,16 @@ class Channel:
                         wait = min(wait * 2, IDLE_MAX_S)
                     self._leader = _RECEIVER
                 try:
+                    rx = self.rx
                     while True:
                         self._frame()
-                        with self._lock:  # keep leading while it would take the lead again
-                            if (self._waiters or self.dead.is_set() or not (
-                                    self.rx.buffered or not self._active
-                                    and time.monotonic() - self._last_active >= IDLE_S)):
-                                break
+                        # keep leading while it would take the lead again; read without the lock
+                        # (a caller arriving meanwhile finds its reply read by this leader, as
+                        # when it arrives just after the check)
+                        if (self._waiters or self.dead.is_set() or not (
+                                rx.buffered or not self._active
+                                and time.monotonic() - self._last_active >= IDLE_S)):
+                            break
                 finally:
                     self._unlead()
         except BaseException as exc:
@@ -277,7 +281,13 @@ class Channel:
                     if self._waiters and p is not self._leader:
                         self._rx_cv.notify_all()
         elif ftype == F_LEASE_READ:
-            if _injections.armed and any(inj.serve for inj in faults.active()):  # slow server
+            if not _injections.armed:  # the one-run request compiled (small.py's twin), else:
+                answer = serve_one_run(payload, req, self.leases.grant_small, self.owner,
+                                       self.served, SMALL_BYTES, PARAM_INVALID, MAGIC,
+                                       PROTOCOL_VERSION)
+                self._answer(req, answer if answer is not None else serve_small_read(
+                    self.owner, self._grant_small, req, payload))
+            elif any(inj.serve for inj in faults.active()):  # slow server
                 self._enqueue(ftype, req, payload)
             else:
                 self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
@@ -472,16 +482,17 @@ class Channel:
         DATA breaks the protocol)."""
         if self.dead.is_set():
             return None
-        lock = self._lock
+        lead = False
         if self.send_lock.acquire(False):  # the common case: one lock section, then send
             try:
-                with lock:
+                with self._lock:
                     self._req_ids = req = (self._req_ids + 1) & 0xFFFFFFFF
                     p = Pending(req, deadline, stage)
                     self._pending[req] = p
                     self._active += 1
-                    if self._leader is None and self._running.is_set():
+                    if self._leader is None and self._started:  # reading may begin
                         self._leader = p
+                        lead = True
                 guard = self._guard
                 if guard.armed_until is None or guard.armed_until > deadline:
                     guard.arm(deadline)
@@ -493,7 +504,7 @@ class Channel:
                         1, tensor, off, stage.size))
                 except OSError:
                     self.kill()
-                    self._retire(p)
+                    self._end_small(p, lead)
                     return None
             finally:
                 self.send_lock.release()
@@ -504,7 +515,21 @@ class Channel:
                 return None
             p = q
         try:
-            if not self._await(p, deadline):
+            if lead:  # as _lead, for this request's own answer
+                rx = self.rx
+                try:
+                    while not p.done:
+                        status = rx.small_reply(req, stage)
+                        if status >= 0:
+                            p.reply = status
+                            p.done = True
+                            break
+                        self._frame()  # something else came first
+                except BaseException as exc:
+                    self._fail(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+            elif not self._await(p, deadline):
                 self.kill()
             if p.failed or not p.done:
                 with self._sink_lock:
@@ -518,7 +543,20 @@ class Channel:
                 return None
             return int.from_bytes(reply, "little")
         finally:
-            self._retire(p)
+            self._end_small(p, lead)
+
+    def _end_small(self, p: Pending, lead: bool) -> None:
+        """:meth:`_unlead` (when ``lead``) and :meth:`_retire` in one lock section."""
+        with self._lock:
+            if lead:
+                self._leader = None
+                if self._waiters:
+                    self._rx_cv.notify_all()
+                if self.rx.buffered:
+                    self._bg_cv.notify()
+            self._pending.pop(p.req, None)
+            self._active -= 1
+            self._last_active = time.monotonic()
 
     def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
                 data: Layout | None) -> Pending | None:
@@ -569,8 +607,6 @@ class Channel:
     def _await(self, p: Pending, deadline: float) -> bool:
         """Wait for ``p``'s reply, leading the receive side when nobody does; False when the
         deadline passed first."""
-        if self._leader is p:  # read_small took the lead as it registered the request
-            return self._lead(p)
         if not self._running.is_set():  # an acceptor's handle used before its handshake ended
             self._running.wait(max(deadline - time.monotonic(), 0.0))
         with self._lock:

@@ -185,15 +185,16 @@ class RemotePeer:
     def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
              dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
              timeout_ms: int) -> int:
-        if isinstance(lease, PathLease):
-            assert self._path is not None
-            return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
-        assert isinstance(lease, ClientLease)
-        if not lease.lease_id and len(length) == 1 and len(tensors) == 1 and len(dst) == 1:
+        if type(lease) is ClientLease and not lease.lease_id and len(length) == 1 \
+                and len(tensors) == 1 and len(dst) == 1:
             n = int(length[0])
             if 0 <= n <= SMALL_BYTES:  # most small reads: one tensor, one run
                 return self._read_one_run(lease, int(tensors[0]), int(src_off[0]), dst[0],
                                           int(dst_off[0]), n)
+        if isinstance(lease, PathLease):
+            assert self._path is not None
+            return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
+        assert isinstance(lease, ClientLease)
         status = self._lease_unless_small(lease, tensors, length)
         if status != S_OK:
             return status

@@ -129,7 +129,9 @@ def _done(req: int, status: int) -> bytes:
 def _serve_one_run(owner: LinkOwner, grant: Grant, req: int, cache_id: int, k: int, o: int,
                    n: int) -> bytes:
     """A LEASE_READ of one tensor and one run (most small reads): :func:`serve_small_read`'s
-    checks and answer, in the same order, without the general parse."""
+    checks and answer, in the same order, without the general parse.  Its compiled twin
+    :func:`kvdd._native._small.serve_one_run` serves these on the connection's reader while no
+    fault injection is armed (the same checks, statuses and order; keep the two in step)."""
     total = n if n > 0 else 0
     if total > SMALL_BYTES:
         raise ProtocolError(f"a small request of {total} bytes")

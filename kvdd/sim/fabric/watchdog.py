@@ -96,26 +96,23 @@ class DeadlineGuard:
         self._on_late = on_late
         self._lock = threading.Lock()
         self._timer: Timer | None = None
-        self._at: float | None = None
-
-    @property
-    def armed_until(self) -> float | None:
-        """The deadline a check is armed for (None: none); a caller whose deadline is no
-        earlier may skip :meth:`arm` (it registered its deadline with ``waiting`` before)."""
-        return self._at
+        #: The deadline a check is armed for (None: none); a caller whose deadline is no earlier
+        #: may skip :meth:`arm` (it registered its deadline with ``waiting`` before).  Written
+        #: under the guard's lock only.
+        self.armed_until: float | None = None
 
     def arm(self, deadline: float) -> None:
         """Make sure a check runs no later than ``deadline``."""
         with self._lock:
-            if self._at is not None and self._at <= deadline:
+            if self.armed_until is not None and self.armed_until <= deadline:
                 return
             WATCHDOG.cancel(self._timer)
-            self._at = deadline
+            self.armed_until = deadline
             self._timer = WATCHDOG.schedule(deadline - time.monotonic(), self._fire)
 
     def _fire(self) -> None:
         with self._lock:
-            self._at = None
+            self.armed_until = None
         waiting = self._waiting()
         now = time.monotonic()
         if any(d <= now for d in waiting):

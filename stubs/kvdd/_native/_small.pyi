@@ -2,10 +2,11 @@
 
 import socket
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from typing_extensions import disjoint_base
 
-__all__ = ["FrameReader", "Stage", "read_answer", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
+__all__ = ["FrameReader", "Stage", "read_answer", "serve_one_run", "HEADER_SIZE", "F_DATA", "F_DONE", "RECV_CHUNK"]
 
 HEADER_SIZE: int
 F_DATA: int
@@ -46,3 +47,14 @@ class Stage:
     def land(self, addr: int) -> None: ...
 
 def read_answer(req: int, addr: int, n: int, magic: bytes, version: int) -> bytes: ...
+def serve_one_run(
+    payload: bytes,
+    req: int,
+    grant: Callable[[Any, Any, int], tuple[int, Any]],
+    owner: object,
+    served: object,
+    small_bytes: int,
+    param_invalid: int,
+    magic: bytes,
+    version: int,
+) -> bytes | None: ...
