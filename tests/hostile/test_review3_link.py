@@ -169,12 +169,20 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
         outcome: list[int] = []
         shown: list[str] = []
         landed: list[bytes] = []
+        # cold: the receiver thread leads the idle link, so it reads the answer (generic path,
+        # Stage.recv); warm: a pull just before, so this one leads as it registers (small_reply)
+        warm = rng.random() < 0.5
+        warmed: list[int] = []
 
         def owner() -> None:
             with contextlib.suppress(OSError, AssertionError, struct.error):
                 while True:
                     ftype, req, _body = rawpeer.read_frame(s)
                     if ftype != wire.F_LEASE_READ:
+                        continue
+                    if warm and not warmed:  # the first pull of a warm case: a valid answer
+                        warmed.append(req)
+                        s.sendall(_data(req, ANSWER) + _done(req))
                         continue
                     frames, want = _random_answer(rng, req)
                     outcome.append(want)
@@ -191,6 +199,8 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
         t = threading.Thread(target=owner, daemon=True)
         t.start()
         try:
+            if warm:
+                assert caller.pull() == Status.LLM_SUCCESS
             caller.arena[:] = 0x5A
             t0 = time.monotonic()
             got = int(caller.pull())
@@ -208,7 +218,6 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
             t.join(10)
-
 
 
 # -- findings -----------------------------------------------------------------------------------
