@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 import gc
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -265,3 +267,50 @@ def test_no_reference_leaks_in_the_compiled_helpers() -> None:
     gc.collect()
     assert [sys.getrefcount(x) for x in watched] == before
     assert len(gc.get_objects()) <= objects + 10
+
+
+def test_the_checked_items_are_the_items_returned_while_another_thread_mutates() -> None:
+    """check_int_seq's compiled fast path (ints_within, then a copy) must return the items it
+    checked: a list another thread mutates between the check and the copy must not slip a bool
+    (or an out-of-width int) into the 'checked' tuple.  Found by review3 (F6): it returned
+    unchecked items ~70 times a second under this load; fixed in kvdd/widths.py by copying
+    first and checking the copy."""
+    lst: list[object] = [1] * 8
+    stop = threading.Event()
+
+    def pause() -> None:  # a call: a point where the interpreter may switch threads
+        pass
+
+    def mutate() -> None:
+        while not stop.is_set():
+            lst[0] = True
+            pause()
+            lst[0] = 1
+            pause()
+            lst[0] = 2**64
+            pause()
+            lst[0] = 1
+            pause()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=mutate, daemon=True)
+    t.start()
+    wrong: list[tuple[int, ...]] = []
+    refused = 0
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not wrong:
+            try:
+                got = check_int_seq("x", lst, UINT64)
+            except (TypeError, ValueError):
+                refused += 1
+                continue
+            if any(type(v) is not int or not 0 <= v <= U64 for v in got):
+                wrong.append(got)
+    finally:
+        stop.set()
+        t.join(5)
+        sys.setswitchinterval(old)
+    assert refused > 0  # the other thread did run in between
+    assert not wrong, wrong[0]
