@@ -211,8 +211,8 @@ def test_byte_runs_refuses_mismatched_or_empty_columns() -> None:
 def test_small_byte_plan_matches_byte_runs(runs: list[tuple[int, int, int]], block: int,
                                            tail: int) -> None:
     """Within its documented domain (indices and lengths < 2**32, block < 2**31) the small plan
-    gives byte_runs' arrays, total and ends; it refuses (ValueError) a total past int64 where
-    numpy would wrap."""
+    gives byte_runs' arrays, total and ends while the ends fit int64; it refuses (ValueError) a
+    total past int64 where numpy would wrap."""
     s0 = [r[0] for r in runs]
     d0 = [r[1] for r in runs]
     ln = [r[2] for r in runs]
@@ -221,6 +221,9 @@ def test_small_byte_plan_matches_byte_runs(runs: list[tuple[int, int, int]], blo
     if exact_total > 2**63 - 1:
         with pytest.raises(ValueError, match="overflows"):
             small_byte_plan(s0, d0, ln, block, tail)
+        return
+    ends = [(a + n, b + n) for a, b, n in zip(want[0], want[1], want[2])]
+    if max(max(e) for e in ends) > 2**63 - 1:  # an end past int64: F7 below
         return
     so, do, lo, total, s_end, d_end = small_byte_plan(s0, d0, ln, block, tail)
     assert (so.tolist(), do.tolist(), lo.tolist(), total, s_end, d_end) == want
@@ -314,3 +317,15 @@ def test_the_checked_items_are_the_items_returned_while_another_thread_mutates()
         sys.setswitchinterval(old)
     assert refused > 0  # the other thread did run in between
     assert not wrong, wrong[0]
+
+
+@pytest.mark.xfail(strict=True, reason="review3 F7: an end past int64 (d0 * block + length > 2**63 - 1, "
+                   "indices < 2**32 and block < 2**31 as documented) is exact and unsigned from "
+                   "small_byte_plan but wrapped negative from byte_runs and numpy, so the bound "
+                   "check 'end > tensor_nbytes' of pulls/pushes decides differently by list length")
+def test_the_byte_plans_agree_on_ends_past_int64() -> None:
+    s0, d0, ln, block = [0], [4], [2**32 - 1], 2**31 - 1
+    small = small_byte_plan(s0, d0, ln, block, 0)
+    big = byte_runs(np.array(s0, np.uint64), np.array(d0, np.uint64), np.array(ln, np.int64),
+                    block, 0)
+    assert small[3:] == big[3:]
