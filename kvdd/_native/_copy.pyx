@@ -110,7 +110,8 @@ cdef uint64_t _default_streaming_threshold():
 DEFAULT_STREAMING_THRESHOLD = _default_streaming_threshold()
 #: Default of the automatic 2-thread threshold: None, decided by measured cost (:func:`threads_model`).
 DEFAULT_THREADS_THRESHOLD = None
-#: Default bytes per work item of the 2-thread path (0: total / 32, clamped to 256 KiB .. 1 MiB).
+#: Default bytes per work item of the 2-thread path (0: total / 32, clamped to 256 KiB .. 1 MiB, the last
+#: two items' worth in quarters of at least 64 KiB).
 DEFAULT_CHUNK_SIZE = 0
 #: Bytes per call from which the GIL is released (below it the copy is shorter than the release).
 NOGIL_THRESHOLD = 32 << 10
