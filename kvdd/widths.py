@@ -96,10 +96,12 @@ def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int
     ValueError
         An array that is not 1-D, or an item outside ``width``.
     """
+    if type(value) is list:  # one snapshot: the items checked are the items returned, even
+        value = tuple(value)  # when another thread changes the list meanwhile
     if ints_within(value, width[0], width[1]):
         # fast path, one pass in C: a list or tuple of plain ints within the width (e.g. the
         # 1024 block ids of a block-table pull)
-        return tuple(value)  # type: ignore[arg-type]
+        return value  # type: ignore[return-value]
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got an array of shape {value.shape}")
