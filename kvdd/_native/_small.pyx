@@ -22,7 +22,8 @@ The staged bytes reach the caller's memory (:meth:`Stage.land`) only once DONE s
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.exc cimport PyErr_CheckSignals
+cdef extern from "Python.h":
+    int PyErr_CheckSignals()
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
@@ -93,6 +94,8 @@ cdef class FrameReader:
     cdef uint8_t _m0, _m1, _version
     cdef object _bad
     cdef readonly object error
+    cdef bint _busy  # a thread is inside a method (one reader at a time: a second is refused)
+    cdef readonly bint interrupted  # a signal handler raised while this reader waited
 
     def __init__(self, sock, limits, bytes magic, int version, bad_header, error,
                  Py_ssize_t size=65536):
@@ -115,6 +118,15 @@ cdef class FrameReader:
         self._version = version
         self._bad = bad_header
         self.error = error
+        self._busy = False
+        self.interrupted = False
+
+    cdef int _enter(self) except -1:
+        if self._busy:
+            raise RuntimeError("another thread is reading this connection")
+        self._busy = True
+        self.interrupted = False
+        return 0
 
     @property
     def buffered(self):
@@ -137,7 +149,9 @@ cdef class FrameReader:
             if got == 0:
                 raise ConnectionError("connection closed by the peer")
             if err == EINTR:
-                PyErr_CheckSignals()  # a handler's exception propagates (except -1)
+                if PyErr_CheckSignals() < 0:  # a handler's exception propagates
+                    self.interrupted = True
+                    return -1
                 continue
             if err == EAGAIN:  # timeout mode: the socket's own wait
                 got = self.sock.recv_into(memoryview(<char[:n]>dst))
@@ -169,38 +183,53 @@ cdef class FrameReader:
     def header(self):
         """The next frame's ``(type, request id, length)``, checked (``bad_header`` raises)."""
         cdef const char* h
-        self._fill(_HSIZE)
-        h = self._p + self._pos
-        if not self._header_ok(h):
-            self._bad(PyBytes_FromStringAndSize(h, _HSIZE))
-            raise self.error("bad frame header")
-        self._pos += _HSIZE
-        return <uint8_t>h[3], _u32(h + 4), _u32(h + 8)
+        self._enter()
+        try:
+            self._fill(_HSIZE)
+            h = self._p + self._pos
+            if not self._header_ok(h):
+                self._bad(PyBytes_FromStringAndSize(h, _HSIZE))
+                raise self.error("bad frame header")
+            self._pos += _HSIZE
+            return <uint8_t>h[3], _u32(h + 4), _u32(h + 8)
+        finally:
+            self._busy = False
 
     def exact(self, Py_ssize_t n):
         """The next ``n`` bytes (a payload of a checked length); memory grows with what arrives."""
         cdef bytes out
         cdef bytearray big
         cdef Py_ssize_t take
-        if n < 0:
-            raise ValueError("negative length")
-        if n <= self._cap:
-            self._fill(n)
-            out = PyBytes_FromStringAndSize(self._p + self._pos, n)
-            self._pos += n
-            return out
-        big = bytearray(self._p[self._pos:self._end])
-        self._pos = self._end = 0
-        while len(big) < n:
-            take = min(n - len(big), _CHUNK)
-            chunk = bytearray(take)
-            self.into(chunk)
-            big += chunk
-        return bytes(big)
+        self._enter()
+        try:
+            if n < 0:
+                raise ValueError("negative length")
+            if n <= self._cap:
+                self._fill(n)
+                out = PyBytes_FromStringAndSize(self._p + self._pos, n)
+                self._pos += n
+                return out
+            big = bytearray(self._p[self._pos:self._end])
+            self._pos = self._end = 0
+            while len(big) < n:
+                take = min(n - len(big), _CHUNK)
+                chunk = bytearray(take)
+                self._into(chunk)
+                big += chunk
+            return bytes(big)
+        finally:
+            self._busy = False
 
     def into(self, dst):
         """The next ``len(dst)`` bytes into the writable buffer ``dst``: what is buffered, then
         straight from the socket (at most RECV_CHUNK bytes asked of one recv)."""
+        self._enter()
+        try:
+            self._into(dst)
+        finally:
+            self._busy = False
+
+    cdef int _into(self, dst) except -1:
         cdef Py_buffer view
         cdef char* d
         cdef Py_ssize_t n, take
@@ -220,16 +249,24 @@ cdef class FrameReader:
                 n -= take
         finally:
             PyBuffer_Release(&view)
+        return 0
 
     def discard(self, Py_ssize_t n):
         """Skip the next ``n`` bytes (received into this reader's own buffer)."""
-        cdef Py_ssize_t have = min(self._end - self._pos, n)
-        self._pos += have
-        n -= have
-        if n:
-            self._pos = self._end = 0  # the buffer is empty: use it as scratch
-            while n > 0:
-                n -= self._recv(self._p, min(n, self._cap))
+        cdef Py_ssize_t have
+        self._enter()
+        try:
+            if n < 0:
+                raise ValueError("negative length")
+            have = min(self._end - self._pos, n)
+            self._pos += have
+            n -= have
+            if n:
+                self._pos = self._end = 0  # the buffer is empty: use it as scratch
+                while n > 0:
+                    n -= self._recv(self._p, min(n, self._cap))
+        finally:
+            self._busy = False
 
     def small_reply(self, uint32_t req, Stage stage not None):
         """The answer to this end's small READ ``req``: its DATA frames go into ``stage`` and its
@@ -240,28 +277,31 @@ cdef class FrameReader:
         cdef uint32_t length
         cdef uint8_t ftype
         cdef uint32_t status
-        while True:
-            self._fill(_HSIZE)
-            h = self._p + self._pos
-            if not self._header_ok(h) or _u32(h + 4) != req:
-                return -1
-            ftype = <uint8_t>h[3]
-            length = _u32(h + 8)
-            if ftype == _F_DATA:
-                if length > stage.left or length > self._cap - _HSIZE:
+        self._enter()
+        try:
+            while True:
+                self._fill(_HSIZE)
+                h = self._p + self._pos
+                if not self._header_ok(h) or _u32(h + 4) != req:
                     return -1
-                self._fill(_HSIZE + length)
-                memcpy(stage._p + (stage.size - stage.left), self._p + self._pos + _HSIZE, length)
-                stage.left -= length
-                self._pos += _HSIZE + length
-            elif ftype == _F_DONE and length == 4:
-                self._fill(_HSIZE + 4)
-                status = _u32(self._p + self._pos + _HSIZE)
-                self._pos += _HSIZE + 4
-                return status
-            else:
-                return -1
-
+                ftype = <uint8_t>h[3]
+                length = _u32(h + 8)
+                if ftype == _F_DATA:
+                    if length > stage.left or length > self._cap - _HSIZE:
+                        return -1
+                    self._fill(_HSIZE + length)
+                    memcpy(stage._p + (stage.size - stage.left), self._p + self._pos + _HSIZE, length)
+                    stage.left -= length
+                    self._pos += _HSIZE + length
+                elif ftype == _F_DONE and length == 4:
+                    self._fill(_HSIZE + 4)
+                    status = _u32(self._p + self._pos + _HSIZE)
+                    self._pos += _HSIZE + 4
+                    return status
+                else:
+                    return -1
+        finally:
+            self._busy = False
 
     def serve_lease_read(self, grant, owner, served, Py_ssize_t small_bytes,
                          uint32_t param_invalid):
@@ -271,22 +311,26 @@ cdef class FrameReader:
         cdef const char* h
         cdef uint32_t req
         cdef uint8_t m[2]
-        self._fill(_HSIZE)
-        h = self._p + self._pos
-        if (not self._header_ok(h) or <uint8_t>h[3] != _F_LEASE_READ
-                or _u32(h + 8) != _ONE_RUN):
-            return None
-        self._fill(_HSIZE + _ONE_RUN)
-        h = self._p + self._pos
-        if not _one_run(h + _HSIZE, small_bytes):
-            return None
-        req = _u32(h + 4)
-        self._pos += _HSIZE + _ONE_RUN
-        m[0] = self._m0
-        m[1] = self._m1
-        # the payload is copied out of the buffer first: grant() runs Python, never this reader
         cdef char payload[_ONE_RUN]
-        memcpy(payload, h + _HSIZE, _ONE_RUN)
+        self._enter()
+        try:
+            self._fill(_HSIZE)
+            h = self._p + self._pos
+            if (not self._header_ok(h) or <uint8_t>h[3] != _F_LEASE_READ
+                    or _u32(h + 8) != _ONE_RUN):
+                return None
+            self._fill(_HSIZE + _ONE_RUN)
+            h = self._p + self._pos
+            if not _one_run(h + _HSIZE, small_bytes):
+                return None
+            req = _u32(h + 4)
+            self._pos += _HSIZE + _ONE_RUN
+            m[0] = self._m0
+            m[1] = self._m1
+            # the payload is copied out of the buffer first: grant() runs Python code
+            memcpy(payload, h + _HSIZE, _ONE_RUN)
+        finally:
+            self._busy = False
         return req, _serve(req, payload, grant, owner, served, param_invalid, m, self._version)
 
 
@@ -296,7 +340,7 @@ cdef class Stage:
 
     cdef char* _p
     cdef readonly Py_ssize_t size
-    cdef public Py_ssize_t left
+    cdef readonly Py_ssize_t left
 
     def __cinit__(self, Py_ssize_t size, Py_ssize_t limit):
         if size < 0 or size > limit:

@@ -224,11 +224,6 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
-@pytest.mark.xfail(strict=True, reason="review3 F4: an Exception raised by a signal handler while a "
-                   "pull waits in the compiled recv is caught by Channel._lead (only BaseExceptions "
-                   "that are not Exceptions are re-raised), logged as a kvdd bug ('receiving "
-                   "failed'), the link is killed and the pull returns LLM_TIMEOUT: the user's "
-                   "exception (e.g. a SIGALRM timeout) is swallowed")
 def test_a_signal_handlers_exception_comes_out_of_the_pull(caller: Caller) -> None:  # noqa: F811
     port = caller.dd.listen_port
     assert port
@@ -282,11 +277,6 @@ class MinimalOwner:
     initialized = True
 
 
-@pytest.mark.xfail(strict=True, reason="review3 F5: frames for a request that already has its DONE are "
-                   "still taken until its caller wakes (Channel._frame overwrites Pending.reply; "
-                   "_recv_data writes the stage): an owner's refusal followed by DATA and "
-                   "DONE(success) becomes LLM_SUCCESS with every byte staged (to land), depending "
-                   "on thread timing. The first DONE should decide; more frames for it break the link")
 def test_the_first_done_decides() -> None:
     """Two requests on one Channel (its contract: a caller whose reply another leader reads is
     woken by it): the first caller leads (a PING never answered); the owner refuses the second,

@@ -150,6 +150,9 @@ class Calls:
                             break
                         self._frame()  # something else came first
                 except BaseException as exc:
+                    if rx.interrupted:  # a signal handler's exception: the caller's (abandoned)
+                        self.kill()
+                        raise
                     self._fail(exc)
                     if not isinstance(exc, Exception):
                         raise
@@ -261,6 +264,9 @@ class Calls:
             while not p.done:
                 self._frame()
         except BaseException as exc:
+            if self.rx.interrupted:  # a signal handler's exception: the caller's (it abandons
+                self.kill()  # its request mid-answer: the link cannot be read on)
+                raise
             self._fail(exc)
             if not isinstance(exc, Exception):
                 raise

@@ -190,8 +190,9 @@ class Channel(Calls):
             self._running.set()  # nobody waits for a start that will not come
             pending = list(self._pending.values())
             for p in pending:
-                p.failed = True
-                p.done = True
+                if not p.done:  # a request that has its DONE keeps it (the first DONE decides)
+                    p.failed = True
+                    p.done = True
             self._rx_cv.notify_all()
             self._bg_cv.notify_all()
             self._jobs.clear()
@@ -283,6 +284,8 @@ class Channel(Calls):
             with self._lock:
                 p = self._pending.get(req)
                 if p is not None:
+                    if p.done and not p.failed:  # the first reply decides; more is a violation
+                        raise ProtocolError("a second reply to one request")
                     p.reply = payload
                     p.done = True
                     if self._waiters and p is not self._leader:
@@ -340,6 +343,8 @@ class Channel(Calls):
             p = self._pending.get(req)
         if p is None or p.sink is None:
             raise ProtocolError("DATA without a pending read")
+        if p.done and not p.failed:
+            raise ProtocolError("DATA after the request's DONE")
         with self._sink_lock:
             if p.cancelled:
                 self.rx.discard(length)

@@ -49,7 +49,8 @@ class Rx(_small.FrameReader):
 class Sink(Protocol):
     """Where a READ's DATA goes (:class:`~.streams.Cursor`, :class:`~.small.SmallSink`)."""
 
-    left: int
+    @property
+    def left(self) -> int: ...  # bytes still expected
 
     def recv(self, rx: Rx, n: int) -> None: ...
 
