@@ -171,41 +171,55 @@ def block_runs(src: object, dst: object) -> tuple | None:
             (int(s0_max), int(d0_max), int(ln_max), int(sl_max), int(dl_max)))
 
 
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* a * b + c in uint64, UINT64_MAX when it does not fit (GCC/Clang overflow builtins) */
+    static inline uint64_t kvdd_sat_muladd(uint64_t a, uint64_t b, uint64_t c) {
+        uint64_t r;
+        if (__builtin_mul_overflow(a, b, &r) || __builtin_add_overflow(r, c, &r)) return UINT64_MAX;
+        return r;
+    }
+    """
+    uint64_t kvdd_sat_muladd(uint64_t a, uint64_t b, uint64_t c) noexcept nogil
+
+
 def byte_runs(s0: object, d0: object, ln: object, block: int, tail: int) -> tuple:
     """The byte plan of block runs in one pass: ``s0 * block``, ``d0 * block`` and ``ln * block`` as
-    int64 arrays (two's-complement wrapping, as numpy's ``astype(int64) * block``), the last length
-    `tail` when `tail` > 0 (the §3.11 quirk), then ``sum(length)`` and the largest
-    ``src_off + length`` and ``dst_off + length`` (ints; int64 wrapping as numpy's).  `s0`, `d0`:
-    uint64 arrays, `ln`: int64, of equal length >= 1."""
+    int64 arrays, the last length `tail` when `tail` > 0 (the §3.11 quirk), then ``sum(length)``
+    and the largest ``src_off + length`` and ``dst_off + length``.
+
+    The three sums are exact (ints), or ``2**64 - 1`` when a value does not fit 64 bits, so a bound
+    check ``end > tensor_nbytes`` always refuses a run that does not fit; an offset or length of
+    2**63 or more (then refused that way) is stored wrapped.  `s0`, `d0`: uint64 arrays, `ln`:
+    int64 (>= 0), of equal length >= 1; `block` and `tail` >= 0."""
     cdef const uint64_t[:] s = s0, d = d0
     cdef const int64_t[:] n = ln
     cdef Py_ssize_t m = n.shape[0], i
     if s.shape[0] != m or d.shape[0] != m or m == 0:
         raise ValueError("byte_runs: s0, d0 and ln must have the same length >= 1")
+    if block < 0 or tail < 0 or block > _I64_MAX or tail > _I64_MAX:
+        raise ValueError(f"byte_runs: block {block} / tail {tail} out of range")
     buf = np.empty((3, m), dtype=np.int64)
     cdef int64_t[::1] so = buf[0], do = buf[1], lo = buf[2]
-    cdef uint64_t b = <uint64_t><int64_t>block
-    cdef int64_t last = <int64_t>tail
-    cdef uint64_t tot = 0
-    cdef int64_t s_end, d_end, e
+    cdef uint64_t b = <uint64_t>block, last = <uint64_t>tail
+    cdef uint64_t tot = 0, s_end = 0, d_end = 0, xs, xd, xl, e
     with nogil:
         for i in range(m):
-            so[i] = <int64_t>(s[i] * b)
-            do[i] = <int64_t>(d[i] * b)
-            lo[i] = <int64_t>(<uint64_t>n[i] * b)
-        if last > 0:
-            lo[m - 1] = last
-        s_end = <int64_t>(<uint64_t>so[0] + <uint64_t>lo[0])
-        d_end = <int64_t>(<uint64_t>do[0] + <uint64_t>lo[0])
-        for i in range(m):
-            tot += <uint64_t>lo[i]
-            e = <int64_t>(<uint64_t>so[i] + <uint64_t>lo[i])
+            xs = kvdd_sat_muladd(s[i], b, 0)
+            xd = kvdd_sat_muladd(d[i], b, 0)
+            xl = last if (last > 0 and i == m - 1) else kvdd_sat_muladd(<uint64_t>n[i], b, 0)
+            so[i] = <int64_t>xs
+            do[i] = <int64_t>xd
+            lo[i] = <int64_t>xl
+            tot = kvdd_sat_muladd(1, tot, xl)
+            e = kvdd_sat_muladd(1, xs, xl)
             if e > s_end:
                 s_end = e
-            e = <int64_t>(<uint64_t>do[i] + <uint64_t>lo[i])
+            e = kvdd_sat_muladd(1, xd, xl)
             if e > d_end:
                 d_end = e
-    return buf[0], buf[1], buf[2], <int64_t>tot, s_end, d_end
+    return buf[0], buf[1], buf[2], tot, s_end, d_end
 
 
 def sum_int64(a: object) -> int:

@@ -25,7 +25,7 @@ from .._native._runs import block_runs, byte_runs, sum_int64
 from ..status import PARAM_INVALID
 from .checks import reject
 
-__all__ = ["SMALL", "BytePlan", "Runs", "int64_arrays", "row_run", "total"]
+__all__ = ["SMALL", "BytePlan", "Runs", "row_run", "total"]
 
 #: Requests of at most this many block pairs are planned without numpy.
 SMALL = 64
@@ -119,34 +119,18 @@ class Runs:
         known = self._maxima.get(id(self.ln))
         return known if known is not None else int(self.ln.max())
 
-    def byte_offsets(self, block: int, tail: int = 0) -> tuple[Column, Column, Column]:
-        """``(src_off, dst_off, length)`` in bytes: ``s0[i] * block``, ``d0[i] * block`` and
-        ``ln[i] * block`` (the last run `tail` bytes when `tail` > 0: the §3.11 quirk), as lists
-        (small requests) or int64 arrays.  Call after the indices were checked against a bound
-        (< 2**32), so the bytes fit int64."""
-        if isinstance(self.ln, list):
-            s_off: Column = [f * block for f in self.s0]
-            d_off: Column = [f * block for f in self.d0]
-            length: Column = [n * block for n in self.ln]
-        elif self._maxima:  # the arrays of block_runs: one pass in C
-            return byte_runs(self.s0, self.d0, self.ln, block, tail)[:3]
-        else:
-            s_off = np.asarray(self.s0).astype(_I64) * block
-            d_off = np.asarray(self.d0).astype(_I64) * block
-            length = self.ln * block
-        if tail:
-            length[-1] = tail
-        return s_off, d_off, length
-
     def byte_plan(self, block: int, tail: int = 0) -> BytePlan:
-        """The byte runs of :meth:`byte_offsets` as int64 arrays, with their total and ends
-        (:data:`BytePlan`): one C call for small requests and for long lists.  Same precondition."""
+        """The byte runs as int64 arrays: ``s0[i] * block``, ``d0[i] * block`` and ``ln[i] * block``
+        (the last run `tail` bytes when `tail` > 0: the §3.11 quirk), with their total and ends
+        (:data:`BytePlan`): one C call.  The total and the ends are exact, or ``2**64 - 1`` when
+        they do not fit 64 bits (a bound check on them then refuses the request)."""
         if isinstance(self.ln, list) and isinstance(self.s0, list) and isinstance(self.d0, list):
-            return small_byte_plan(self.s0, self.d0, self.ln, block, tail)
-        if self._maxima:  # the arrays of block_runs: one pass in C
-            return byte_runs(self.s0, self.d0, self.ln, block, tail)
-        so, do, ln = int64_arrays(*self.byte_offsets(block, tail))
-        return (so, do, ln, total(ln), int((so + ln).max()), int((do + ln).max()))
+            try:
+                return small_byte_plan(self.s0, self.d0, self.ln, block, tail)
+            except ValueError:  # indices >= 2**32 or a total past int64 (a remote announcing a huge
+                pass            # tensor): byte_runs saturates, so the bound checks refuse it
+        return byte_runs(np.asarray(self.s0, dtype=np.uint64), np.asarray(self.d0, dtype=np.uint64),
+                         np.asarray(self.ln, dtype=_I64), block, tail)
 
 
 def total(length: Column) -> int:
@@ -154,14 +138,6 @@ def total(length: Column) -> int:
     if isinstance(length, list):
         return sum(length)
     return sum_int64(length) if length.dtype == _I64 else int(length.sum())
-
-
-def int64_arrays(s_off: Column, d_off: Column, length: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The byte runs as int64 arrays (what the transports take); lists in one numpy call."""
-    if isinstance(s_off, list) and isinstance(d_off, list) and isinstance(length, list):
-        a = np.array((s_off, d_off, length), dtype=_I64)
-        return a[0], a[1], a[2]
-    return np.asarray(s_off, dtype=_I64), np.asarray(d_off, dtype=_I64), np.asarray(length, dtype=_I64)
 
 
 @functools.lru_cache(maxsize=256)

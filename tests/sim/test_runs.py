@@ -83,19 +83,28 @@ def test_small_native_and_numpy_paths_agree(p: list[tuple[int, int]], block: int
     if max(src + dst) < 1 << 32:  # byte runs are computed after the indices were bounded
         tail = block // 2
         for r in (small, native, numpy_):
-            cols = r.byte_offsets(block, tail)
-            so, do, ln = runs_mod.int64_arrays(*cols)
-            assert so.dtype == do.dtype == ln.dtype == np.int64
+            so, do, ln, ptotal, src_end, dst_end = r.byte_plan(block, tail)
+            assert [x.dtype for x in (so, do, ln)] == [np.int64] * 3
             assert so.tolist() == [s * block for s, _, _ in ref]
             assert do.tolist() == [d * block for _, d, _ in ref]
             assert ln.tolist() == [n * block for _, _, n in ref][:-1] + [tail or ref[-1][2] * block]
-            assert runs_mod.total(cols[2]) == sum(ln.tolist())
-            pso, pdo, pln, ptotal, src_end, dst_end = r.byte_plan(block, tail)
-            assert [x.dtype for x in (pso, pdo, pln)] == [np.int64] * 3
-            assert (pso.tolist(), pdo.tolist(), pln.tolist()) == (so.tolist(), do.tolist(), ln.tolist())
-            assert ptotal == sum(ln.tolist())
+            assert ptotal == sum(ln.tolist()) == runs_mod.total(ln)
             assert src_end == max(o + n for o, n in zip(so.tolist(), ln.tolist()))
             assert dst_end == max(o + n for o, n in zip(do.tolist(), ln.tolist()))
+
+
+@pytest.mark.parametrize("src", [[2**32 + 5], [2**40, 2**40 + 1], list(range(2**33, 2**33 + 70))])
+def test_huge_block_indices_give_ends_a_bound_check_refuses(src: list[int]) -> None:
+    """Source indices of 2**32 or more (allowed by a remote announcing that many blocks) never make
+    the plan raise or wrap: its ends are exact, or 2**64-1 when they do not fit 64 bits."""
+    dst = list(range(len(src)))
+    for block in (1, 4096, 2**31 - 1):
+        *_, total, src_end, dst_end = Runs(src, dst).byte_plan(block, 0)
+        want_end = max(s + 1 for s in src) * block
+        assert src_end == (want_end if want_end < 2**64 else 2**64 - 1)
+        assert dst_end == len(src) * block and total == len(src) * block
+    *_, src_end, _ = Runs([2**63], [0]).byte_plan(2, 0)
+    assert src_end == 2**64 - 1
 
 
 def test_invalid_indices_take_the_numpy_path() -> None:
