@@ -2,6 +2,8 @@
 import sys, numpy as np, kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo
 
+if len(sys.argv) != 3:
+    sys.exit("usage: python examples/decode.py PORT CACHE_ID  (both printed by examples/prefill.py)")
 port, remote_id = int(sys.argv[1]), int(sys.argv[2])
 with kvdd.LlmDataDist(cluster_id=2, role=kvdd.LlmRole.DECODER, backend="sim") as dd:
     dd.initialize({kvdd.OPTION_DEVICE_ID: "1"})

@@ -7,4 +7,5 @@ with kvdd.LlmDataDist(cluster_id=1, role=kvdd.LlmRole.PROMPT, backend="sim") as 
     kv = [np.full((8, 1024), k, dtype=np.uint8) for k in range(4)]       # 4 tensors, 8 blocks of 1 KiB
     cache_id = dd.register_kv_cache(CacheDesc(4, DataType.DT_UINT8, (8, 1024)), kvdd.tensor_addrs(kv))
     print(dd.listen_port, cache_id, flush=True)                          # tell decode where to look
+    print("run examples/decode.py with these two numbers, then press Enter here", file=sys.stderr)
     sys.stdin.readline()                                                  # wait until decode is done

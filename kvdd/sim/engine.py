@@ -261,7 +261,10 @@ class SimBackend:
         # the same connection object whether the peer lives in this process or elsewhere
         status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
         if status != S_OK or conn is None:
-            return status, f"cannot connect to {remote.ip}:{remote.port}"
+            why = (f"no answer within {timeout_ms} ms" if status == Status.LLM_TIMEOUT
+                   else "refused or unreachable")
+            return status, (f"cannot connect to {remote.ip}:{remote.port} ({why}: is the peer "
+                            f"initialized and listening on that address?)")
         try:
             force_link = cluster.remote_cluster_id not in self.entities  # comm: §3.5 d
             # the peer's side first: backend/initialized check, on comm its acceptance (§3.5 e)

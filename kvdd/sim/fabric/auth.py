@@ -280,7 +280,9 @@ def load_secret(create: bool = True) -> Secret:
         try:
             data = _read_checked(path)
         except OSError as exc:
-            raise SecretError(f"cannot read {ENV_SECRET_FILE}={file}: {exc.strerror}") from None
+            hint = (f" (make one: kvdd fabric-secret > {file} && chmod 600 {file})"
+                    if isinstance(exc, FileNotFoundError) else "")
+            raise SecretError(f"cannot read {ENV_SECRET_FILE}={file}: {exc.strerror}{hint}") from None
         return Secret(_file_key(data, f"secret file {path}"), f"file {path}")
     path = default_secret_path()
     try:
