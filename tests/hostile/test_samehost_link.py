@@ -124,7 +124,7 @@ def test_kvdd_sim_xproc_tcp_keeps_tcp(world: World, monkeypatch: pytest.MonkeyPa
 
 def test_stopped_owner_is_still_read(own_world: World, own_proc: PeerProcess) -> None:
     """Like RDMA: no answer from the owner's CPU is needed (the TCP path times out instead:
-    tests/sim/test_fabric.py::test_silent_peer_times_out)."""
+    tests/sim/test_fabric_leases.py::test_silent_peer_times_out)."""
     world = own_world
     d, p, dh, ph = _setup(world, d_extra={WAIT: "1000"})
     assert link(d, p) == [S]
