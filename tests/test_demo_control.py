@@ -147,7 +147,8 @@ def _closed(s: socket.socket) -> bool:
 
 
 def test_strays_are_refused_and_the_real_decode_is_served(
-        prefill: tuple[ReadyInfo, dict[str, Any], threading.Thread], monkeypatch: pytest.MonkeyPatch) -> None:
+        prefill: tuple[ReadyInfo, dict[str, Any], threading.Thread], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     ready, out, thread = prefill
     # 1. JSON straight away (a pre-authentication client): never parsed, never answered with JSON.
     with _raw(ready.control) as s:
@@ -174,6 +175,9 @@ def test_strays_are_refused_and_the_real_decode_is_served(
     assert "error" not in out, out.get("error")
     assert out["result"]["refused_control"] == 3
     assert out["result"]["source_intact"] is True
+    # the prefill operator sees every refusal on stderr, progress lines enabled or not
+    err = capsys.readouterr().err
+    assert err.count("kvdd demo [prefill] warning: refused a control connection from 127.0.0.1") == 3, err
 
 
 def test_oversized_line_is_refused(prefill: tuple[ReadyInfo, dict[str, Any], threading.Thread]) -> None:
@@ -216,7 +220,8 @@ def test_cli_decode_with_another_secret_says_what_to_set(
                      "--connect", f"{host}:{port}", "--control-port", str(ready.control[1])])
     captured = capsys.readouterr()
     assert code == 1
-    lines = captured.err.strip().splitlines()
+    # the decode CLI's own lines (the prefill side, in this process, warns about the refusal too)
+    lines = [ln for ln in captured.err.strip().splitlines() if not ln.startswith("kvdd demo [prefill]")]
     assert len(lines) == 1 and lines[0].startswith("kvdd demo: FAILED: authentication with"), captured.err
     assert ENV_SECRET in lines[0] and "Traceback" not in captured.err
     for secret in (SECRET_A, SECRET_B):

@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,7 +211,7 @@ def _authenticated(sock: socket.socket, where: str, secret: Secret, wait: float,
     return Control(sock, "prefill", timeout)
 
 
-def accept_control(server: socket.socket, timeout: float, secret: Secret, log: Progress,
+def accept_control(server: socket.socket, timeout: float, secret: Secret, log: Callable[[str], None],
                    cancel: threading.Event | None = None) -> tuple[Control, Any, int]:
     """Accept the decode side on the prefill's control socket: the first peer that authenticates.
 
@@ -225,7 +226,7 @@ def accept_control(server: socket.socket, timeout: float, secret: Secret, log: P
         Seconds to wait for an authenticated decode side (also every later receive's timeout).
     secret : Secret
         From :func:`control_secret`.
-    log : Progress
+    log : Callable[[str], None]
         Gets one line per refused connection (the first few).
     cancel : threading.Event, optional
         Set to stop waiting.

@@ -98,7 +98,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                 f"{ready.to_json()['control']}; waiting for decode")
             if on_ready is not None:
                 on_ready(ready)
-            ctl, peer_addr, refused = accept_control(server, opts.timeout, secret, log, cancel)
+            ctl, peer_addr, refused = accept_control(server, opts.timeout, secret, log.warn, cancel)
             server.close()
             server = None
             result["refused_control"] = refused

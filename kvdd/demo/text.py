@@ -28,6 +28,12 @@ class Progress:
             out = self.stream or sys.stderr
             print(f"kvdd demo [{self.role}] {message}", file=out, flush=True)
 
+    def warn(self, message: str) -> None:
+        """A line on stderr whether or not progress lines are enabled (and a logged warning):
+        what the operator must see, e.g. a refused connection."""
+        _log.warning("[%s] %s", self.role, message)
+        print(f"kvdd demo [{self.role}] warning: {message}", file=self.stream or sys.stderr, flush=True)
+
     @contextmanager
     def step(self, message: str) -> Iterator[None]:
         t0 = time.perf_counter()
