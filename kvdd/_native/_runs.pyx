@@ -6,9 +6,11 @@ The facade checks every index of ``src_blocks`` / ``dst_blocks`` (:func:`kvdd.wi
 and the simulator groups the pairs into runs (:class:`kvdd.sim.runs.Runs`, SEMANTICS.md §3.11 step
 7).  In Python both cost a few hundred microseconds for 1024 indices, more right after a large copy
 has evicted the interpreter's data from the caches: about 6% of a 64 MiB same-host block pull.
-Here each is one pass in C.
+Here each is one pass in C: :func:`ints_within` (the check), :func:`block_runs` (the grouping,
+with each column's maximum for the bound checks), :func:`byte_runs` (the byte plan, with exact or
+saturated sums) and :func:`sum_int64`.
 
-Both functions only ever answer for the common case (a ``list`` or ``tuple`` of exact ``int``); for
+The first two only ever answer for the common case (a ``list`` or ``tuple`` of exact ``int``); for
 anything else they return ``False`` / ``None`` and the caller takes its general path, which gives
 the same results and every error message.
 """
