@@ -371,24 +371,25 @@ cdef class Stage:
             memcpy(<void*>addr, self._p, <size_t>self.size)
 
 
+cdef inline void _header(char* p, const uint8_t* magic, int version, int ftype, uint32_t req,
+                         uint32_t length) noexcept nogil:
+    """A frame header at ``p``: magic, version, type, request id, payload length."""
+    p[0] = <char>magic[0]
+    p[1] = <char>magic[1]
+    p[2] = <char>version
+    p[3] = <char>ftype
+    _put32(p + 4, req)
+    _put32(p + 8, length)
+
+
 cdef bytes _answer(uint32_t req, uintptr_t addr, Py_ssize_t n, const uint8_t* magic, int version):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, 2 * _HSIZE + n + 4)
     cdef char* p = PyBytes_AS_STRING(out)
-    p[0] = <char>magic[0]
-    p[1] = <char>magic[1]
-    p[2] = <char>version
-    p[3] = _F_DATA
-    _put32(p + 4, req)
-    _put32(p + 8, <uint32_t>n)
+    _header(p, magic, version, _F_DATA, req, <uint32_t>n)
     memcpy(p + _HSIZE, <const void*>addr, <size_t>n)
     p += _HSIZE + n
-    p[0] = <char>magic[0]
-    p[1] = <char>magic[1]
-    p[2] = <char>version
-    p[3] = _F_DONE
-    _put32(p + 4, req)
-    _put32(p + 8, 4)
-    _put32(p + 12, 0)
+    _header(p, magic, version, _F_DONE, req, 4)
+    _put32(p + _HSIZE, 0)
     return out
 
 
@@ -403,13 +404,8 @@ def read_answer(uint32_t req, uintptr_t addr, Py_ssize_t n, bytes magic, int ver
 cdef bytes _done(uint32_t req, uint32_t status, const uint8_t* magic, int version):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, _HSIZE + 4)
     cdef char* p = PyBytes_AS_STRING(out)
-    p[0] = <char>magic[0]
-    p[1] = <char>magic[1]
-    p[2] = <char>version
-    p[3] = _F_DONE
-    _put32(p + 4, req)
-    _put32(p + 8, 4)
-    _put32(p + 12, status)
+    _header(p, magic, version, _F_DONE, req, 4)
+    _put32(p + _HSIZE, status)
     return out
 
 
