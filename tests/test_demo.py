@@ -262,7 +262,8 @@ def _poke(addr: int) -> None:
 
 
 @pytest.fixture
-def corrupt_first_block_pull(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
+def corrupt_first_block_pull(monkeypatch: pytest.MonkeyPatch, python_path_only: None
+                             ) -> Iterator[list[tuple[int, int, int]]]:
     """The first PullKvBlocks of each run also flips byte 1000 of tensor 5 of its first dst block."""
     done: list[tuple[int, int, int]] = []
     original = SimBackend.pull_kv_blocks
@@ -298,7 +299,7 @@ def test_corrupted_transfer_is_detected(corrupt_first_block_pull: list[tuple[int
     assert [t.verified for t in report.transfers] == [False]  # it stopped at the first transfer
 
 
-def test_write_outside_the_targets_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_outside_the_targets_is_detected(monkeypatch: pytest.MonkeyPatch, python_path_only: None) -> None:
     # A row pull that also scribbles on row 0 of decode's contiguous cache (not a target).
     original = SimBackend.pull_kv_cache
 
