@@ -22,6 +22,8 @@ Accepted calls: block lists of 1-256 pairs (``list``/``tuple`` of ``int``), exac
 keep every byte offset below 2**63.
 """
 
+import os
+
 cimport cython
 from cpython.long cimport PyLong_AsUnsignedLongLong
 from libc.stdint cimport int64_t, uint64_t
@@ -33,13 +35,17 @@ from kvdd.sim.fabric.peers import InProcessPeer
 from kvdd.sim.faults import injections as _injections
 from kvdd.types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
 
-__all__ = ["FastTransfers", "MAX_PAIRS", "set_enabled"]
+__all__ = ["ENV_VAR", "FastTransfers", "MAX_PAIRS", "set_enabled"]
+
+#: ``KVDD_SIM_FAST_PATH=0`` in the environment at import turns the compiled path off (every call
+#: then takes the Python path: to compare, or to step through the checks in a debugger).
+ENV_VAR = "KVDD_SIM_FAST_PATH"
 
 #: The most block pairs an accepted block call has (larger requests take the Python path, whose
 #: long-list planning is compiled too: kvdd._native._runs).
 MAX_PAIRS = 256
 
-cdef bint _enabled = True
+cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip() != "0"
 cdef int64_t _request_limit = REQUEST_LIMIT
 cdef int64_t _device = int(CachePlacement.DEVICE)
 cdef uint64_t _U32 = 1 << 32

@@ -3,6 +3,10 @@
 The comments name the step.  Every check raises :class:`kvdd.sim.checks.Rejected`; the functions
 return the status of the copy.  Unlike every other call, a multi-layer push writes the layers
 before its first failing layer (§3.12 step 7).
+
+The compiled path of in-process calls (:mod:`kvdd.sim._fastpath`) restates when these checks all
+pass, and declines every other call to this module: a change to a check here changes it there too
+(tests/sim/test_fastpath.py compares the two on random calls).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from typing import Final, final
 
+ENV_VAR: Final[str]
 MAX_PAIRS: Final[int]
 
 def set_enabled(on: bool) -> bool: ...
