@@ -59,6 +59,7 @@ def assert_ok(report: DemoReport) -> None:
     assert [t.name for t in report.transfers] == TRANSFERS
     assert all(t.verified and t.checked_bytes > 0 for t in report.transfers)
     assert report.source_intact is True
+    assert report.connected
 
 
 # ---- environment -------------------------------------------------------------------------------
@@ -379,6 +380,7 @@ def test_decode_against_a_closed_port_fails_fast_with_a_progress_line() -> None:
     assert f"kvdd demo [decode] the prefill's control channel at 127.0.0.1:{port} refused the " \
            "connection; retrying for 5 s" in lines.getvalue().splitlines()
     assert report.setup_seconds == 0.0  # it gave up before allocating its caches
+    assert not report.connected
 
 
 def test_model_config_accepts_a_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -398,29 +400,6 @@ def test_model_config_accepts_a_model_directory(tmp_path: Path, capsys: pytest.C
     assert "directory without a config.json" in capsys.readouterr().err
 
 
-def test_one_failed_line_on_a_terminal(corrupt_first_block_pull: list[tuple[int, int, int]],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # stdout and stderr on one terminal (as in an interactive shell): the report's FAILED line
-    # is not repeated on stderr.
-    master, slave = pty.openpty()
-    term = os.fdopen(slave, "w", buffering=1)
-    chunks: list[bytes] = []
-    reader = threading.Thread(target=_drain, args=(master, chunks), daemon=True)
-    reader.start()
-    try:
-        monkeypatch.setattr(sys, "stdout", term)
-        monkeypatch.setattr(sys, "stderr", term)
-        rc = cli_main(["demo", "--quick", "--in-process", "--no-progress"])
-    finally:
-        term.close()
-        reader.join(10)
-        os.close(master)
-    assert rc == 1
-    text = b"".join(chunks).decode()
-    assert text.count("FAILED: ") == 1, text
-    assert "FAILED: paged block pull" in text
-
-
 def _drain(fd: int, chunks: list[bytes]) -> None:
     while True:
         try:
@@ -430,6 +409,34 @@ def _drain(fd: int, chunks: list[bytes]) -> None:
         if not data:
             return
         chunks.append(data)
+
+
+def _terminal_output(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
+    """``kvdd ARGV`` with stdout and stderr on one terminal (as in an interactive shell)."""
+    master, slave = pty.openpty()
+    term = os.fdopen(slave, "w", buffering=1)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(master, chunks), daemon=True)
+    reader.start()
+    try:
+        monkeypatch.setattr(sys, "stdout", term)
+        monkeypatch.setattr(sys, "stderr", term)
+        rc = cli_main(argv)
+    finally:
+        term.close()
+        reader.join(10)
+        os.close(master)
+    return rc, b"".join(chunks).decode()
+
+
+def test_one_failed_line_on_a_terminal(corrupt_first_block_pull: list[tuple[int, int, int]],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # stdout and stderr on one terminal (as in an interactive shell): the report's FAILED line
+    # is not repeated on stderr.
+    rc, text = _terminal_output(["demo", "--quick", "--in-process", "--no-progress"], monkeypatch)
+    assert rc == 1
+    assert text.count("FAILED: ") == 1, text
+    assert "FAILED: paged block pull" in text
 
 
 def test_geometry_disagreement_is_reported() -> None:
@@ -507,6 +514,57 @@ def test_cli_failure_exit_code(corrupt_first_block_pull: list[tuple[int, int, in
     doc = json.loads(captured.out)
     assert doc["ok"] is False and doc["error"]["transfer"] == "paged block pull"
     assert doc["error"]["location"]["cache"] == "kv/paged"
+
+
+def test_cli_decode_that_reaches_no_prefill_prints_the_error_alone(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens there: no run to report (no geometry header, no empty transfer table), only
+    # the error, on stderr, as a failed `--role prefill` reports it.
+    port = _closed_port()
+    argv = ["demo", "--role", "decode", "--quick", "--no-progress", "--connect", f"127.0.0.1:{port}",
+            "--control-port", str(port), "--timeout", "2"]
+    assert cli_main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"kvdd demo: FAILED: cannot reach the prefill's control channel at 127.0.0.1:{port}")
+    rc, text = _terminal_output(argv, monkeypatch)
+    assert rc == 1
+    assert text.splitlines() == [line], text
+
+
+def test_cli_decode_that_reached_the_prefill_reports_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # Once connected, a failure comes with the report: the geometry, the transfers (none ran), FAILED.
+    ready: list[Any] = []
+    event = threading.Event()
+    errors: list[BaseException] = []
+
+    def on_ready(info: Any) -> None:
+        ready.append(info)
+        event.set()
+
+    def prefill() -> None:
+        try:
+            run_prefill(quick(), on_ready)
+        except BaseException as exc:  # the geometry disagreement, checked below
+            errors.append(exc)
+            event.set()
+
+    thread = threading.Thread(target=prefill)
+    thread.start()
+    assert event.wait(30) and ready
+    host, port = ready[0].listen
+    rc = cli_main(["demo", "--role", "decode", "--quick", "--tokens", "128", "--no-progress",
+                   "--connect", f"{host}:{port}", "--control-port", str(ready[0].control[1])])
+    thread.join(30)
+    captured = capsys.readouterr()
+    assert rc == 1
+    lines = captured.out.splitlines()
+    assert lines[0] == "kvdd demo: Qwen2.5-7B KV cache, prefill -> decode, every byte verified"
+    assert "  (no transfer ran)" in lines
+    assert lines[-1].startswith("FAILED: prefill side failed: the two sides disagree on the geometry")
+    assert captured.err.splitlines() == ["kvdd demo: " + lines[-1]]  # stdout is no terminal here
+    assert len(errors) == 1 and "disagree" in str(errors[0])
 
 
 @pytest.mark.parametrize("argv, match", [
