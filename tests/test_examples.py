@@ -12,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
-import kvdd
 from kvdd.cli import main as cli_main
 from kvdd.sim.fabric import ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, SecretError, load_secret
+
+from demo_support import child_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _env(**extra: str) -> dict[str, str]:
     """A child's environment: the kvdd under test, no fabric settings but ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE, ENV_AUTH)}
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
+    env = {k: v for k, v in child_env().items() if k not in (ENV_SECRET, ENV_SECRET_FILE, ENV_AUTH)}
     return env | extra
 
 
