@@ -18,6 +18,8 @@ from .types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, R
 
 __all__ = [
     "Backend",
+    "FastTransfers",
+    "fast_transfers",
     "BACKEND_NAMES",
     "available_backends",
     "backend_problem",
@@ -109,6 +111,35 @@ class Backend(Protocol):
         self, src_cache: Cache, dst_cache: Cache, src_blocks: Sequence[int],
         dst_blocks_list: Sequence[Sequence[int]],
     ) -> int: ...
+
+
+class FastTransfers(Protocol):
+    """A backend's optional compiled path for its common transfers (the simulator's:
+    :class:`kvdd.sim._fastpath.FastTransfers`).
+
+    Each method takes the facade's arguments unchecked and returns True when it performed the call
+    (it succeeded), False when it declined having done nothing; the facade then runs its checked
+    path, which alone produces statuses and exceptions.  A backend that has one sets
+    ``fast_transfers``.
+    """
+
+    def pull_kv_cache(self, src_cache_index: object, dst_cache: object, batch_index: object,
+                      size: object, ext_param: object) -> bool: ...
+
+    def pull_kv_blocks(self, src_cache_index: object, dst_cache: object, src_blocks: object,
+                       dst_blocks: object, ext_param: object) -> bool: ...
+
+    def push_kv_cache(self, src_cache: object, dst_cache_index: object, src_batch_index: object,
+                      size: object, ext_param: object) -> bool: ...
+
+    def push_kv_blocks(self, src_cache: object, dst_cache_index: object, src_blocks: object,
+                       dst_blocks: object, ext_param: object) -> bool: ...
+
+
+def fast_transfers(backend: Backend) -> FastTransfers | None:
+    """``backend.fast_transfers`` when the backend has a compiled transfer path, else None."""
+    fast: FastTransfers | None = getattr(backend, "fast_transfers", None)
+    return fast
 
 
 def _build_config() -> tuple[bool, bool, str]:

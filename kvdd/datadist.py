@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from .backend import Backend, create_backend, resolve_backend_name
+from .backend import Backend, FastTransfers, create_backend, fast_transfers, resolve_backend_name
 from .calls import DEFAULT_EXT, check_clusters, check_tensor_sizes, check_type, ext_or_default, raise_status
 from .memory import TensorAddrs
 from .options import check_options
@@ -74,6 +74,8 @@ class LlmDataDist(UnsupportedCalls):
         self._role = check_int("role", role, INT32)
         self._backend_name = resolve_backend_name(backend)
         self._backend: Backend = create_backend(self._backend_name, self._cluster_id, self._role)
+        # the backend's compiled path for common transfers, tried before the checked path
+        self._fast: FastTransfers | None = fast_transfers(self._backend)
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -375,6 +377,9 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        fast = self._fast
+        if fast is not None and fast.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param):
+            return
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         batch_index = check_int("batch_index", batch_index, UINT32)
@@ -405,6 +410,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.11 gives the order of the checks).
         """
+        fast = self._fast
+        if fast is not None and fast.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks,
+                                                    ext_param):
+            return
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
@@ -441,6 +450,9 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.12 gives the order of the checks).
         """
+        fast = self._fast
+        if fast is not None and fast.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param):
+            return
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
@@ -471,6 +483,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`push_kv_cache` (§3.13).
         """
+        fast = self._fast
+        if fast is not None and fast.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks,
+                                                    ext_param):
+            return
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src = check_int_seq("src_blocks", src_blocks, UINT64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords and str(item.path).startswith(dirs):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def python_path_only() -> Iterator[None]:
+    """The simulator's compiled in-process transfer path off for one test: every transfer then runs
+    through the Python path (kvdd.sim.pulls / pushes), so a test that patches SimBackend's transfer
+    methods sees every call (kvdd.sim._fastpath)."""
+    from kvdd.sim import _fastpath
+
+    prev = _fastpath.set_enabled(False)
+    try:
+        yield
+    finally:
+        _fastpath.set_enabled(prev)

@@ -124,7 +124,8 @@ def poke(addr: int) -> None:
 
 
 @pytest.fixture
-def corrupt_first_block_pull(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int, int]]]:
+def corrupt_first_block_pull(monkeypatch: pytest.MonkeyPatch, python_path_only: None
+                             ) -> Iterator[list[tuple[int, int, int]]]:
     """The first PullKvBlocks of each run also flips byte 1000 of tensor 5 of its first dst block."""
     done: list[tuple[int, int, int]] = []
     original = SimBackend.pull_kv_blocks

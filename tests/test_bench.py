@@ -54,7 +54,7 @@ EXPECTED_CALLS = {("qwen2.5-7b", "pull_layers"): 28}
 LIMITS = ("numpy_1t", "numpy_2t", "stream_1t", "stream_2t")
 TRANSFER_KEYS = {"geometry", "kind", "tensors", "blocks", "run_bytes", "calls", "bytes", "min_ms", "median_ms",
                  "gbps", *(f"{name}_gbps" for name in LIMITS), "limit", "limit_gbps", "ratio", "ratio_median",
-                 "limit_median", "limit_median_gbps", "kernel_gbps", "outside_us", "two_threads", "stalls", "samples", "verified"}
+                 "limit_median", "limit_median_gbps", "kernel_gbps", "outside_us", "two_threads", "compiled", "stalls", "samples", "verified"}
 POSITIVE = ("min_ms", "median_ms", "gbps", "numpy_1t_gbps", "numpy_2t_gbps", "limit_gbps", "ratio", "ratio_median")
 #: glibc's streaming memcpy is measured where it exists (x86-64 Linux with glibc)
 STREAMING = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -133,6 +133,8 @@ def _check_limits(r: dict[str, Any], key: object) -> None:
     assert math.isclose(r["ratio_median"], r["bytes"] / (r["limit_median_gbps"] * 1e9) / (r["median_ms"] / 1e3),
                         rel_tol=1e-9)
     assert 0 <= r["two_threads"] <= 1
+    # every timed call took the compiled in-process path (all the bench's calls are valid)
+    assert r["compiled"] == 1.0, key
     # the transfer's time splits into the copy kernels' and the rest
     assert _positive(r["kernel_gbps"]) and r["outside_us"] >= 0
     assert isinstance(r["stalls"], int) and r["stalls"] >= 0

@@ -86,7 +86,7 @@ def test_corrupted_transfer_is_detected(corrupt_first_block_pull: list[tuple[int
     assert [t.verified for t in report.transfers] == [False]  # it stopped at the first transfer
 
 
-def test_write_outside_the_targets_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_outside_the_targets_is_detected(monkeypatch: pytest.MonkeyPatch, python_path_only: None) -> None:
     # A row pull that also scribbles on row 0 of decode's contiguous cache (not a target).
     original = SimBackend.pull_kv_cache
 

@@ -332,13 +332,22 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
         if reg.nbytes < dmin:
             dmin = reg.nbytes
             dk = k
-    cdef const int64_t *so = r.runs
-    cdef const int64_t *do = r.runs + J
-    cdef const int64_t *ln = r.runs + 2 * J
-    cdef uint64_t per_k = 0
-    cdef int64_t n
     # (with no tensors the limits stay INT64_MAX: offsets and lengths are still checked for sign and
     # overflow)
+    r.total = _plan_job(&r.job, r.pairs, K, r.runs, r.runs + J, r.runs + 2 * J, J, smin, sk, dmin, dk,
+                        threads)
+    return r
+
+
+cdef uint64_t _plan_job(kvdd_job *job, const kvdd_pair *pairs, Py_ssize_t K, const int64_t *so,
+                        const int64_t *do, const int64_t *ln, Py_ssize_t J, Py_ssize_t smin,
+                        Py_ssize_t sk, Py_ssize_t dmin, Py_ssize_t dk, int threads) except? 0:
+    """Check every run against the smallest region of each side (`smin` bytes, region `sk`; `dmin`,
+    `dk`), then fill `job` and decide its stores and threads (module notes); returns the total bytes
+    (0 for an empty job). ValueError when a run is out of bounds or empty, or the total overflows."""
+    cdef uint64_t per_k = 0, total
+    cdef int64_t n
+    cdef Py_ssize_t j
     for j in range(J):
         n = ln[j]
         if n <= 0:
@@ -354,29 +363,40 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
             raise ValueError("copy_runs: total length overflows; nothing was copied")
     if K > 0 and per_k > <uint64_t>INT64_MAX // <uint64_t>K:
         raise ValueError("copy_runs: total length overflows; nothing was copied")
-    r.total = per_k * <uint64_t>K
+    total = per_k * <uint64_t>K
 
-    r.job.pairs = r.pairs
-    r.job.K = <size_t>K
-    r.job.soff = so
-    r.job.doff = do
-    r.job.len = ln
-    r.job.J = <size_t>J
-    r.job.per_k = per_k
-    r.job.isa = _isa
-    r.job.stream = _isa != KVDD_ISA_MEMCPY and r.total >= _streaming_threshold
-    r.job.chunk = _chunk_size
-    r.job.threads = 1
+    job.pairs = pairs
+    job.K = <size_t>K
+    job.soff = so
+    job.doff = do
+    job.len = ln
+    job.J = <size_t>J
+    job.per_k = per_k
+    job.isa = _isa
+    job.stream = _isa != KVDD_ISA_MEMCPY and total >= _streaming_threshold
+    job.chunk = _chunk_size
+    job.threads = 1
     cdef uint64_t auto_min = <uint64_t>_threads_threshold if _threads_threshold >= 0 else kvdd_threads_min_bytes()
     cdef bint auto_two = False
-    if threads == 0 and r.total >= auto_min:
+    if threads == 0 and total >= auto_min:
         auto_two = kvdd_auto_threads_allowed()
-    elif threads == 0 and _threads_threshold < 0 and r.total >= (256 << 10) and kvdd_auto_threads_allowed():
+    elif threads == 0 and _threads_threshold < 0 and total >= (256 << 10) and kvdd_auto_threads_allowed():
         auto_two = kvdd_threads_probe()  # now and then: keep the measured start latency current
-    if r.total > 0 and (threads == 2 or auto_two):
-        if kvdd_job_independent(&r.job):
-            r.job.threads = 2
-    return r
+    if total > 0 and (threads == 2 or auto_two):
+        if kvdd_job_independent(job):
+            job.threads = 2
+    return total
+
+
+cdef uint64_t _run_job(const kvdd_job *job, uint64_t total) noexcept:
+    """Execute a planned job: with the GIL held when it is short and on one thread (releasing
+    and re-taking the GIL would cost more), else without it."""
+    cdef uint64_t done
+    if total < _nogil_threshold and job.threads == 1:
+        return kvdd_job_run(job)
+    with nogil:
+        done = kvdd_job_run(job)
+    return done
 
 
 def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
@@ -424,15 +444,9 @@ def copy_runs(src, dst, src_off, dst_off, length, *, threads=0):
     released for calls of at least ``NOGIL_THRESHOLD`` bytes.
     """
     cdef _Request r = _prepare(src, dst, src_off, dst_off, length, threads)
-    cdef uint64_t done
     if r.total == 0:
         return 0
-    if r.total < _nogil_threshold and r.job.threads == 1:
-        done = kvdd_job_run(&r.job)
-    else:
-        with nogil:
-            done = kvdd_job_run(&r.job)
-    return done
+    return _run_job(&r.job, r.total)
 
 
 def plan_runs(src, dst, src_off, dst_off, length, *, threads=0):
@@ -500,3 +514,4 @@ def stream_bench(Region dst not None, Region src not None, nbytes):
 
 include "_copy_config.pxi"
 include "_copy_runs.pxi"
+include "_copy_tables.pxi"

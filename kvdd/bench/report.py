@@ -13,13 +13,14 @@ __all__ = ["OVERHEAD_COLUMNS", "TARGET_COLUMNS", "TRANSFER_COLUMNS", "print_repo
 
 TRANSFER_COLUMNS = ("geometry", "kind", "tensors", "calls", "run_bytes", "bytes", "min_ms", "gbps",
                     "numpy_1t_gbps", "numpy_2t_gbps", "stream_1t_gbps", "stream_2t_gbps", "limit", "ratio",
-                    "ratio_median", "two_threads", "kernel_gbps", "outside_us", "verified")
+                    "ratio_median", "two_threads", "compiled", "kernel_gbps", "outside_us", "verified")
 TARGET_COLUMNS = ("geometry", "kind", "tensors", "calls", "run_bytes", "bytes", "gbps", "limit", "limit_gbps",
-                  "ratio", "ratio_median", "two_threads", "kernel_gbps", "outside_us", "goal", "met")
+                  "ratio", "ratio_median", "two_threads", "compiled", "kernel_gbps", "outside_us", "goal", "met")
 LIMITS_TEXT = ("limit = the fastest of numpy.copyto on 1 thread / 2 threads (halves) and glibc memcpy forced to "
                "streaming stores (child process, GLIBC_TUNABLES) on 1 / 2 threads, same bytes, interleaved; "
                "ratio = limit time / kvdd time (> 1: faster than the limit); two_threads = share of kvdd's "
-               "copy calls that used two threads; every operation is timed right after an untimed run of itself; "
+               "copy calls that used two threads; compiled = share of kvdd's calls that took the simulator's "
+               "compiled in-process path (kvdd.sim._fastpath); every operation is timed right after an untimed run of itself; "
                "kernel_gbps = the bytes over kvdd's median time in its copy kernels, outside_us = its median "
                "time outside them per call")
 OVERHEAD_COLUMNS = ("case", "path", "min_us", "median_us", "calls")

@@ -59,7 +59,7 @@ def _target(row: Row) -> str | None:
 def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: Mapping[str, Any]) -> str:
     """What this run measured that keeps `row` below its target (empty when it is met): other load,
     the thread choice, and where the transfer's time went (medians: in the copy kernels, measured
-    inside kvdd, and outside them per call: the facade's and the engine's Python)."""
+    inside kvdd, and outside them per call: the call's checks, plan and leases)."""
     why: list[str] = []
     if other_busy is not None and other_busy > 0.1:
         why.append(f"other load {other_busy:.0%} of the CPUs during the run (shared machine)")
@@ -83,8 +83,9 @@ def _limited_by(row: Row, rows: Sequence[Row], other_busy: float | None, model: 
     why.append(f"(medians) the transfer took {total_us:.0f} us, the limit ({row['limit_median']}) {limit_med_us:.0f} us: "
                f"the copy kernels {kernel_us:.0f} us ({row['kernel_gbps']:.1f} GB/s, {row['two_threads']:.0%} of calls "
                f"on two threads: {limit_med_us / kernel_us:.2f}x the limit's speed) and outside them "
-               f"{row['outside_us']:.0f} us per call ({outside / total_us:.0%} of the time: the facade's and the "
-               f"engine's Python checks, copy plan and leases, run cache-cold after the previous copy; "
+               f"{row['outside_us']:.0f} us per call ({outside / total_us:.0%} of the time: the call's checks, copy "
+               f"plan and leases ({row.get('compiled', 0):.0%} of calls on the compiled path), run cache-cold after "
+               f"the previous copy; "
                f"without it the median ratio would be {limit_med_us / kernel_us:.2f})")
     if row["calls"] > 1:
         one = next((r for r in rows if r["geometry"] == row["geometry"] and r["kind"] == "pull_row"), None)

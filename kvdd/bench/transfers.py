@@ -269,10 +269,12 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                     fns.update(limits.fns(ds.arena, ps.arena, case.nbytes))
                     reps = repeats if repeats is not None else repeats_for(case.nbytes, budget_s)
                     before = _copy.thread_stats()
+                    taken = _compiled_calls(p, d)
                     res = interleaved(fns, reps, own_warm=True)
                     after = _copy.thread_stats()
                     two = (after["calls"] - before["calls"]) / (case.calls * (2 * reps + 1))
                     row = _row(geom, blocks, case, res, verified, two, split)
+                    row["compiled"] = (_compiled_calls(p, d) - taken) / (case.calls * (2 * reps + 1))
                     row["stalls"] = after["stalls"] - before["stalls"]
                     rows.append(row)
             finally:
@@ -281,6 +283,15 @@ def measure_transfers(names: Sequence[str | BenchGeometry], tokens: int, synthet
                     child_cpu.append(limits.child_cpu_s)
             del ps, ds
     return rows
+
+
+def _compiled_calls(*dds: LlmDataDist) -> int:
+    """Transfers of these instances that took the simulator's compiled in-process path."""
+    n = 0
+    for dd in dds:
+        fast = getattr(dd.backend, "fast_transfers", None)
+        n += int(getattr(fast, "taken", 0))
+    return n
 
 
 def _kernel_timed(run: Callable[[], object], split: list[tuple[int, int]]) -> float:

@@ -19,6 +19,7 @@ from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
 from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
 from . import fabric, faults, pulls, pushes
+from ._fastpath import FastTransfers
 from .checks import (
     CACHE_TABLE_LIMIT,
     REQUEST_LIMIT,
@@ -55,6 +56,8 @@ class SimBackend:
         self._local = threading.local()
         self._finalizing: threading.Event | None = None
         self._reset()
+        #: the compiled path of common in-process transfers (kvdd.backend.FastTransfers)
+        self.fast_transfers = FastTransfers(self)
 
     # -- state ------------------------------------------------------------------------------
     def _reset(self) -> None:

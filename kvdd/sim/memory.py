@@ -11,7 +11,7 @@ import bisect
 from collections.abc import Sequence
 
 try:
-    from .._native._copy import Region, copy_runs
+    from .._native._copy import Region, RegionTable, copy_runs
 except ImportError as _exc:  # pragma: no cover - depends on how kvdd was started
     import os as _os
 
@@ -23,7 +23,7 @@ except ImportError as _exc:  # pragma: no cover - depends on how kvdd was starte
         "use the `kvdd` command, or install in editable mode (pip install --no-build-isolation -e .)."
     ) from _exc
 
-__all__ = ["Region", "copy_runs", "first_inaccessible"]
+__all__ = ["Region", "RegionTable", "copy_runs", "first_inaccessible"]
 
 def _read_rw_spans() -> tuple[list[int], list[int]]:
     # /proc/self/maps as sorted, merged [start, end) spans of readable+writable memory.

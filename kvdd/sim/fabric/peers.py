@@ -41,13 +41,13 @@ class InProcessPeer:
         self.transfer_backend = peer.transfer_backend
         self._snapshot = snapshot
         self._entries = entries  # token -> live entry objects at snapshot time
-        self._closed = False
+        self.closed = False  # unlinked here (read by the compiled path: kvdd.sim._fastpath)
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
-        if self._closed:  # a local unlink won the race for the link (§10 rule 5)
+        if self.closed:  # a local unlink won the race for the link (§10 rule 5)
             return NOT_YET_LINK, None
         entry: ServedCache = rc.token  # type: ignore[assignment]
         if not entry.acquire():
@@ -75,7 +75,7 @@ class InProcessPeer:
         return Status.LLM_SUCCESS
 
     def close(self) -> None:
-        self._closed = True
+        self.closed = True
 
 
 def in_process_peer(peer: LinkOwner) -> InProcessPeer:

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..memory import Region
+from ..memory import Region, RegionTable
 
 __all__ = ["RemoteCache", "PeerHandle", "ServedCache", "LinkOwner", "LinkOffer", "LinkResult",
            "Connection", "Snapshot", "DataPath"]
@@ -48,6 +48,7 @@ class ServedCache(Protocol):
     placement: int
     addrs: tuple[int, ...]
     regions: list[Region]
+    table: RegionTable  # the regions in C memory (the compiled in-process path)
 
     def acquire(self) -> bool: ...
 

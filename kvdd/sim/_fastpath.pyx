@@ -1,0 +1,442 @@
+"""The compiled path of in-process transfers: PullKvCache, PullKvBlocks, PushKvCache and PushKvBlocks
+between two simulator instances of one process, from the facade's arguments to the copy kernels.
+
+The Python path (:mod:`kvdd.datadist` -> :mod:`kvdd.sim.pulls` / :mod:`kvdd.sim.pushes` ->
+:mod:`kvdd.sim.transfers`) touches a few hundred Python objects per call; right after a large copy
+has evicted them from the CPU caches that cost 30-70 us per call (150-270 us for a 78-tensor block
+pull), as much as a sixth of an 8 MiB copy (docs/benchmarks.md, "The compiled call path").
+
+This path **accepts** a call only when it can show, from C values, that the call passes every check
+of the facade and of SEMANTICS.md §3.10 - §3.13 as kvdd.sim implements them (the comments
+name the steps), that the link's peer is an instance of this process, and that no fault injection
+is armed. It then takes the same locks and leases as :func:`kvdd.sim.transfers.run` and copies
+through the region tables of both caches (:class:`kvdd._native._copy.RegionTable`), whose kernels
+check every run against every region again. Anything else, including every call that fails, it
+**declines** having done nothing, and the Python path runs: statuses, exceptions and their order
+come from the Python path alone. Whether a call is accepted never changes what it does; tests run
+random calls with this path on and off and compare statuses and bytes
+(tests/sim/test_fastpath.py).
+
+Accepted calls: block lists of 1-256 pairs (``list``/``tuple`` of ``int``), exact argument types
+(``CacheIndex``, ``Cache``, ``KvCacheExtParam`` or None, ``int``), caches whose indices and strides
+keep every byte offset below 2**63.
+"""
+
+cimport cython
+from cpython.long cimport PyLong_AsUnsignedLongLong
+from libc.stdint cimport int64_t, uint64_t
+
+from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_runs
+
+from kvdd.sim.checks import REQUEST_LIMIT
+from kvdd.sim.fabric.peers import InProcessPeer
+from kvdd.sim.faults import injections as _injections
+from kvdd.types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
+
+__all__ = ["FastTransfers", "MAX_PAIRS", "set_enabled"]
+
+#: The most block pairs an accepted block call has (larger requests take the Python path, whose
+#: long-list planning is compiled too: kvdd._native._runs).
+MAX_PAIRS = 256
+
+cdef bint _enabled = True
+cdef int64_t _request_limit = REQUEST_LIMIT
+cdef int64_t _device = int(CachePlacement.DEVICE)
+cdef uint64_t _U32 = 1 << 32
+cdef int64_t _BLOCK_MAX = 1 << 31  # local stride bound of block plans (offsets then stay < 2**63)
+
+
+def set_enabled(bint on):
+    """Turn the compiled path on or off for every instance of this process (tests and diagnosis:
+    with it off every call takes the Python path); returns the previous setting."""
+    global _enabled
+    cdef bint prev = _enabled
+    _enabled = on
+    return prev
+
+
+cdef struct Ext:
+    int64_t s0, s1, d0, d1, t
+
+
+cdef bint _ext(object ext, Ext *e, bint equal_len) except -1:
+    """The layer ranges of `ext` (None: all layers, 2 tensors per layer) if it is valid (§2.5
+    CheckKvCacheExtParam; `equal_len`: both ranges of one length) and of the exact type."""
+    if ext is None:
+        e.s0 = e.s1 = e.d0 = e.d1 = -1
+        e.t = 2
+        return True
+    if type(ext) is not KvCacheExtParam:
+        return False
+    sr = ext.src_layer_range
+    dr = ext.dst_layer_range
+    e.s0 = sr[0]
+    e.s1 = sr[1]
+    e.d0 = dr[0]
+    e.d1 = dr[1]
+    e.t = ext.tensor_num_per_layer
+    if not (e.s0 >= -1 and e.s1 >= -1 and e.s0 <= e.s1 and e.d0 >= -1 and e.d1 >= -1 and e.d0 <= e.d1):
+        return False
+    if e.t <= 0:
+        return False
+    return not equal_len or e.s1 - e.s0 == e.d1 - e.d0
+
+
+cdef bint _u32(object v) except -1:
+    return type(v) is int and 0 <= v < _U32
+
+
+cdef Py_ssize_t _blocks(object seq, uint64_t *out) except -2:
+    """The items of a list or tuple of 1..MAX_PAIRS ints in [0, 2**64) as uint64 (their count), or -1."""
+    if type(seq) is not list and type(seq) is not tuple:
+        return -1
+    cdef Py_ssize_t n = len(seq), i
+    if n < 1 or n > MAX_PAIRS:
+        return -1
+    for i in range(n):
+        item = seq[i]
+        if type(item) is not int or item < 0:
+            return -1
+        try:
+            out[i] = PyLong_AsUnsignedLongLong(item)
+        except OverflowError:
+            return -1
+    return n
+
+
+cdef struct Runs:
+    Py_ssize_t G
+    uint64_t s0[256]
+    uint64_t d0[256]
+    uint64_t ln[256]
+    uint64_t s_last[256]
+    uint64_t d_last[256]
+    uint64_t d_max
+    int64_t so[256]  # the byte plan
+    int64_t do[256]
+    int64_t nb[256]
+    int64_t s_end  # largest so + nb
+    int64_t d_end
+
+
+cdef bint _byte_plan(Runs *r, int64_t block, int64_t tail) noexcept:
+    """§3.11 step 11 / §3.13's byte runs (kvdd._native._copy.byte_plan: the last run `tail` bytes
+    when `tail` > 0, the §3.11 quirk); False (decline) when an index or the block size is too large
+    for the offsets to stay exact below 2**63."""
+    cdef uint64_t total, s_end, d_end
+    if block <= 0 or block >= _BLOCK_MAX:
+        return False
+    if byte_plan(r.s0, r.d0, r.ln, r.G, block, tail, r.so, r.do, r.nb, &total, &s_end, &d_end):
+        return False
+    r.s_end = <int64_t>s_end
+    r.d_end = <int64_t>d_end
+    return True
+
+
+cdef bint _runs(object src_blocks, object dst_blocks, Runs *r) except -1:
+    """§3.11 step 7 / §3.13: the pairs grouped into runs (False: not an accepted block list)."""
+    cdef uint64_t s[256]
+    cdef uint64_t d[256]
+    cdef Py_ssize_t n = _blocks(src_blocks, s)
+    if n < 0 or _blocks(dst_blocks, d) != n:
+        return False
+    r.G = group_runs(s, d, n, r.s0, r.d0, r.ln, r.s_last, r.d_last, &r.d_max)
+    return True
+
+
+cdef bint _push_plan(object desc, const Ext *e, int64_t *ls0, int64_t *L, int64_t *ld0) except -1:
+    """§3.12 steps 5-6 (kvdd.sim.pushes._push_prologue, _push_plan): the first source layer, the
+    layer count and the first destination layer; False (decline) when pushing all layers of a cache
+    whose descriptor names no tensors."""
+    cdef int64_t t = e.t, u
+    if e.s0 >= 0:
+        ls0[0], L[0], ld0[0] = e.s0, e.s1 - e.s0 + 1, e.d0
+        return True
+    u = desc.num_tensors
+    if u <= 0:
+        return False
+    ls0[0], L[0], ld0[0] = 0, (0 if u < t else (u // t - 1 if u % t == 0 else u // t)) + 1, 0
+    return True
+
+
+@cython.final
+cdef class FastTransfers:
+    """The compiled transfer path of one :class:`kvdd.sim.engine.SimBackend` (see the module notes).
+
+    Each method takes the facade's arguments and returns True when it moved the bytes (the call
+    succeeded), False when it declined (nothing happened: take the Python path).
+    ``taken`` / ``declined`` count the calls of each kind since the instance was made.
+    """
+
+    cdef object backend
+    cdef readonly uint64_t taken
+    cdef readonly uint64_t declined
+
+    def __cinit__(self, backend):
+        self.backend = backend
+
+    cdef inline bint _no(self):
+        self.declined += 1
+        return False
+
+    cdef bint _move(self, object entity, object local, object rc, bint pull, Py_ssize_t l_first,
+                    Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off, const int64_t *r_off,
+                    const int64_t *ln, Py_ssize_t J) except -1:
+        """:func:`kvdd.sim.transfers.run` for an in-process peer (entity.lock held): the leases on
+        both caches (their region tables' counts: what CacheEntry.acquire and InProcessPeer.acquire
+        take), then one copy between the tables; False (nothing moved) where run would refuse."""
+        if _injections.armed or entity.broken or entity.peer.closed:  # faults.on_transfer; rule 8
+            return False
+        cdef RegionTable lt = local.table, rt = rc.token.table
+        if not lt.take():
+            return False
+        try:
+            if not rt.take():
+                return False
+            try:
+                if pull:
+                    copy_table_runs(rt, r_first, lt, l_first, K, r_off, l_off, ln, J)
+                else:
+                    copy_table_runs(lt, l_first, rt, r_first, K, l_off, r_off, ln, J)
+            finally:
+                rt.give()
+        finally:
+            lt.give()
+        self.taken += 1
+        return True
+
+    def pull_kv_cache(self, src_cache_index, dst_cache, batch_index=0, size=-1, ext_param=None):
+        """PullKvCache (§3.10) if accepted: see the class notes."""
+        cdef Ext e
+        if not _enabled:
+            return False
+        if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
+                or not _u32(batch_index) or type(size) is not int or not _ext(ext_param, &e, False)):
+            return self._no()  # the facade's argument checks
+        b = self.backend
+        if not b.initialized:  # 1
+            return self._no()
+        if not (size == -1 or 0 < size < (1 << 62)):  # 2
+            return self._no()
+        cdef int64_t nbytes_arg = size, bi = batch_index
+        cdef bint lists = e.s0 >= 0 and e.d0 >= 0  # 4 (3, 5: _ext)
+        idx = src_cache_index
+        cluster = idx.cluster_id
+        if cluster == b.cluster_id:  # 6
+            return self._no()
+        local = b.caches.get(dst_cache.cache_id)  # 7
+        if local is None:
+            return self._no()
+        cdef int64_t n = local.n, B = local.B, S = local.S, K, l_first = 0, r_first = 0
+        if bi >= B or (nbytes_arg > 0 and nbytes_arg > S):  # 8, 9
+            return self._no()
+        K = n
+        if lists:  # 10
+            K = (e.d1 - e.d0 + 1) * e.t
+            l_first = e.d0 * e.t
+            r_first = e.s0 * e.t
+            if n % e.t != 0 or K > n or l_first + K > n or (e.s1 - e.s0 + 1) * e.t != K:
+                return self._no()
+        entity = b.entities.get(cluster)  # 11
+        if entity is None or type(entity.peer) is not InProcessPeer or K <= 0:
+            return self._no()
+        if 120 + 16 * (K + 2) > _request_limit:  # 12
+            return self._no()
+        cdef int64_t cache_id = idx.cache_id, rn, stride, rT, nbytes, row = idx.batch_index
+        cdef int64_t l_off, r_off
+        lock = entity.lock
+        lock.acquire()
+        try:
+            rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # 13
+            if rc is None:
+                return self._no()
+            rn = rc.num_tensors
+            stride = rc.stride_nbytes
+            rT = rc.tensor_nbytes
+            nbytes = nbytes_arg if nbytes_arg > 0 else S  # 15
+            if (not lists and rn != n) or nbytes > stride:  # 14, 15
+                return self._no()
+            if local.ragged or rc.ragged or r_first + K > rn:  # kvdd rules 10 and 1 (§7.8)
+                return self._no()
+            # kvdd rule 1: row x (local) S + nbytes inside the remote tensor, without overflow
+            if nbytes > rT or row > (rT - nbytes) // S:
+                return self._no()
+            l_off = bi * S
+            r_off = row * S
+            if self._move(entity, local, rc, True, l_first, r_first, K, &l_off, &r_off, &nbytes, 1):
+                return True
+            return self._no()
+        finally:
+            lock.release()
+
+    def pull_kv_blocks(self, src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param=None):
+        """PullKvBlocks (§3.11) if accepted: see the class notes."""
+        cdef Ext e
+        cdef Runs r
+        if not _enabled:
+            return False
+        if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
+                or not _ext(ext_param, &e, False) or not _runs(src_blocks, dst_blocks, &r)):
+            return self._no()  # the facade's argument checks (3, 4, 5: _ext, _runs)
+        b = self.backend
+        idx = src_cache_index
+        if not b.initialized or idx.batch_index != 0:  # 1, 2
+            return self._no()
+        cdef bint lists = e.s0 >= 0 and e.d0 >= 0
+        cluster = idx.cluster_id
+        if cluster == b.cluster_id:  # 6: PullKvCache 6
+            return self._no()
+        local = b.caches.get(dst_cache.cache_id)  # 6: PullKvCache 7
+        if local is None:
+            return self._no()
+        cdef int64_t n = local.n, B = local.B, S = local.S, K = local.n, l_first = 0, r_first = 0
+        cdef Py_ssize_t i
+        if B <= 0:  # 6: PullKvCache 8 (row 0)
+            return self._no()
+        if lists:  # 6: PullKvCache 10
+            K = (e.d1 - e.d0 + 1) * e.t
+            l_first = e.d0 * e.t
+            r_first = e.s0 * e.t
+            if n % e.t != 0 or K > n or l_first + K > n or (e.s1 - e.s0 + 1) * e.t != K:
+                return self._no()
+        entity = b.entities.get(cluster)  # 6: PullKvCache 11
+        if entity is None or type(entity.peer) is not InProcessPeer or K <= 0:
+            return self._no()
+        if 120 + 16 * (K + 2 * r.G) > _request_limit:  # 8
+            return self._no()
+        for i in range(r.G):  # 9
+            if r.d0[i] >= <uint64_t>B or r.d_last[i] >= <uint64_t>B:
+                return self._no()
+        cdef int64_t cache_id = src_cache_index.cache_id, rn, rT, longest = 0
+        lock = entity.lock
+        lock.acquire()
+        try:
+            rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # 10
+            if rc is None:
+                return self._no()
+            rn = rc.num_tensors
+            rT = rc.tensor_nbytes
+            if (not lists and rn != n) or S <= 0:
+                return self._no()
+            for i in range(r.G):  # 11: each run's first source block below the remote block count
+                if r.s0[i] >= <uint64_t>((rT + S - 1) // S):
+                    return self._no()
+                if <int64_t>r.ln[i] > longest:
+                    longest = r.ln[i]
+            if longest > rT // S:  # 11: longest x S <= remote T
+                return self._no()
+            if local.ragged or rc.ragged or r_first + K > rn:  # kvdd rules 10 and 1
+                return self._no()
+            if not _byte_plan(&r, S, rT % S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
+                return self._no()
+            if self._move(entity, local, rc, True, l_first, r_first, K, r.do, r.so, r.nb, r.G):
+                return True
+            return self._no()
+        finally:
+            lock.release()
+
+    def push_kv_blocks(self, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param=None):
+        """PushKvBlocks (§3.13) if accepted: see the class notes."""
+        cdef Ext e
+        cdef Runs r
+        if not _enabled:
+            return False
+        if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
+                or not _ext(ext_param, &e, True) or not _runs(src_blocks, dst_blocks, &r)):
+            return self._no()  # the facade's argument checks (3, 4, 6: _runs, _ext)
+        b = self.backend
+        idx = dst_cache_index
+        desc = src_cache.cache_desc
+        if not b.initialized or desc.placement != _device or idx.batch_index != 0:  # 1, 2, 5
+            return self._no()
+        cdef int64_t t = e.t, ls0, L, ld0
+        if not _push_plan(desc, &e, &ls0, &L, &ld0):  # 6, 7
+            return self._no()
+        local = b.caches.get(src_cache.cache_id)  # a
+        if local is None:
+            return self._no()
+        entity = b.entities.get(idx.cluster_id)  # b
+        if entity is None or type(entity.peer) is not InProcessPeer:
+            return self._no()
+        cdef int64_t cache_id = idx.cache_id, n = local.n, B = local.B, S = local.S, rT, remote_layers
+        cdef Py_ssize_t i
+        rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
+        if rc is None:
+            return self._no()
+        remote_layers = rc.num_tensors // t
+        if ld0 < 0 or ld0 >= remote_layers:  # d
+            return self._no()
+        lock = entity.lock
+        lock.acquire()
+        try:
+            # every planned layer passes: layer 0's checks e-h and kvdd rules 10 and 1, and no later
+            # layer fails d or f (kvdd.sim.pushes._layers_passing)
+            if r.d_max >= <uint64_t>rc.batch_size or ls0 >= n // t or n % t != 0:  # e, f, g
+                return self._no()
+            for i in range(r.G):  # h: source blocks below the local block count
+                if r.s0[i] >= <uint64_t>B or r.s_last[i] >= <uint64_t>B:
+                    return self._no()
+            if local.ragged or rc.ragged:  # kvdd rule 10
+                return self._no()
+            rT = rc.tensor_nbytes
+            if not _byte_plan(&r, S, 0) or r.d_end > rT:  # kvdd rule 1 (block = local S, §7.4)
+                return self._no()
+            if L > remote_layers - ld0 or L > n // t - ls0:  # later layers: d, f
+                return self._no()
+            if self._move(entity, local, rc, False, ls0 * t, ld0 * t, L * t, r.so, r.do, r.nb, r.G):
+                return True
+            return self._no()
+        finally:
+            lock.release()
+
+    def push_kv_cache(self, src_cache, dst_cache_index, src_batch_index=0, size=-1, ext_param=None):
+        """PushKvCache (§3.12) if accepted: see the class notes."""
+        cdef Ext e
+        if not _enabled:
+            return False
+        if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
+                or not _u32(src_batch_index) or type(size) is not int or not _ext(ext_param, &e, True)):
+            return self._no()  # the facade's argument checks (4: _ext)
+        b = self.backend
+        idx = dst_cache_index
+        desc = src_cache.cache_desc
+        if not b.initialized or desc.placement != _device or size != -1:  # 1, 2, 3
+            return self._no()
+        cdef int64_t t = e.t, ls0, L, ld0, sbi = src_batch_index
+        if not _push_plan(desc, &e, &ls0, &L, &ld0):  # 5, 6
+            return self._no()
+        local = b.caches.get(src_cache.cache_id)  # a
+        if local is None:
+            return self._no()
+        entity = b.entities.get(idx.cluster_id)  # b
+        if entity is None or type(entity.peer) is not InProcessPeer:
+            return self._no()
+        cdef int64_t cache_id = idx.cache_id, n = local.n, S = local.S, bd = idx.batch_index
+        cdef int64_t stride, rT, remote_layers, l_off, r_off
+        rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
+        if rc is None:
+            return self._no()
+        remote_layers = rc.num_tensors // t
+        if ld0 < 0 or ld0 >= remote_layers:  # d
+            return self._no()
+        lock = entity.lock
+        lock.acquire()
+        try:
+            # every planned layer passes (kvdd.sim.pushes._layers_passing): layer 0's e-h ...
+            if bd >= rc.batch_size or ls0 >= n // t or n % t != 0 or sbi >= local.B:  # e, f, g, h
+                return self._no()
+            if local.ragged or rc.ragged:  # kvdd rule 10
+                return self._no()
+            stride = rc.stride_nbytes
+            rT = rc.tensor_nbytes
+            if S > rT or (stride > 0 and bd > (rT - S) // stride):  # kvdd rule 1: bd x R.S + L.S <= R.T
+                return self._no()
+            if L > remote_layers - ld0 or L > n // t - ls0:  # ... and no later layer fails d or f
+                return self._no()
+            l_off = sbi * S  # exactly L.S bytes of the source row at the remote row's offset (§7.5)
+            r_off = bd * stride
+            if self._move(entity, local, rc, False, ls0 * t, ld0 * t, L * t, &l_off, &r_off, &S, 1):
+                return True
+            return self._no()
+        finally:
+            lock.release()

@@ -1,0 +1,370 @@
+"""kvdd.sim._fastpath: the compiled path of in-process transfers must never change what a call does.
+
+Every call runs twice on the same starting bytes, with the compiled path on and off: the outcome
+(success, or the exception's type and message) and every byte of both instances' memory must be
+equal. The calls are random: valid and invalid ids, rows, sizes, layer ranges, block lists,
+placements, so that both the accepted and the declined side of every check are exercised; the
+deterministic tests below pin that the common calls are accepted (otherwise the comparison would
+only ever test the Python path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import kvdd
+from kvdd import (
+    Cache,
+    CacheDesc,
+    CacheIndex,
+    CachePlacement,
+    ClusterInfo,
+    DataType,
+    IpInfo,
+    KvCacheExtParam,
+    LlmDataDist,
+    LlmRole,
+    tensor_addrs,
+)
+from kvdd.sim import _fastpath, faults
+
+LOCALHOST = "127.0.0.1"
+U8 = DataType.DT_UINT8
+
+#: (num_tensors, shape) of the caches each side registers: strides 64, 32, 100 and 48 bytes, tensor
+#: counts that are and are not multiples of 2 and 3
+GEOMETRIES = ((4, (4, 64)), (6, (8, 32)), (3, (2, 100)), (4, (5, 48)), (6, (6, 64)))
+
+
+@dataclass
+class Side:
+    dd: LlmDataDist
+    arena: np.ndarray
+    ids: list[int]
+    descs: list[CacheDesc]
+
+    def reset(self, seed: int) -> None:
+        self.arena[:] = np.random.default_rng(seed).integers(0, 256, self.arena.size, dtype=np.uint8)
+
+
+def _side(cluster_id: int, role: int) -> Side:
+    dd = LlmDataDist(cluster_id, role, backend="sim")
+    dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0", kvdd.OPTION_DEVICE_ID: str(cluster_id)})
+    sizes = [n * int(np.prod(shape)) for n, shape in GEOMETRIES]
+    arena = np.zeros(sum(sizes), np.uint8)
+    ids, descs, at = [], [], 0
+    for (n, shape), size in zip(GEOMETRIES, sizes):
+        T = size // n
+        tensors = [arena[at + k * T: at + (k + 1) * T] for k in range(n)]
+        desc = CacheDesc(n, U8, shape)
+        ids.append(dd.register_kv_cache(desc, tensor_addrs(tensors)))
+        descs.append(desc)
+        at += size
+    return Side(dd, arena, ids, descs)
+
+
+def _link(a: Side, b: Side) -> None:
+    a.dd.link_llm_clusters([ClusterInfo(remote_cluster_id=b.dd.cluster_id,
+                                        remote_ip_infos=(IpInfo(LOCALHOST, b.dd.listening_port),))])
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Side, Side]]:
+    """Prefill (cluster 1) and decode (cluster 2), linked (each has an entity for the other)."""
+    p, d = _side(1, LlmRole.PROMPT), _side(2, LlmRole.DECODER)
+    try:
+        _link(d, p)
+        yield p, d
+    finally:
+        d.dd.finalize()
+        p.dd.finalize()
+
+
+def _fast(side: Side) -> _fastpath.FastTransfers:
+    fast = side.dd.backend.fast_transfers  # type: ignore[attr-defined]
+    assert isinstance(fast, _fastpath.FastTransfers)
+    return fast
+
+
+def _outcome(call: Callable[[], None]) -> tuple[str, str]:
+    try:
+        call()
+    except (kvdd.LLMError, TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _both_ways(pair: tuple[Side, Side], call: Callable[[], None], seed: int) -> bool:
+    """`call` with the compiled path on, then off, from the same bytes: equal outcomes and bytes.
+    Returns whether the compiled path took the call."""
+    p, d = pair
+    results = []
+    taken = 0
+    for on in (True, False):
+        p.reset(seed)
+        d.reset(seed + 1)
+        before = _fast(p).taken + _fast(d).taken
+        prev = _fastpath.set_enabled(on)
+        try:
+            out = _outcome(call)
+        finally:
+            _fastpath.set_enabled(prev)
+        if on:
+            taken = _fast(p).taken + _fast(d).taken - before
+        results.append((out, p.arena.copy(), d.arena.copy()))
+    (out_on, p_on, d_on), (out_off, p_off, d_off) = results
+    assert out_on == out_off
+    np.testing.assert_array_equal(p_on, p_off)
+    np.testing.assert_array_equal(d_on, d_off)
+    assert taken in (0, 1) and (taken == 0 or out_on[0] == "ok")
+    return taken == 1
+
+
+# ---- random calls ---------------------------------------------------------------------------------
+
+KINDS = ("pull_kv_cache", "pull_kv_blocks", "push_kv_cache", "push_kv_blocks")
+small = st.integers(-1, 7)
+ranges = st.sampled_from([(-1, -1), (0, 0), (0, 1), (1, 1), (1, 2), (2, 3), (-1, 2), (3, 3), (0, 2)])
+exts = st.one_of(st.none(), st.none(), st.none(), st.builds(KvCacheExtParam, ranges, ranges, st.integers(1, 3)))
+#: mostly inside the caches' 2-8 blocks, sometimes past them or near the uint64 wrap
+block = st.one_of(st.integers(0, 3), st.integers(0, 3), st.integers(0, 9), st.sampled_from([2**32, 2**64 - 1]))
+blocks = st.lists(block, min_size=0, max_size=6)
+
+
+@st.composite
+def block_pair(draw: st.DrawFn) -> tuple[Sequence[int], Sequence[int]]:
+    """Mostly equal-length, non-empty lists (often consecutive runs), as lists or tuples."""
+    n = draw(st.sampled_from([1, 2, 3, 4, 5, 6] * 3 + [0]))
+    src = draw(st.lists(block, min_size=n, max_size=n))
+    if draw(st.integers(0, 9)) == 0:
+        dst = draw(st.lists(block, min_size=0, max_size=6))
+    elif draw(st.booleans()):
+        start = draw(st.integers(0, 6))
+        dst = [start + i for i in range(n)]
+    else:
+        dst = draw(st.lists(block, min_size=n, max_size=n))
+    return (tuple(src), tuple(dst)) if draw(st.booleans()) else (src, dst)
+
+
+def _ids(side: Side) -> st.SearchStrategy[int]:
+    return st.sampled_from(side.ids * 3 + [0, -1, 999])
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_compiled_path_never_changes_a_call(pair: tuple[Side, Side], data: st.DataObject) -> None:
+    p, d = pair
+    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
+    cluster = data.draw(st.sampled_from([owner.dd.cluster_id] * 6 + [caller.dd.cluster_id, 99]))
+    kind = data.draw(st.sampled_from(KINDS))
+    rows = [0, 1, 3, 7] if kind.endswith("cache") else [0] * 9 + [1]  # blocks: row 0 or refused
+    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))  # mostly the same geometry on both sides
+    remote_id = owner.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(owner))
+    local_id = caller.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(caller))
+    idx = CacheIndex(cluster, remote_id, data.draw(st.sampled_from(rows)))
+    n_local = dict(zip(caller.ids, (n for n, _ in GEOMETRIES))).get(local_id, 4)
+    ext = data.draw(exts)
+    seed = data.draw(st.integers(0, 2**16))
+    call: Callable[[], None]
+    shape = data.draw(st.sampled_from([g[1] for g in GEOMETRIES]))
+    desc = CacheDesc(data.draw(st.sampled_from([n_local] * 3 + [0, 1, 5, 7])), U8, shape,
+                     data.draw(st.sampled_from([CachePlacement.DEVICE] * 3 + [CachePlacement.HOST])))
+    if kind == "pull_kv_cache":
+        row = data.draw(small.filter(lambda x: x >= 0))
+        size = data.draw(st.sampled_from([-1, -1, 0, 1, 16, 32, 48, 64, 65, 100, 200, -2]))
+        call = lambda: caller.dd.pull_kv_cache(idx, Cache(local_id), row, size, ext)  # noqa: E731
+    elif kind == "push_kv_cache":
+        row = data.draw(small.filter(lambda x: x >= 0))
+        size = data.draw(st.sampled_from([-1] * 5 + [0, 32]))
+        call = lambda: caller.dd.push_kv_cache(Cache(local_id, (), desc), idx, row, size, ext)  # noqa: E731
+    else:
+        src, dst = data.draw(block_pair())
+        if kind == "pull_kv_blocks":
+            call = lambda: caller.dd.pull_kv_blocks(idx, Cache(local_id), src, dst, ext)  # noqa: E731
+        else:
+            call = lambda: caller.dd.push_kv_blocks(Cache(local_id, (), desc), idx, src, dst, ext)  # noqa: E731
+    took = _both_ways(pair, call, seed)
+    event(f"{kind}: {'compiled' if took else 'Python path'}")
+
+
+@st.composite
+def layer_ext(draw: st.DrawFn, n: int) -> KvCacheExtParam | None:
+    """None, all layers, or equal-length layer ranges inside an n-tensor cache."""
+    t = draw(st.sampled_from([t for t in (1, 2, 3) if n % t == 0]))
+    layers = n // t
+    if draw(st.booleans()):
+        return None if t == 2 and draw(st.booleans()) else KvCacheExtParam(tensor_num_per_layer=t)
+    length = draw(st.integers(1, layers))
+    s0, d0 = draw(st.integers(0, layers - length)), draw(st.integers(0, layers - length))
+    return KvCacheExtParam((s0, s0 + length - 1), (d0, d0 + length - 1), t)
+
+
+#: what a near-valid call changes, if anything: one value moved just past its bound
+BREAKS = ("none", "none", "none", "row", "remote_row", "size", "block", "src_block", "geometry",
+          "layer", "tensor_num", "num_tensors", "placement", "cluster", "empty", "length")
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
+    """Valid calls, and valid calls with one value just past its bound: the compiled path's
+    acceptance must stop exactly where the checks do."""
+    p, d = pair
+    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
+    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
+    n, (B, S) = GEOMETRIES[g]
+    kind = data.draw(st.sampled_from(KINDS))
+    brk = data.draw(st.sampled_from(BREAKS))
+    ext = data.draw(layer_ext(n))
+    if brk == "layer" and ext is not None and ext.src_layer_range[0] >= 0:
+        (s0, s1), (d0, d1) = ext.src_layer_range, ext.dst_layer_range
+        ext = KvCacheExtParam((s0 + 1, s1 + 1), (d0 + 1, d1 + 1), ext.tensor_num_per_layer)
+    if brk == "tensor_num":  # a tensor count per layer that does not divide the cache's
+        t = data.draw(st.sampled_from([t for t in (2, 3, 4) if n % t]))
+        ext = KvCacheExtParam((0, 0), (0, 0), t) if data.draw(st.booleans()) else KvCacheExtParam(tensor_num_per_layer=t)
+    remote_id = owner.ids[(g + 1) % len(GEOMETRIES)] if brk == "geometry" else owner.ids[g]
+    cluster = {"cluster": caller.dd.cluster_id}.get(brk, owner.dd.cluster_id)
+    seed = data.draw(st.integers(0, 2**16))
+    call: Callable[[], None]
+    if kind == "pull_kv_cache":
+        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
+        rrow = B if brk == "remote_row" else data.draw(st.integers(0, B - 1))
+        size = S + 1 if brk == "size" else data.draw(st.sampled_from([-1, 1, S // 2, S]))
+        idx = CacheIndex(cluster, remote_id, rrow)
+        call = lambda: caller.dd.pull_kv_cache(idx, Cache(caller.ids[g]), row, size, ext)  # noqa: E731
+    elif kind == "push_kv_cache":
+        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
+        idx = CacheIndex(cluster, remote_id, B if brk == "remote_row" else data.draw(st.integers(0, B - 1)))
+        desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
+                         CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
+        size = 0 if brk == "size" else -1
+        call = lambda: caller.dd.push_kv_cache(Cache(caller.ids[g], (), desc), idx, row, size, ext)  # noqa: E731
+    else:
+        k = 0 if brk == "empty" else data.draw(st.integers(1, min(B, 4)))
+        runs = data.draw(st.booleans())  # consecutive pairs: one run of k blocks
+        if runs:
+            s0, d0 = data.draw(st.integers(0, B - k)), data.draw(st.integers(0, B - k))
+            src, dst = [s0 + i for i in range(k)], [d0 + i for i in range(k)]
+        else:
+            src = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
+            dst = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
+        if k and brk in ("block", "src_block"):
+            moved = src if brk == "src_block" else dst
+            if runs:  # the run's last block is the first one past the end
+                moved[:] = [B - k + 1 + i for i in range(k)]
+            else:
+                moved[data.draw(st.integers(0, k - 1))] = B
+        if brk == "length":
+            dst = dst + [0]
+        idx = CacheIndex(cluster, remote_id, 0)
+        if kind == "pull_kv_blocks":
+            call = lambda: caller.dd.pull_kv_blocks(idx, Cache(caller.ids[g]), src, dst, ext)  # noqa: E731
+        else:
+            num = n + 1 if brk == "num_tensors" else n
+            placement = CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE
+            desc = CacheDesc(num, U8, (B, S), placement)
+            call = lambda: caller.dd.push_kv_blocks(Cache(caller.ids[g], (), desc), idx, src, dst, ext)  # noqa: E731
+    event(f"{kind}: {'compiled' if _both_ways(pair, call, seed) else 'Python path'}")
+
+
+# ---- the common calls are taken -------------------------------------------------------------------
+
+def test_common_calls_take_the_compiled_path(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    idx = CacheIndex(1, p.ids[1], 1)  # 6 tensors of 8 x 32 bytes
+    blk = CacheIndex(1, p.ids[1], 0)
+    push = CacheIndex(2, d.ids[1], 0)
+    layers = KvCacheExtParam((1, 2), (0, 1), 2)
+    calls: list[Callable[[], None]] = [
+        lambda: d.dd.pull_kv_cache(idx, Cache(d.ids[1])),
+        lambda: d.dd.pull_kv_cache(idx, Cache(d.ids[1]), 3, 16),
+        lambda: d.dd.pull_kv_cache(idx, Cache(d.ids[1]), 2, -1, layers),
+        lambda: d.dd.pull_kv_blocks(blk, Cache(d.ids[1]), [3, 4, 0], [5, 6, 7]),
+        lambda: d.dd.pull_kv_blocks(blk, Cache(d.ids[1]), (1,), (0,), KvCacheExtParam((2, 2), (0, 0), 2)),
+        lambda: p.dd.push_kv_blocks(Cache(p.ids[1], (), p.descs[1]), push, [0, 1], [6, 7]),
+        lambda: p.dd.push_kv_blocks(Cache(p.ids[1], (), p.descs[1]), push, [2], [3], layers),
+        lambda: p.dd.push_kv_cache(Cache(p.ids[1], (), p.descs[1]), CacheIndex(2, d.ids[1], 4), 1),
+        lambda: p.dd.push_kv_cache(Cache(p.ids[1], (), p.descs[1]), CacheIndex(2, d.ids[1], 7), 0, -1, layers),
+    ]
+    for i, call in enumerate(calls):
+        assert _both_ways(pair, call, i), f"call {i} was not taken"
+
+
+def test_pull_row_bytes(pair: tuple[Side, Side]) -> None:
+    """The bytes an accepted PullKvCache moves, and none other (6 tensors, S = 32)."""
+    p, d = pair
+    p.reset(1)
+    d.reset(2)
+    before = d.arena.copy()
+    taken = _fast(d).taken
+    d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 5), Cache(d.ids[1]), 2, 20)
+    assert _fast(d).taken == taken + 1
+    off_p = off_d = sum(n * int(np.prod(s)) for n, s in GEOMETRIES[:1])
+    expect = before.copy()
+    for k in range(6):
+        dst = off_d + k * 256 + 2 * 32
+        expect[dst:dst + 20] = p.arena[off_p + k * 256 + 5 * 32: off_p + k * 256 + 5 * 32 + 20]
+    np.testing.assert_array_equal(d.arena, expect)
+
+
+def test_declines_leave_statuses_to_the_python_path(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    fast = _fast(d)
+    declined = fast.declined
+    with pytest.raises(kvdd.LLMParamInvalidError, match="batch_index"):
+        d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 0), Cache(d.ids[1]), 8)
+    with pytest.raises(kvdd.LLMKvCacheNotExistError):
+        d.dd.pull_kv_cache(CacheIndex(1, 12345, 0), Cache(d.ids[1]))
+    with pytest.raises(TypeError):
+        d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 0), d.ids[1])  # type: ignore[arg-type]
+    assert fast.declined == declined + 3
+
+
+def test_armed_faults_and_broken_links_take_the_python_path(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    fast = _fast(d)
+    idx = CacheIndex(1, p.ids[0], 0)
+    taken = fast.taken
+    with faults.inject("pull_kv_cache", delay_ms=1, count=1):
+        d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
+    assert fast.taken == taken
+    entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
+    entity.broken = True
+    try:
+        with pytest.raises(kvdd.LLMTimeoutError):
+            d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
+    finally:
+        entity.broken = False
+    assert fast.taken == taken
+    d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
+    assert fast.taken == taken + 1
+
+
+def test_unregistered_caches_are_not_copied() -> None:
+    """After UnregisterKvCache (either side) the compiled path declines and the Python path
+    returns LLM_KV_CACHE_NOT_EXIST; the regions' leases are closed."""
+    p, d = _side(1, LlmRole.PROMPT), _side(2, LlmRole.DECODER)
+    try:
+        _link(d, p)
+        idx = CacheIndex(1, p.ids[0], 0)
+        d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
+        entry = p.dd.backend.caches[p.ids[0]]  # type: ignore[attr-defined]
+        table = entry.table
+        p.dd.unregister_kv_cache(p.ids[0])
+        assert table.closed and table.inflight == 0 and not table.acquire()
+        before = d.arena.copy()
+        with pytest.raises(kvdd.LLMKvCacheNotExistError):
+            d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
+        d.dd.unregister_kv_cache(d.ids[0])
+        with pytest.raises(kvdd.LLMKvCacheNotExistError):
+            d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 0), Cache(d.ids[0]))
+        np.testing.assert_array_equal(d.arena, before)
+    finally:
+        d.dd.finalize()
+        p.dd.finalize()
