@@ -80,10 +80,10 @@ class CacheEntry:
         with self._lock:
             self.registered = False
             drained = self.table.close(threading.Event())
-            first = self._drains_done is None
-            if first:
-                self._drains_done = threading.Event()
             drains_done = self._drains_done
+            first = drains_done is None
+            if drains_done is None:
+                drains_done = self._drains_done = threading.Event()
             drains, self._drains = self._drains, []
         if first:
             try:
