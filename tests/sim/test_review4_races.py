@@ -1,0 +1,251 @@
+"""review4: memory safety of the compiled transfer path under concurrency (attacks that held).
+
+Unregister, unlink and Finalize race with compiled copies from another thread: once the call that
+removes a cache returns, no byte of its memory may be read or written any more (the racing thread
+keeps calling until it is refused); nothing hangs; every lease count ends at 0."""
+
+from __future__ import annotations
+
+import _thread
+import sys
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import kvdd
+from kvdd import Cache, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LlmRole
+from kvdd.sim.entries import CacheEntry
+
+from test_review4_equivalence import LOCALHOST, Side, fast, link, make_side
+
+MiB = 1 << 20
+BIG = (1, 8 * MiB)  # one row of 8 MiB per tensor: a copy long enough to run without the GIL
+N = 4
+
+
+@pytest.fixture
+def big() -> Iterator[tuple[Side, Side, int, int]]:
+    p, d = make_side(1, LlmRole.PROMPT), make_side(2, LlmRole.DECODER)
+    try:
+        rid = p.register(N, BIG)
+        lid = d.register(N, BIG)
+        link(d, p)
+        yield p, d, rid, lid
+    finally:
+        d.dd.finalize()
+        p.dd.finalize()
+
+
+class Hammer:
+    """Calls `call` in a thread until it raises; counts the successes."""
+
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call = call
+        self.ok = 0
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.call()
+                self.ok += 1
+                if self.ok >= 2:
+                    self.started.set()
+        except BaseException as exc:  # the refusal that ends the loop (checked by the test)
+            self.error = exc
+            self.started.set()
+
+    def join(self) -> None:
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the racing transfer hangs"
+
+
+def _entry(side: Side, cid: int) -> CacheEntry:
+    entry = side.dd.backend.caches[cid]  # type: ignore[attr-defined]
+    assert isinstance(entry, CacheEntry)
+    return entry
+
+
+def _pull(d: Side, rid: int, lid: int) -> Callable[[], None]:
+    return lambda: d.dd.pull_kv_cache(CacheIndex(1, rid, 0), Cache(lid))
+
+
+def _pull_blocks(d: Side, rid: int, lid: int) -> Callable[[], None]:
+    return lambda: d.dd.pull_kv_blocks(CacheIndex(1, rid, 0), Cache(lid), [0], [0])
+
+
+def _push(d: Side, rid: int, lid: int) -> Callable[[], None]:
+    return lambda: d.dd.push_kv_cache(d.cache(lid), CacheIndex(1, rid, 0))
+
+
+def _push_blocks(d: Side, rid: int, lid: int) -> Callable[[], None]:
+    return lambda: d.dd.push_kv_blocks(d.cache(lid), CacheIndex(1, rid, 0), [0], [0], KvCacheExtParam())
+
+
+CALLS = {"pull": (_pull, True), "pull_blocks": (_pull_blocks, True), "push": (_push, False),
+         "push_blocks": (_push_blocks, False)}
+
+
+@pytest.mark.parametrize("kind", sorted(CALLS))
+@pytest.mark.parametrize("which", ["source", "destination"])
+def test_unregister_waits_for_compiled_copies(big: tuple[Side, Side, int, int], kind: str, which: str) -> None:
+    p, d, rid, lid = big
+    make, pull = CALLS[kind]
+    src, src_id, dst, dst_id = (p, rid, d, lid) if pull else (d, lid, p, rid)
+    src.arenas[src_id][:] = 0x11
+    dst.arenas[dst_id][:] = 0
+    taken = fast(d).taken
+    h = Hammer(make(d, rid, lid))
+    assert h.started.wait(30) and h.error is None
+    gone, gone_id = (src, src_id) if which == "source" else (dst, dst_id)
+    table = _entry(gone, gone_id).table
+    gone.dd.unregister_kv_cache(gone_id)
+    assert table.closed and table.inflight == 0  # unregister returned: no lease, no copy
+    gone.arenas[gone_id][:] = 0x22  # a later copy would move 0x22 (source) or overwrite it (dst)
+    h.join()
+    assert isinstance(h.error, kvdd.LLMKvCacheNotExistError)
+    assert fast(d).taken - taken >= 2  # the copies raced were compiled ones
+    if which == "source":
+        assert not (dst.arenas[dst_id] == 0x22).any()
+    else:
+        assert (dst.arenas[dst_id] == 0x22).all()
+    survivor = dst if which == "source" else src
+    assert _entry(survivor, dst_id if which == "source" else src_id).inflight == 0
+
+
+@pytest.mark.parametrize("who", ["owner", "caller"])
+def test_finalize_races_compiled_copies(big: tuple[Side, Side, int, int], who: str) -> None:
+    p, d, rid, lid = big
+    p.arenas[rid][:] = 0x11
+    h = Hammer(_pull(d, rid, lid))
+    assert h.started.wait(30) and h.error is None
+    side, cid = (p, rid) if who == "owner" else (d, lid)
+    table = _entry(side, cid).table
+    side.dd.finalize()
+    assert table.closed and table.inflight == 0
+    side.arenas[cid][:] = 0x22
+    h.join()
+    assert isinstance(h.error, kvdd.LLMError)
+    if who == "owner":
+        assert not (d.arenas[lid] == 0x22).any()
+    else:
+        assert (d.arenas[lid] == 0x22).all()
+    side.dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0", kvdd.OPTION_DEVICE_ID: "9"})
+
+
+def test_unlink_races_compiled_copies(big: tuple[Side, Side, int, int]) -> None:
+    p, d, rid, lid = big
+    hs = [Hammer(_pull(d, rid, lid)), Hammer(_push_blocks(d, rid, lid))]
+    for h in hs:
+        assert h.started.wait(30) and h.error is None
+    entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
+    d.dd.unlink_llm_clusters([ClusterInfo(remote_cluster_id=1,
+                                          remote_ip_infos=(IpInfo(LOCALHOST, p.dd.listening_port),))])
+    assert entity.peer.closed and not entity.lock.locked()
+    for h in hs:
+        h.join()
+        assert isinstance(h.error, kvdd.LLMNotYetLinkError)
+    assert _entry(p, rid).inflight == 0 and _entry(d, lid).inflight == 0
+
+
+def test_many_threads_share_the_leases(big: tuple[Side, Side, int, int]) -> None:
+    """Four threads transfer over one link and the same caches; the owner unregisters: every lease
+    count ends at 0 and every thread is refused."""
+    p, d, rid, lid = big
+    hs = [Hammer(make(d, rid, lid)) for make, _ in CALLS.values()]
+    for h in hs:
+        assert h.started.wait(30) and h.error is None
+    p.dd.unregister_kv_cache(rid)
+    for h in hs:
+        h.join()
+        assert isinstance(h.error, kvdd.LLMKvCacheNotExistError)
+    assert _entry(d, lid).inflight == 0
+
+
+def test_keyboard_interrupt_during_large_compiled_copies(big: tuple[Side, Side, int, int]) -> None:
+    """interrupt_main() while the main thread runs large compiled copies: the KeyboardInterrupt
+    comes out of a call, no lease or link lock is left held, and unregister then returns."""
+    p, d, rid, lid = big
+    stop = threading.Event()
+
+    def interrupter() -> None:
+        while not stop.is_set():
+            time.sleep(0.003)
+            _thread.interrupt_main()
+
+    interrupts = 0
+    t = threading.Thread(target=interrupter, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline and interrupts < 20:
+            try:
+                for call in (_pull(d, rid, lid), _push(d, rid, lid), _pull_blocks(d, rid, lid)):
+                    call()
+            except KeyboardInterrupt:
+                interrupts += 1
+    finally:
+        stop.set()
+        while True:  # interrupts still pending land here
+            try:
+                t.join()
+                time.sleep(0.05)
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+    assert interrupts > 0
+    entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
+    assert not entity.lock.locked()
+    assert _entry(p, rid).inflight == 0 and _entry(d, lid).inflight == 0
+    done = threading.Event()
+    threading.Thread(target=lambda: (p.dd.unregister_kv_cache(rid), done.set()), daemon=True).start()
+    assert done.wait(10), "unregister hangs on a lease an interrupt leaked"
+
+
+# ---- references and memory over many calls ---------------------------------------------------------
+
+def test_no_reference_or_memory_growth_over_many_compiled_calls() -> None:
+    p, d = make_side(1, LlmRole.PROMPT), make_side(2, LlmRole.DECODER)
+    try:
+        rid = p.register(4, (8, 64))
+        lid = d.register(4, (8, 64))
+        link(d, p)
+        idx, blk, cache = CacheIndex(1, rid, 3), CacheIndex(1, rid, 0), Cache(lid)
+        src, dst, ext = [1, 2, 5], [0, 1, 7], KvCacheExtParam((0, 0), (1, 1), 2)
+        desc_cache = d.cache(lid)
+        objs: list[object] = [idx, blk, cache, src, dst, ext, desc_cache, _entry(p, rid), _entry(d, lid),
+                              _entry(p, rid).table, _entry(d, lid).table, d.dd.backend.entities[1]]  # type: ignore[attr-defined]
+
+        def round_() -> None:
+            d.dd.pull_kv_cache(idx, cache, 2, 16)
+            d.dd.pull_kv_cache(idx, cache, 2, -1, ext)
+            d.dd.pull_kv_blocks(blk, cache, src, dst)
+            d.dd.push_kv_cache(desc_cache, idx, 1)
+            d.dd.push_kv_blocks(desc_cache, blk, tuple(src), tuple(dst), ext)
+
+        taken = fast(d).taken
+        for _ in range(200):
+            round_()
+        assert fast(d).taken - taken == 1000
+        refs = [sys.getrefcount(o) for o in objs]
+        tracemalloc.start()
+        try:
+            snap0 = tracemalloc.take_snapshot()
+            for _ in range(2000):
+                round_()
+            snap1 = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        assert [sys.getrefcount(o) for o in objs] == refs
+        growth = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
+        assert growth < 64 * 1024, f"{growth} bytes more after 10000 compiled calls"
+    finally:
+        d.dd.finalize()
+        p.dd.finalize()
