@@ -197,7 +197,7 @@ def test_odd_argument_types(pd: tuple[Side, Side], value: object) -> None:
         lambda: d.dd.pull_kv_blocks(idx, Cache(lid), [v, 2], [3, 4]),  # type: ignore[list-item]
         lambda: d.dd.pull_kv_blocks(idx, Cache(lid), [1, 2], [3, v]),  # type: ignore[list-item]
         lambda: d.dd.push_kv_blocks(d.cache(lid), idx, (v,), (1,)),  # type: ignore[arg-type]
-        lambda: d.dd.pull_kv_blocks(idx, Cache(lid), np.array([1, 2]), np.array([3, 4])),
+        lambda: d.dd.pull_kv_blocks(idx, Cache(lid), np.array([1, 2]), np.array([3, 4])),  # type: ignore[arg-type]
         lambda: d.dd.push_kv_blocks(d.cache(lid), idx, range(2), range(2)),
     ]
     for call in calls:

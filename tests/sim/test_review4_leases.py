@@ -133,7 +133,12 @@ def test_python_path_leases_count_in_the_same_table(shared: tuple[Side, Side, np
     entry = p.dd.backend.caches[rid]  # type: ignore[attr-defined]
     assert entry.acquire()
     done = threading.Event()
-    threading.Thread(target=lambda: (p.dd.unregister_kv_cache(rid), done.set()), daemon=True).start()
+
+    def unregister() -> None:
+        p.dd.unregister_kv_cache(rid)
+        done.set()
+
+    threading.Thread(target=unregister, daemon=True).start()
     assert not done.wait(0.1)
     taken = fast(d).taken
     with pytest.raises(kvdd.LLMKvCacheNotExistError):  # closed: the compiled path declines

@@ -205,7 +205,12 @@ def test_keyboard_interrupt_during_large_compiled_copies(big: tuple[Side, Side, 
     assert not entity.lock.locked()
     assert _entry(p, rid).inflight == 0 and _entry(d, lid).inflight == 0
     done = threading.Event()
-    threading.Thread(target=lambda: (p.dd.unregister_kv_cache(rid), done.set()), daemon=True).start()
+
+    def unregister() -> None:
+        p.dd.unregister_kv_cache(rid)
+        done.set()
+
+    threading.Thread(target=unregister, daemon=True).start()
     assert done.wait(10), "unregister hangs on a lease an interrupt leaked"
 
 
