@@ -14,11 +14,14 @@ return ``self._no()``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from kvdd import Cache, CacheIndex, KvCacheExtParam, LlmRole
+from kvdd.sim.entries import CacheEntry
 
 from test_review4_equivalence import Side, both_ways, link, make_side
 
@@ -65,3 +68,77 @@ def test_F1_ext_fields_past_int64_are_declined_not_raised(pd: tuple[Side, Side, 
     object.__setattr__(ext, "tensor_num_per_layer", 2**64)
     for call in _calls(d, lid, CacheIndex(1, rid, 0), ext):
         both_ways((p, d), call)
+
+
+# ---- F2 ----------------------------------------------------------------------------------------------
+# F2 (medium): a second concurrent CacheEntry.retire() (a second UnregisterKvCache of the same id,
+# or Finalize racing an UnregisterKvCache: Finalize retires the entries being unregistered too)
+# returns as soon as the lease count is 0, while the first caller is still running the entry's
+# drains (kvdd/sim/entries.py:78-81: the first caller takes the drain list, the others find it
+# empty). A drain is how a same-host one-sided reader's copies are revoked and waited for
+# (kvdd/sim/fabric/samehost_path.py ServedTable.drain): the second unregister returns while such a
+# copy may still read the cache's memory, which the caller may then free or reuse (§10 rule 5:
+# "a second unregister of the id waits as the first does", entries.py's own docstring).
+# Fix (entries.py retire): the first caller creates a "drains done" Event under self._lock and sets
+# it after running the drains; every caller waits for it (within its timeout) before waiting for
+# the leases and before clearing regions/table.
+
+def _blocking_drain() -> tuple[threading.Event, threading.Event, Callable[[], None]]:
+    entered, finish = threading.Event(), threading.Event()
+
+    def drain() -> None:  # a same-host reader's copy still running: revoked, waited for
+        entered.set()
+        finish.wait(10)
+
+    return entered, finish, drain
+
+
+def test_F2_a_second_retire_waits_for_the_first_callers_drains() -> None:
+    a = np.zeros(128, np.uint8)
+    entry = CacheEntry(3, 2, 64, 4, 1, [a.ctypes.data, a.ctypes.data + 64], (a,))
+    entered, finish, drain = _blocking_drain()
+    assert entry.add_drain(drain)
+    first = threading.Thread(target=entry.retire, daemon=True)
+    first.start()
+    try:
+        assert entered.wait(10)
+        second_done = threading.Event()
+
+        def second() -> None:
+            entry.retire()
+            second_done.set()
+
+        threading.Thread(target=second, daemon=True).start()
+        returned_early = second_done.wait(0.3)
+    finally:
+        finish.set()
+        first.join(10)
+    assert not returned_early, "a second retire() returned while the first caller's drain still ran"
+
+
+def test_F2_a_second_unregister_waits_for_a_running_drain() -> None:
+    """The same through the engine: two UnregisterKvCache of one id, a drain running."""
+    p = make_side(1, LlmRole.PROMPT)
+    try:
+        rid = p.register(2, (4, 16))
+        entry = p.dd.backend.caches[rid]  # type: ignore[attr-defined]
+        entered, finish, drain = _blocking_drain()
+        assert entry.add_drain(drain)
+        first = threading.Thread(target=p.dd.unregister_kv_cache, args=(rid,), daemon=True)
+        first.start()
+        try:
+            assert entered.wait(10)
+            second_done = threading.Event()
+
+            def second() -> None:
+                p.dd.unregister_kv_cache(rid)
+                second_done.set()
+
+            threading.Thread(target=second, daemon=True).start()
+            returned_early = second_done.wait(0.3)
+        finally:
+            finish.set()
+            first.join(10)
+        assert not returned_early, "a second UnregisterKvCache returned while a drain still ran"
+    finally:
+        p.dd.finalize()
