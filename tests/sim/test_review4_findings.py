@@ -142,3 +142,30 @@ def test_F2_a_second_unregister_waits_for_a_running_drain() -> None:
         assert not returned_early, "a second UnregisterKvCache returned while a drain still ran"
     finally:
         p.dd.finalize()
+
+
+def test_F2_finalize_racing_an_unregister_waits_for_its_drain() -> None:
+    """Finalize retires the entries being unregistered too; it must not return while the
+    unregister's drain (a same-host reader's copy) still runs."""
+    p = make_side(1, LlmRole.PROMPT)
+    rid = p.register(2, (4, 16))
+    entry = p.dd.backend.caches[rid]  # type: ignore[attr-defined]
+    entered, finish, drain = _blocking_drain()
+    assert entry.add_drain(drain)
+    first = threading.Thread(target=p.dd.unregister_kv_cache, args=(rid,), daemon=True)
+    first.start()
+    try:
+        assert entered.wait(10)
+        fin_done = threading.Event()
+
+        def fin() -> None:
+            p.dd.finalize()
+            fin_done.set()
+
+        threading.Thread(target=fin, daemon=True).start()
+        returned_early = fin_done.wait(0.3)
+    finally:
+        finish.set()
+        first.join(10)
+        fin_done.wait(10)
+    assert not returned_early, "Finalize returned while an unregister's drain still ran"
