@@ -327,3 +327,39 @@ def test_unlinked_and_relinked_peers(pd: tuple[Side, Side]) -> None:
     link(p, d)  # the other direction this time
     for call in _calls(d, lid, 1, rid) + _calls(p, rid, 2, lid):
         assert both_ways((p, d), call)[0]
+
+
+def test_hixl_link_to_itself_copies_within_one_instance() -> None:
+    """hixl: an instance linked to its own address under another id: source and destination are
+    the same cache (overlapping runs) or two caches of one instance."""
+    p = make_side(1, LlmRole.PROMPT, "hixl")
+    try:
+        rid = p.register(4, (8, 32))
+        rid2 = p.register(4, (8, 32))
+        link(p, p, remote_cluster_id=5)
+        calls: list[Callable[[], None]] = [
+            lambda: p.dd.pull_kv_cache(CacheIndex(5, rid, 1), Cache(rid), 2),
+            lambda: p.dd.pull_kv_cache(CacheIndex(5, rid, 1), Cache(rid), 1),
+            lambda: p.dd.pull_kv_blocks(CacheIndex(5, rid, 0), Cache(rid), [0, 1, 2], [1, 2, 3]),
+            lambda: p.dd.push_kv_blocks(p.cache(rid), CacheIndex(5, rid, 0), [1, 2, 3], [0, 1, 2]),
+            lambda: p.dd.push_kv_cache(p.cache(rid), CacheIndex(5, rid2, 0), 3),
+        ]
+        for call in calls:
+            assert both_ways((p,), call)[0]
+        took, out = both_ways((p,), lambda: p.dd.pull_kv_cache(CacheIndex(1, rid, 1), Cache(rid2)))
+        assert not took and out[0] == "LLMParamInvalidError"  # its own cluster id
+    finally:
+        p.dd.finalize()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (8,), (2, 1)])
+def test_tiny_caches(pd: tuple[Side, Side], shape: tuple[int, ...]) -> None:
+    """1-byte rows and tensors, against each other and against 32-byte rows."""
+    p, d = pd
+    r, big_r = p.register(2, shape), p.register(2, (8, 32))
+    lo, big_l = d.register(2, shape), d.register(2, (8, 32))
+    link(d, p)
+    for rr, ll in ((r, lo), (big_r, lo), (r, big_l)):
+        for call in _calls(d, ll, 1, rr):
+            both_ways((p, d), call)
+        both_ways((p, d), lambda: d.dd.pull_kv_blocks(CacheIndex(1, rr, 0), Cache(ll), [0], [0]))

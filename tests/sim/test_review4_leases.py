@@ -146,3 +146,18 @@ def test_python_path_leases_count_in_the_same_table(shared: tuple[Side, Side, np
     assert fast(d).taken == taken
     entry.release()
     assert done.wait(10)
+
+
+def test_a_dropped_instance_and_its_compiled_path_are_collected() -> None:
+    """FastTransfers and its backend reference each other: the cycle must be collectable."""
+    import gc
+    import weakref
+
+    for _ in range(3):
+        side = make_side(9, LlmRole.PROMPT)
+        side.register(2, (4, 16))
+        ref = weakref.ref(side.dd.backend)
+        side.dd.finalize()
+        del side
+        gc.collect()
+        assert ref() is None

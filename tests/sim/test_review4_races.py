@@ -254,3 +254,43 @@ def test_no_reference_or_memory_growth_over_many_compiled_calls() -> None:
     finally:
         d.dd.finalize()
         p.dd.finalize()
+
+
+def test_keyboard_interrupt_while_waiting_for_a_busy_link(big: tuple[Side, Side, int, int]) -> None:
+    """Another thread's large copies hold the link lock; the main thread's compiled call blocks on
+    it and is interrupted there: it must not release a lock it does not hold or leak a lease."""
+    p, d, rid, lid = big
+    h = Hammer(_pull(d, rid, lid))
+    assert h.started.wait(30)
+    stop = threading.Event()
+
+    def interrupter() -> None:
+        while not stop.is_set():
+            time.sleep(0.002)
+            _thread.interrupt_main()
+
+    t = threading.Thread(target=interrupter, daemon=True)
+    t.start()
+    interrupts = 0
+    deadline = time.monotonic() + 2
+    try:
+        while time.monotonic() < deadline and interrupts < 20:
+            try:
+                d.dd.push_kv_cache(d.cache(lid), CacheIndex(1, rid, 0))
+            except KeyboardInterrupt:
+                interrupts += 1
+    finally:
+        stop.set()
+        while True:
+            try:
+                t.join()
+                time.sleep(0.05)
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+    assert interrupts > 0
+    p.dd.unregister_kv_cache(rid)  # returns: no lease leaked
+    h.join()
+    assert isinstance(h.error, kvdd.LLMKvCacheNotExistError)
+    assert _entry(d, lid).inflight == 0
+    assert not d.dd.backend.entities[1].lock.locked()  # type: ignore[attr-defined]
