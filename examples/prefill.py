@@ -1,7 +1,12 @@
 # prefill.py: listens, registers a cache, waits for decode to pull, then exits
 import sys, numpy as np, kvdd
 from kvdd import CacheDesc, DataType
+from kvdd.sim.fabric import SecretError, load_secret
 
+try:  # the secret decode's link must prove: check it now, not when decode connects
+    load_secret()
+except SecretError as exc:
+    sys.exit(f"examples/prefill.py: FAILED: no usable fabric secret: {exc}")
 with kvdd.LlmDataDist(cluster_id=1, role=kvdd.LlmRole.PROMPT, backend="sim") as dd:
     dd.initialize({kvdd.OPTION_DEVICE_ID: "0", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
     kv = [np.full((8, 1024), k, dtype=np.uint8) for k in range(4)]       # 4 tensors, 8 blocks of 1 KiB

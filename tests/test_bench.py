@@ -202,7 +202,8 @@ XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks")
            ("tcp", "pull_blocks"): 8 * 64 * KiB}
 LAT_KEYS = {"path", "data_path", "kind", "bytes", "median_us", "p99_us", "calls", "verified",
             "in_process_median_us", "in_process_p99_us", "vs_in_process_median", "vs_in_process_p99",
-            "socket_rr_median_us", "socket_rr_p99_us", "vs_socket_rr_median", "vs_socket_rr_p99"}
+            "in_process_python_median_us", "in_process_python_p99_us", "vs_in_process_python_median",
+            "vs_in_process_python_p99", "socket_rr_median_us", "socket_rr_p99_us", "vs_socket_rr_median", "vs_socket_rr_p99"}
 
 
 def test_cross_process_rows(doc: dict[str, Any]) -> None:
@@ -256,6 +257,7 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
             assert _positive(r[k]), (path, k, r[k])
         assert r["median_us"] <= r["p99_us"] and r["in_process_median_us"] <= r["in_process_p99_us"]
         assert math.isclose(r["vs_in_process_median"], r["median_us"] / r["in_process_median_us"])
+        assert math.isclose(r["vs_in_process_python_median"], r["median_us"] / r["in_process_python_median_us"])
     targets = xp["targets"]
     assert len(targets) == 6
     for t in targets:

@@ -291,7 +291,7 @@ def _latency_row(path: str, data_path: str, res: Mapping[str, Mapping[str, float
     row: Row = {"path": path, "data_path": data_path, "kind": f"pull_{XP_SMALL}B", "bytes": XP_SMALL,
                 "median_us": tr["median_us"], "p99_us": tr["p99_us"], "calls": int(tr["calls"]),
                 "verified": verified}
-    for ref in ("in_process", "socket_rr"):
+    for ref in ("in_process", "in_process_python", "socket_rr"):
         r = res[ref]
         row[f"{ref}_median_us"] = r["median_us"]
         row[f"{ref}_p99_us"] = r["p99_us"]
@@ -301,19 +301,31 @@ def _latency_row(path: str, data_path: str, res: Mapping[str, Mapping[str, float
 
 
 @contextmanager
-def _in_process_peer(local: LlmDataDist, nbytes: int) -> Iterator[CacheIndex]:
+def _in_process_peer(local: LlmDataDist, nbytes: int,
+                     ext: KvCacheExtParam) -> Iterator[tuple[CacheIndex, Callable[[], object]]]:
     """A second instance in this process (the in-process reference of the small-call latency):
-    one ``[1, nbytes]`` cache holding a pattern, linked from ``local``."""
-    mem = arena(nbytes)
+    one ``[1, nbytes]`` cache holding a pattern, linked from ``local``; with the index of that
+    cache, the same pull by a third instance whose compiled path is off (``python_pull``: the
+    in-process pull through the engine's Python checks, as every cross-process call runs)."""
+    mem, dst = arena(nbytes), arena(nbytes)
     fill_pattern(mem)
-    with LlmDataDist(XP_LOCAL_ID + 10, LlmRole.PROMPT, backend="sim") as ref:
+    desc = CacheDesc(1, DataType.DT_UINT8, (1, nbytes))
+    with LlmDataDist(XP_LOCAL_ID + 10, LlmRole.PROMPT, backend="sim") as ref, \
+            LlmDataDist(XP_LOCAL_ID + 11, LlmRole.DECODER, backend="sim") as py:
         ref.initialize(_xp_options(2))
-        cid = ref.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, nbytes)), tensor_addrs([mem]))
+        py.initialize(_xp_options(3))
+        cid = ref.register_kv_cache(desc, tensor_addrs([mem]))
+        py_cache = Cache(py.register_kv_cache(desc, tensor_addrs([dst])))
         info = ClusterInfo(remote_cluster_id=XP_LOCAL_ID + 10,
                            remote_ip_infos=(IpInfo(LOCALHOST, ref.listening_port),))
         local.link_llm_clusters([info], 10_000)
+        py.link_llm_clusters([info], 10_000)
+        fast = getattr(py.backend, "fast_transfers", None)
+        if fast is not None:
+            fast.enabled = False
+        idx = CacheIndex(XP_LOCAL_ID + 10, cid, 0)
         try:
-            yield CacheIndex(XP_LOCAL_ID + 10, cid, 0)
+            yield idx, functools.partial(py.pull_kv_cache, idx, py_cache, 0, nbytes, ext)
         finally:
             local.unlink_llm_clusters([info], 10_000, force=True)
 
@@ -397,7 +409,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
 
                 # small calls: a 64-byte pull from the peer process vs the same pull from an instance in
                 # this process and vs a raw blocking 64-byte request/response over loopback
-                ref_idx = stack.enter_context(_in_process_peer(dd, XP_SMALL))
+                ref_idx, python_pull = stack.enter_context(_in_process_peer(dd, XP_SMALL, ext))
                 small_mv = small.data.cast("B")
                 small.fill(0)
                 dd.pull_kv_cache(row_idx, small_cache, 0, XP_SMALL, ext)
@@ -406,6 +418,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                                                              ext),
                                "in_process": functools.partial(dd.pull_kv_cache, ref_idx, small_cache, 0,
                                                                XP_SMALL, ext),
+                               "in_process_python": python_pull,
                                "socket_rr": functools.partial(raw.pull, small_mv, XP_SMALL)}, calls)
                 lat_rows.append(_latency_row(path, data_path, lat, ok_small))
 
@@ -481,8 +494,9 @@ def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -
     print_table(rows, XP_COLUMNS, out)
     print(file=out)
     print(f"Small calls ({cfg.get('calls')} timed calls each, interleaved; in_process = the same pull from an "
-          "instance in this process, socket_rr = a raw blocking request/response of the same bytes over "
-          "loopback):", file=out)
+          "instance in this process (the simulator's compiled in-process path), in_process_python = the same "
+          "with that path off (the engine's Python checks, which every cross-process call runs), socket_rr = "
+          "a raw blocking request/response of the same bytes over loopback):", file=out)
     print_table(cross.get("latency", []), LAT_COLUMNS, out)
     for p in cross["peers"]:
         if p["data_path"] != p["path"]:

@@ -179,10 +179,14 @@ def run_from_args(args: argparse.Namespace, out: IO[str] | None = None) -> int:
         report = run_decode(opts, opts.connect, control, Progress(opts.progress, "decode"))
     else:
         report = run_demo(opts, in_process=bool(args.in_process))
+    # The text report (geometry, transfer table, summary line) describes a run: once the decode
+    # side reached the prefill side.  A failure before that (no prefill there, another secret, a
+    # prefill that failed to start) is reported like a failed --role prefill: the error alone.
+    shown = args.json or report.connected
     try:
         if args.json:
             _print_json(report.to_json(), out)
-        else:
+        elif shown:
             render_text(report, out)
             out.flush()
     except BrokenPipeError:  # `kvdd demo | head`: the reader left; stop writing quietly
@@ -193,8 +197,8 @@ def run_from_args(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     if not report.ok:
         msg = report.error.message if report.error else "not every transfer was verified"
         # The text report ends with the same FAILED line: when it went to the terminal that stderr
-        # shows too, one line is enough; otherwise (a pipe, a file, --json) stderr must say it.
-        if args.json or not _same_terminal(out, sys.stderr):
+        # shows too, one line is enough; otherwise (none, a pipe, a file, --json) stderr must say it.
+        if args.json or not shown or not _same_terminal(out, sys.stderr):
             print(f"kvdd demo: FAILED: {msg}", file=sys.stderr)
         return 1
     return 0

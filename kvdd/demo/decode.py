@@ -272,6 +272,7 @@ def run_decode_side(opts: DemoOptions, prefill_host: str, locate: Callable[[], R
         if connect_first:
             ready = locate()
             ctl = connect_control(ready.control, opts.timeout, log)
+            report.connected = True
         local_ip = _local_ip_towards(prefill_host)
         decode_listen: Address | None = None
         if opts.transfer_backend == "hixl":  # hixl: every instance listens (§3.2 step 8)
@@ -288,6 +289,7 @@ def run_decode_side(opts: DemoOptions, prefill_host: str, locate: Callable[[], R
             if ready is None or ctl is None:
                 ready = locate()
                 ctl = connect_control(ready.control, opts.timeout, log)
+                report.connected = True
             prefill = ready.listen
             report.prefill_address = f"{prefill[0]}:{prefill[1]}"
             ctl.send({"type": "hello", "protocol": PROTOCOL, "geometry": opts.geometry.to_json(),

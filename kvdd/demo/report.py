@@ -50,6 +50,9 @@ class DemoReport:
     setup_seconds: float = 0.0
     wall_seconds: float = 0.0
     prefill_address: str = ""
+    #: The decode side reached the prefill side (its control channel authenticated): before that
+    #: there is no run to report, only the error (``kvdd demo`` then prints that alone).
+    connected: bool = False
 
     @property
     def ok(self) -> bool:

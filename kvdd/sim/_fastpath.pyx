@@ -171,15 +171,18 @@ cdef class FastTransfers:
 
     Each method takes the facade's arguments and returns True when it moved the bytes (the call
     succeeded), False when it declined (nothing happened: take the Python path).
-    ``taken`` / ``declined`` count the calls of each kind since the instance was made.
+    ``taken`` / ``declined`` count the calls since the instance was made; ``enabled = False`` turns
+    the path off for this instance only (the benchmarks' like-for-like references).
     """
 
     cdef object backend
     cdef readonly uint64_t taken
     cdef readonly uint64_t declined
+    cdef public bint enabled  # this instance's switch (set_enabled: the whole process's)
 
     def __cinit__(self, backend):
         self.backend = backend
+        self.enabled = True
 
     cdef inline bint _no(self):
         self.declined += 1
@@ -214,7 +217,7 @@ cdef class FastTransfers:
     def pull_kv_cache(self, src_cache_index, dst_cache, batch_index=0, size=-1, ext_param=None):
         """PullKvCache (§3.10) if accepted: see the class notes."""
         cdef Ext e
-        if not _enabled:
+        if not (_enabled and self.enabled):
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
                 or not _u32(batch_index) or type(size) is not int or not _ext(ext_param, &e, False)):
@@ -279,7 +282,7 @@ cdef class FastTransfers:
         """PullKvBlocks (§3.11) if accepted: see the class notes."""
         cdef Ext e
         cdef Runs r
-        if not _enabled:
+        if not (_enabled and self.enabled):
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
                 or not _ext(ext_param, &e, False) or not _runs(src_blocks, dst_blocks, &r)):
@@ -345,7 +348,7 @@ cdef class FastTransfers:
         """PushKvBlocks (§3.13) if accepted: see the class notes."""
         cdef Ext e
         cdef Runs r
-        if not _enabled:
+        if not (_enabled and self.enabled):
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
                 or not _ext(ext_param, &e, True) or not _runs(src_blocks, dst_blocks, &r)):
@@ -398,7 +401,7 @@ cdef class FastTransfers:
     def push_kv_cache(self, src_cache, dst_cache_index, src_batch_index=0, size=-1, ext_param=None):
         """PushKvCache (§3.12) if accepted: see the class notes."""
         cdef Ext e
-        if not _enabled:
+        if not (_enabled and self.enabled):
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
                 or not _u32(src_batch_index) or type(size) is not int or not _ext(ext_param, &e, True)):

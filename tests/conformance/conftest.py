@@ -92,11 +92,11 @@ def transfer(request: pytest.FixtureRequest) -> str:
     return name
 
 
-def _import_peer_proc() -> ModuleType:
+def _import_sim(name: str) -> ModuleType:
     sim_dir = str(Path(__file__).resolve().parent.parent / "sim")
     if sim_dir not in sys.path:
         sys.path.append(sim_dir)
-    return importlib.import_module("peer_proc")
+    return importlib.import_module(name)
 
 
 class PeerPool:
@@ -112,7 +112,8 @@ class PeerPool:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.one_per_process = backend != "sim"
-        self._peer_proc = _import_peer_proc()
+        self._peer_proc = _import_sim("peer_proc")
+        self._peer_node = _import_sim("peer_node")
         self.procs: list[Any] = []
         self._used: list[Any] = []  # (process, node) of the current test
 
@@ -123,7 +124,7 @@ class PeerPool:
             proc = free[0]
         else:
             proc = self._spawn()
-        node: Node = self._peer_proc.ProcessNode(proc, cluster_id, role)
+        node: Node = self._peer_node.ProcessNode(proc, cluster_id, role)
         self._used.append((proc, node))
         return node
 

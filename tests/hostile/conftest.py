@@ -15,7 +15,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "sim"))  # peer_proc
 
-import peer_proc  # noqa: E402
+import peer_node  # noqa: E402
 from conformance.harness import World  # noqa: E402
 from peer_proc import PeerProcess  # noqa: E402
 
@@ -31,5 +31,5 @@ def victim_proc() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def world(victim_proc: PeerProcess) -> Iterator[World]:
-    with peer_proc.process_world(victim_proc) as w:
+    with peer_node.process_world(victim_proc) as w:
         yield w

@@ -49,7 +49,8 @@ from conformance.harness import (
 )
 from hostile import rawpeer
 from hostile.conftest import LONG
-from peer_proc import PeerProcess, ProcessNode
+from peer_node import ProcessNode
+from peer_proc import PeerProcess
 
 S = Status.LLM_SUCCESS
 RSS_BOUND_MIB = 64  # victim RSS growth allowed per attack (docs/security.md)

@@ -30,7 +30,7 @@ from kvdd.sim.fabric.auth import NONCE_BYTES, load_secret, mac
 from kvdd.sim.fabric.handshake import transcript_of
 from kvdd.sim.fabric.samehost_path import OneSidedPeer
 
-import peer_proc
+import peer_node
 from conformance import reference as ref
 from conformance.checked import (
     pull_blocks_checked,
@@ -48,7 +48,8 @@ from conformance.harness import (
     register,
 )
 from hostile import rawpeer
-from peer_proc import PeerProcess, ProcessNode
+from peer_node import ProcessNode
+from peer_proc import PeerProcess
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -70,7 +71,7 @@ def own_proc() -> Iterator[PeerProcess]:
 
 def _world(p: PeerProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.setenv(fabric.ENV_XPROC, "auto")
-    with peer_proc.process_world(p) as w:
+    with peer_node.process_world(p) as w:
         yield w
 
 

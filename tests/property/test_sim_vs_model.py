@@ -17,218 +17,26 @@ any, applies).  Profiles: ``KVDD_HYPOTHESIS_PROFILE=ci`` (default) or ``long``; 
 
 from __future__ import annotations
 
-import itertools
-import socket
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import pytest
-from hypothesis import event, settings
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import initialize, invariant, rule, run_state_machine_as_test
 
 import kvdd
-from kvdd import (
-    Cache,
-    CacheDesc,
-    CacheIndex,
-    ClusterInfo,
-    IpInfo,
-    KvCacheExtParam,
-    LLMError,
-)
+from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LLMError
 from kvdd.sim import faults
 
 from . import model as M
-from .arena import GuardedArena
-
-ARENA = 32 << 10
-GUARD = 16 << 10  # larger than any tensor generated: a range off the arena end hits the guard
-LOCAL = "127.0.0.1"
-T = TypeVar("T")
-
-_arena: GuardedArena | None = None
-_dead: socket.socket | None = None
-_seeds = itertools.count(1)
+from .machine import ARENA, LOCAL, MachineBase, outcome
+from .strategies import (BATCH, BLOCKS, DTYPES_BAD, DTYPES_OK, EXT, KINDS, LISTENS, SIZES, STATUSES, options,
+                         shapes)
 
 
-def shared_arena() -> GuardedArena:
-    """One arena for the whole session (refilled per example; instances are finalized first)."""
-    global _arena
-    if _arena is None:
-        _arena = GuardedArena(ARENA, GUARD)
-    return _arena
-
-
-def dead_port() -> int:
-    """A port bound on 127.0.0.1 but never listening: connecting is refused, and nobody else can
-    take it while the session runs."""
-    global _dead
-    if _dead is None:
-        _dead = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        _dead.bind((LOCAL, 0))
-    port: int = _dead.getsockname()[1]
-    return port
-
-
-# ---- strategies -------------------------------------------------------------------------------
-
-DEVICE_IDS = ["0", "0", "0", "1", " 2", "+3", "", "-1", "abc", "0;", "0;1", "1x"]
-LISTENS = ["127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:00", "127.0.0.1", "localhost:0", "1.1.1.1:-1",
-           "127.0.0.1:x"]
-WAITS = ["0", "1000", "abc", "+5", ""]
-COMM_RES = ['{"version": "1.0"}', '{"version": "1.2"}', '{"version": "1.9"}', "mock"]
-RETRIES = ["1", "5", "0", "101", "x"]
-STATUSES = [kvdd.Status.LLM_TIMEOUT, kvdd.Status.LLM_LINK_FAILED, kvdd.Status.LLM_KV_CACHE_NOT_EXIST,
-            kvdd.Status.LLM_FAILED, kvdd.Status.LLM_OUT_OF_MEMORY, kvdd.Status.LLM_UNLINK_FAILED]
-DTYPES_OK = [3, 3, 3, 1, 2, 27, 9, 13, 29]  # INT32 x3, FLOAT16, INT8, BF16, INT64, STRING, INT4
-DTYPES_BAD = [28, 5, 43, 200, -1]
-KINDS = list(faults.CALL_KINDS)
-STATUS_VALUES = {int(s) for s in kvdd.Status}
-
-
-def options(data: st.DataObject, backend: str, good: bool) -> dict[str, str]:
-    """Initialize options: mostly valid for ``backend``; with ``good`` False anything goes."""
-    opts: dict[str, str] = {}
-    draw = data.draw
-    if good:
-        opts["llm.DeviceId"] = "0"
-        if backend == "hixl" or draw(st.booleans()):
-            opts["llm.ListenIpInfo"] = "127.0.0.1:0"
-        if backend == "hixl":
-            opts["llm.TransferBackend"] = "hixl"
-        return opts
-    if draw(st.integers(0, 9)) > 0:
-        opts["llm.DeviceId"] = draw(st.sampled_from(DEVICE_IDS))
-    if draw(st.booleans()):
-        opts["llm.ListenIpInfo"] = draw(st.sampled_from(LISTENS))
-    if backend == "hixl":
-        opts["llm.TransferBackend"] = draw(st.sampled_from(["hixl", "hixl", "hixl", "foo"]))
-    elif draw(st.integers(0, 5)) == 0:
-        opts["llm.TransferBackend"] = draw(st.sampled_from(["foo", ""]))
-    if draw(st.integers(0, 3)) == 0:
-        opts["llm.SyncKvCacheWaitTime"] = draw(st.sampled_from(WAITS))
-    if draw(st.integers(0, 3)) == 0:
-        opts["llm.LocalCommRes"] = draw(st.sampled_from(COMM_RES))
-    if draw(st.integers(0, 4)) == 0:
-        opts["llm.LinkRetryCount"] = draw(st.sampled_from(RETRIES))
-    return opts
-
-
-def layer_range() -> st.SearchStrategy[tuple[int, int]]:
-    return st.one_of(
-        st.just((-1, -1)), st.just((-1, -1)),
-        st.sampled_from([(0, 2**31 - 1), (3, 2**31 - 1), (-1, 2**31 - 1), (2**31 - 1, 2**31 - 1)]),
-        st.tuples(st.integers(-1, 5), st.integers(-1, 5)).map(lambda r: (min(r), max(r))),
-        st.tuples(st.integers(-3, 6), st.integers(-3, 6)),
-    )
-
-
-EXT = st.one_of(
-    st.none(), st.none(), st.none(),
-    st.builds(KvCacheExtParam, src_layer_range=layer_range(), dst_layer_range=layer_range(),
-              tensor_num_per_layer=st.sampled_from([2, 2, 2, 1, 1, 3, 5, 0, 255])),
-)
-SIZES = st.sampled_from([-1] * 8 + [0, -2, 1, 16, 32, 64, 65, 128, 512, 2**40])
-BATCH = st.one_of(st.integers(0, 1), st.integers(0, 1), st.integers(0, 8), st.just(2**32 - 1))
-HUGE_BLOCK = 2**64 - 1  # the largest uint64 block index (once an engine OverflowError)
-BLOCKS = st.one_of(
-    st.lists(st.integers(0, 3), min_size=1, max_size=4),
-    st.lists(st.one_of(st.integers(0, 9), st.just(HUGE_BLOCK)), min_size=0, max_size=6),
-)
-
-
-def shapes() -> st.SearchStrategy[tuple[int, ...]]:
-    good = st.lists(st.integers(1, 8), min_size=1, max_size=3).map(tuple)
-    bad = st.sampled_from([(), (0,), (4, 0), (-1, 16), (1,) * 32, (1,) * 31, (2**40, 2**40),
-                           (2**31,), (2, 5), (16, 1), (3, 3)])
-    return st.one_of(good, good, good, bad)
-
-
-# ---- the machine ------------------------------------------------------------------------------
-
-
-def outcome(fn: Callable[[], T]) -> tuple[int, T | None, list[int] | None]:
-    """Run a facade call: (status, result, rets)."""
-    try:
-        result = fn()
-    except LLMError as exc:
-        return int(exc.status), None, None if exc.rets is None else [int(r) for r in exc.rets]
-    return M.SUCCESS, result, None
-
-
-class SimVsModel(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.arena = shared_arena()
-        self.arena.fill(next(_seeds))
-        self.world = M.World(M.Arena(self.arena.base, self.arena.bytes()))
-        self.dds: list[kvdd.LlmDataDist] = []
-        self.insts: list[M.Instance] = []
-        self.backend = "comm"
-        self.injections: list[faults.Injection] = []
-
-    # -- helpers ---------------------------------------------------------------------------
-    def pick(self, data: st.DataObject) -> int:
-        return data.draw(st.integers(0, len(self.dds) - 1), label="instance")
-
-    def refresh_ports(self) -> None:
-        for dd, inst in zip(self.dds, self.insts):
-            port = dd.listen_port
-            assert (port is not None) == inst.listening, (
-                f"cluster {inst.cluster_id}: listening {port is not None}, model says {inst.listening}")
-            inst.port = port
-
-    def target(self, data: st.DataObject, i: int) -> tuple[int, int]:
-        """(remote_cluster_id, port) for a link/unlink from instance i: usually the other one."""
-        other = self.insts[1 - i]
-        port = other.port if other.port is not None else dead_port()
-        if data.draw(st.integers(0, 9)) == 0:
-            port = dead_port()
-        cid = data.draw(st.sampled_from([other.cluster_id] * 6 + [77, self.insts[i].cluster_id]),
-                        label="remote_cluster_id")
-        return cid, port
-
-    def clusters(self, data: st.DataObject, i: int) -> list[ClusterInfo]:
-        out = []
-        for _ in range(data.draw(st.sampled_from([1, 1, 1, 1, 2, 0]), label="n_clusters")):
-            cid, port = self.target(data, i)
-            remote: tuple[IpInfo, ...] = (IpInfo(LOCAL, port),)
-            shape = data.draw(st.integers(0, 12), label="remote_ip_shape")
-            if shape == 0:
-                remote = ()
-            elif shape == 1:
-                remote = (IpInfo(LOCAL, port), IpInfo(LOCAL, port))
-            elif shape == 2:
-                remote = (IpInfo(data.draw(st.sampled_from(["", "::1", "localhost", "1.2.3"])), port),)
-            local: tuple[IpInfo, ...] = data.draw(st.sampled_from(
-                [(IpInfo(LOCAL),), (IpInfo(LOCAL),), (), (IpInfo(LOCAL), IpInfo(LOCAL)),
-                 (IpInfo("::1"),)]), label="local_ip_infos")
-            out.append(ClusterInfo(remote_cluster_id=cid, local_ip_infos=local, remote_ip_infos=remote))
-        return out
-
-    def cache_id(self, data: st.DataObject, owner: int) -> int:
-        known = sorted(self.insts[owner].caches) or [1]
-        return data.draw(st.sampled_from(known * 4 + [0, -1, 1, 2, 99]), label="cache_id")
-
-    def index(self, data: st.DataObject, i: int) -> CacheIndex:
-        other = 1 - i
-        cid = data.draw(st.sampled_from([self.insts[other].cluster_id] * 6 + [self.insts[i].cluster_id, 99]),
-                        label="cluster_id")
-        return CacheIndex(cluster_id=cid, cache_id=self.cache_id(data, other), batch_index=data.draw(BATCH))
-
-    def check(self, what: str, got: tuple[int, Any, list[int] | None], want_status: int,
-              want_result: object = None, want_rets: list[int] | None = None) -> None:
-        status, result, rets = got
-        event(f"{what.split('(')[0]} -> {kvdd.Status(want_status).name if want_status in STATUS_VALUES else want_status}")
-        assert status == want_status, (
-            f"{what}: got {kvdd.status_name(status)}, model predicts {kvdd.status_name(want_status)}")
-        if want_status == M.SUCCESS and want_result is not None:
-            assert result == want_result, f"{what}: got result {result!r}, model predicts {want_result!r}"
-        if want_rets is not None and want_status != M.SUCCESS:
-            assert rets == want_rets, f"{what}: got rets {rets}, model predicts {want_rets}"
-        if want_rets is not None and want_status == M.SUCCESS:
-            assert [int(r) for r in result] == want_rets, f"{what}: got rets {result}, model {want_rets}"
+class SimVsModel(MachineBase):
+    """The rules: every ``LlmDataDist`` method, often with invalid arguments, checked after each call
+    against the model (:class:`machine.MachineBase` holds the state and the checks)."""
 
     # -- set-up ----------------------------------------------------------------------------
     @initialize(data=st.data())
@@ -247,12 +55,6 @@ class SimVsModel(RuleBasedStateMachine):
                     self.do_initialize(i, options(data, self.backend, good=True))
         self.refresh_ports()
 
-    def teardown(self) -> None:
-        for inj in self.injections:
-            inj.remove()
-        for dd in self.dds:
-            dd.finalize()
-
     @invariant()
     def bytes_and_listeners_agree(self) -> None:
         if not self.dds:
@@ -266,11 +68,6 @@ class SimVsModel(RuleBasedStateMachine):
                                  f"{diff[0]} (got {got[diff[0]]}, model {want[diff[0]]})")
 
     # -- lifecycle -------------------------------------------------------------------------
-    def do_initialize(self, i: int, opts: dict[str, str]) -> None:
-        got = outcome(lambda: self.dds[i].initialize(opts))
-        self.check(f"initialize({opts})", got, self.world.initialize(self.insts[i], opts))
-        self.refresh_ports()
-
     @rule(data=st.data(), good=st.booleans())
     def initialize_(self, data: st.DataObject, good: bool) -> None:
         i = self.pick(data)
@@ -375,15 +172,6 @@ class SimVsModel(RuleBasedStateMachine):
         got = outcome(lambda: self.dds[i].pull_kv_blocks(idx, dst, src, dst_blocks, ext))
         want = self.world.pull_kv_blocks(self.insts[i], idx, dst, src, dst_blocks, ext or KvCacheExtParam())
         self.check(f"pull_kv_blocks({idx}, {dst.cache_id}, {src}, {dst_blocks}, {ext})", got, want)
-
-    def src_cache(self, data: st.DataObject, i: int) -> Cache:
-        cid = self.cache_id(data, i)
-        reg = self.insts[i].caches.get(cid)
-        n = reg.n if reg is not None else 4
-        huge = [2**32 - 1]
-        num = data.draw(st.sampled_from([n, n, n, 0, 1, 3, 12, *huge]), label="num_tensors")
-        placement = data.draw(st.sampled_from([1, 1, 1, 1, 0, 7]), label="placement")
-        return Cache(cache_id=cid, cache_desc=CacheDesc(num_tensors=num, placement=placement))
 
     @rule(data=st.data(), src_batch=BATCH, size=st.sampled_from([-1, -1, -1, -1, 0, 64]), ext=EXT)
     def push_kv_cache(self, data: st.DataObject, src_batch: int, size: int,

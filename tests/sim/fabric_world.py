@@ -11,9 +11,10 @@ import pytest
 from kvdd import LlmRole, Status
 from kvdd.sim import fabric
 
-import peer_proc
+import peer_node
 from conformance.harness import CacheHandle, Node, Spec, World, register
-from peer_proc import PeerProcess, ProcessNode
+from peer_node import ProcessNode
+from peer_proc import PeerProcess
 
 S = Status.LLM_SUCCESS
 WAIT = "llm.SyncKvCacheWaitTime"
@@ -39,7 +40,7 @@ def proc(xproc: str) -> Iterator[PeerProcess]:
 
 def world_of(p: PeerProcess, monkeypatch: pytest.MonkeyPatch, xproc: str) -> Iterator[World]:
     monkeypatch.setenv(fabric.ENV_XPROC, XPROC_ENV[xproc])
-    with peer_proc.process_world(p) as w:
+    with peer_node.process_world(p) as w:
         yield w
 
 

@@ -35,7 +35,8 @@ from conformance.harness import (
     register,
     unlink,
 )
-from peer_proc import PeerProcess, ProcessNode
+from peer_node import ProcessNode
+from peer_proc import PeerProcess
 from fabric_world import (
     S,
     WAIT,

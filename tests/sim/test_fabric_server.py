@@ -26,7 +26,7 @@ from kvdd.sim import fabric
 from kvdd.sim.fabric import listener as fabric_listener
 from kvdd.sim.fabric import wire
 
-import peer_proc
+import peer_node
 from hostile import rawpeer
 from conformance.checked import pull_blocks_checked, pull_cache_checked, push_blocks_checked
 from conformance.harness import CacheHandle, Spec, World, cluster, link, register
@@ -330,7 +330,7 @@ def test_two_hosts_over_a_veth_pair(netns: tuple[str, str, str],
     ns, ours, theirs = netns
     monkeypatch.setenv(fabric.ENV_XPROC, "tcp")  # other hosts have no process_vm
     with PeerProcess(env=peer_env("tcp"), prefix=["ip", "netns", "exec", ns]) as pp:
-        make, cleanup = peer_proc.process_peer_factory(pp)
+        make, cleanup = peer_node.process_peer_factory(pp)
         world = World("sim", make)
         try:
             p = world.peer(1, LlmRole.PROMPT)
