@@ -6,8 +6,8 @@ declining when they do not fit, so it raises OverflowError out of the facade whe
 returns the call's LLM status. The public constructors keep the fields inside their C++ widths, so
 only a value set past the frozen dataclass's validation (``object.__setattr__``) reaches it, but the
 module's contract ("anything else ... it declines having done nothing; statuses and exceptions come
-from the Python path alone") is broken. Fix: kvdd/sim/_fastpath.pyx lines 79-83 (_ext), 251, 316,
-367, 411 and 420: read the fields as Python objects and decline unless ``type(v) is int`` and the
+from the Python path alone") is broken. Fix: kvdd/sim/_fastpath.pyx lines 79-83 (_ext), 254, 319,
+370, 414 and 423 (after main 2026-12-02 03:11): read the fields as Python objects and decline unless ``type(v) is int`` and the
 value is inside the C type (as _u32 does), or catch OverflowError around the conversions and
 return ``self._no()``.
 """
@@ -74,7 +74,7 @@ def test_F1_ext_fields_past_int64_are_declined_not_raised(pd: tuple[Side, Side, 
 # F2 (medium): a second concurrent CacheEntry.retire() (a second UnregisterKvCache of the same id,
 # or Finalize racing an UnregisterKvCache: Finalize retires the entries being unregistered too)
 # returns as soon as the lease count is 0, while the first caller is still running the entry's
-# drains (kvdd/sim/entries.py:78-81: the first caller takes the drain list, the others find it
+# drains (kvdd/sim/entries.py:78-83: the first caller takes the drain list, the others find it
 # empty). A drain is how a same-host one-sided reader's copies are revoked and waited for
 # (kvdd/sim/fabric/samehost_path.py ServedTable.drain): the second unregister returns while such a
 # copy may still read the cache's memory, which the caller may then free or reuse (§10 rule 5:
