@@ -319,7 +319,8 @@ def test_unlinked_and_relinked_peers(pd: tuple[Side, Side]) -> None:
     lid = d.register(4, (8, 32))
     link(d, p)
     entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
-    d.dd.unlink_llm_clusters([ClusterInfo(remote_cluster_id=1, remote_ip_infos=(IpInfo(LOCALHOST, p.dd.listening_port),))])
+    info = ClusterInfo(remote_cluster_id=1, remote_ip_infos=(IpInfo(LOCALHOST, p.dd.listening_port),))
+    d.dd.unlink_llm_clusters([info])
     assert entity.peer.closed
     for call in _calls(d, lid, 1, rid) + _calls(p, rid, 2, lid):
         took, out = both_ways((p, d), call)

@@ -1,5 +1,6 @@
-"""review4: defects found in the compiled transfer path (kvdd/sim/_fastpath.pyx). Each test FAILS
-on the code it was written against (main at 15fd041) and passes once the defect is fixed.
+"""review4: defects found around the compiled transfer path (F1: kvdd/sim/_fastpath.pyx; F2:
+kvdd/sim/entries.py CacheEntry.retire). Each test FAILS on the code it was written against (main at
+15fd041, and main merged at 03:11) and passes once the defect is fixed.
 
 F1 (low): the compiled path converts CacheIndex / KvCacheExtParam fields to C int64 without
 declining when they do not fit, so it raises OverflowError out of the facade where the Python path
@@ -7,9 +8,9 @@ returns the call's LLM status. The public constructors keep the fields inside th
 only a value set past the frozen dataclass's validation (``object.__setattr__``) reaches it, but the
 module's contract ("anything else ... it declines having done nothing; statuses and exceptions come
 from the Python path alone") is broken. Fix: kvdd/sim/_fastpath.pyx lines 79-83 (_ext), 254, 319,
-370, 414 and 423 (after main 2026-12-02 03:11): read the fields as Python objects and decline unless ``type(v) is int`` and the
-value is inside the C type (as _u32 does), or catch OverflowError around the conversions and
-return ``self._no()``.
+370, 414 and 423 (as merged at 03:11): read the fields as Python objects and decline unless
+``type(v) is int`` and the value is inside the C type (as _u32 does), or catch OverflowError
+around the conversions and return ``self._no()``.
 """
 
 from __future__ import annotations

@@ -225,8 +225,9 @@ def test_no_reference_or_memory_growth_over_many_compiled_calls() -> None:
         idx, blk, cache = CacheIndex(1, rid, 3), CacheIndex(1, rid, 0), Cache(lid)
         src, dst, ext = [1, 2, 5], [0, 1, 7], KvCacheExtParam((0, 0), (1, 1), 2)
         desc_cache = d.cache(lid)
+        link_entity: object = d.dd.backend.entities[1]  # type: ignore[attr-defined]
         objs: list[object] = [idx, blk, cache, src, dst, ext, desc_cache, _entry(p, rid), _entry(d, lid),
-                              _entry(p, rid).table, _entry(d, lid).table, d.dd.backend.entities[1]]  # type: ignore[attr-defined]
+                              _entry(p, rid).table, _entry(d, lid).table, link_entity]
 
         def round_() -> None:
             d.dd.pull_kv_cache(idx, cache, 2, 16)
