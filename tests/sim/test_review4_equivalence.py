@@ -176,7 +176,8 @@ class MyInt(int):
     pass
 
 
-ODD_VALUES: list[object] = [True, False, np.int64(1), np.uint32(1), MyInt(1), 1.0, -1, 2**32, 2**64, None]
+ODD_VALUES: list[object] = [True, False, np.int64(1), np.uint32(1), MyInt(1), 1.0, -1, 2**32, 2**64, None,
+                             2**32 - 1, 2**31, 2**62, 2**63 - 1, 2**63, -2**63]
 
 
 @pytest.mark.parametrize("value", ODD_VALUES, ids=repr)

@@ -7,6 +7,7 @@ keeps calling until it is refused); nothing hangs; every lease count ends at 0."
 from __future__ import annotations
 
 import _thread
+import signal
 import sys
 import threading
 import time
@@ -169,38 +170,58 @@ def test_many_threads_share_the_leases(big: tuple[Side, Side, int, int]) -> None
     assert _entry(d, lid).inflight == 0
 
 
+class Interrupts:
+    """SIGINTs (``_thread.interrupt_main``) every few ms from another thread, raised as
+    KeyboardInterrupt only inside :meth:`call` (once per call), so none escapes the test."""
+
+    def __init__(self) -> None:
+        self.mode = "off"  # "raise": the next SIGINT raises (then "hold"); otherwise ignored
+        self.raised = 0
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.mode == "raise":
+            self.mode = "hold"
+            raise KeyboardInterrupt
+
+    def call(self, fn: Callable[[], None]) -> None:
+        try:
+            self.mode = "raise"
+            fn()
+            self.mode = "hold"
+        except KeyboardInterrupt:
+            self.raised += 1
+        self.mode = "hold"
+
+    def run(self, calls: list[Callable[[], None]], seconds: float) -> int:
+        stop = threading.Event()
+
+        def interrupter() -> None:
+            while not stop.is_set():
+                time.sleep(0.002)
+                _thread.interrupt_main()
+
+        old = signal.signal(signal.SIGINT, self._handler)
+        t = threading.Thread(target=interrupter, daemon=True)
+        t.start()
+        try:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and self.raised < 20:
+                for fn in calls:
+                    self.call(fn)
+        finally:
+            self.mode = "off"
+            stop.set()
+            t.join()
+            time.sleep(0.02)
+            signal.signal(signal.SIGINT, old)
+        return self.raised
+
+
 def test_keyboard_interrupt_during_large_compiled_copies(big: tuple[Side, Side, int, int]) -> None:
-    """interrupt_main() while the main thread runs large compiled copies: the KeyboardInterrupt
-    comes out of a call, no lease or link lock is left held, and unregister then returns."""
+    """SIGINT while the main thread runs large compiled copies: the KeyboardInterrupt comes out of
+    a call, no lease or link lock is left held, and unregister then returns."""
     p, d, rid, lid = big
-    stop = threading.Event()
-
-    def interrupter() -> None:
-        while not stop.is_set():
-            time.sleep(0.003)
-            _thread.interrupt_main()
-
-    interrupts = 0
-    t = threading.Thread(target=interrupter, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 3
-    try:
-        while time.monotonic() < deadline and interrupts < 20:
-            try:
-                for call in (_pull(d, rid, lid), _push(d, rid, lid), _pull_blocks(d, rid, lid)):
-                    call()
-            except KeyboardInterrupt:
-                interrupts += 1
-    finally:
-        stop.set()
-        while True:  # interrupts still pending land here
-            try:
-                t.join()
-                time.sleep(0.05)
-                break
-            except KeyboardInterrupt:
-                interrupts += 1
-    assert interrupts > 0
+    assert Interrupts().run([_pull(d, rid, lid), _push(d, rid, lid), _pull_blocks(d, rid, lid)], 3) > 0
     entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
     assert not entity.lock.locked()
     assert _entry(p, rid).inflight == 0 and _entry(d, lid).inflight == 0
@@ -263,35 +284,48 @@ def test_keyboard_interrupt_while_waiting_for_a_busy_link(big: tuple[Side, Side,
     p, d, rid, lid = big
     h = Hammer(_pull(d, rid, lid))
     assert h.started.wait(30)
-    stop = threading.Event()
-
-    def interrupter() -> None:
-        while not stop.is_set():
-            time.sleep(0.002)
-            _thread.interrupt_main()
-
-    t = threading.Thread(target=interrupter, daemon=True)
-    t.start()
-    interrupts = 0
-    deadline = time.monotonic() + 2
-    try:
-        while time.monotonic() < deadline and interrupts < 20:
-            try:
-                d.dd.push_kv_cache(d.cache(lid), CacheIndex(1, rid, 0))
-            except KeyboardInterrupt:
-                interrupts += 1
-    finally:
-        stop.set()
-        while True:
-            try:
-                t.join()
-                time.sleep(0.05)
-                break
-            except KeyboardInterrupt:
-                interrupts += 1
-    assert interrupts > 0
+    assert Interrupts().run([lambda: d.dd.push_kv_cache(d.cache(lid), CacheIndex(1, rid, 0))], 2) > 0
     p.dd.unregister_kv_cache(rid)  # returns: no lease leaked
     h.join()
     assert isinstance(h.error, kvdd.LLMKvCacheNotExistError)
     assert _entry(d, lid).inflight == 0
     assert not d.dd.backend.entities[1].lock.locked()  # type: ignore[attr-defined]
+
+
+def test_no_reference_leaks_on_the_decline_paths() -> None:
+    """The compiled path called directly with calls it declines at each stage (argument types,
+    local checks, remote lookup under the link lock, the remote checks): no argument keeps a
+    reference and the link lock is free after each."""
+    p, d = make_side(1, LlmRole.PROMPT), make_side(2, LlmRole.DECODER)
+    try:
+        rid = p.register(4, (8, 64))
+        lid = d.register(4, (8, 64))
+        link(d, p)
+        f = fast(d)
+        ok, gone, row9 = CacheIndex(1, rid, 0), CacheIndex(1, 999, 0), CacheIndex(1, rid, 9)
+        cache, bad_cache = Cache(lid), Cache(12345)
+        src, dst, far = [0, 1], [2, 3], [2**40]
+        ext, bad_ext = KvCacheExtParam((0, 0), (0, 0), 2), KvCacheExtParam((0, 0), (0, 0), 3)
+        objs: list[object] = [ok, gone, row9, cache, bad_cache, src, dst, far, ext, bad_ext]
+        declines: list[Callable[[], object]] = [
+            lambda: f.pull_kv_cache(ok, cache, 0, -1, bad_ext), lambda: f.pull_kv_cache(gone, cache),
+            lambda: f.pull_kv_cache(row9, cache), lambda: f.pull_kv_cache(ok, bad_cache),
+            lambda: f.pull_kv_blocks(ok, cache, src, far), lambda: f.pull_kv_blocks(gone, cache, src, dst),
+            lambda: f.pull_kv_blocks(ok, cache, far, dst, ext), lambda: f.push_kv_cache(d.cache(lid), row9),
+            lambda: f.push_kv_cache(d.cache(lid), gone, 0, -1, ext), lambda: f.push_kv_blocks(d.cache(lid), ok, src, far),
+            lambda: f.push_kv_blocks(d.cache(lid), gone, src, dst), lambda: f.push_kv_blocks(bad_cache, ok, src, dst),
+        ]
+        entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
+        for call in declines:
+            assert call() is False
+        refs = [sys.getrefcount(o) for o in objs]
+        declined = f.declined
+        for _ in range(500):
+            for call in declines:
+                call()
+        assert f.declined - declined == 500 * len(declines)
+        assert [sys.getrefcount(o) for o in objs] == refs
+        assert not entity.lock.locked()
+    finally:
+        d.dd.finalize()
+        p.dd.finalize()
