@@ -365,3 +365,18 @@ def test_tiny_caches(pd: tuple[Side, Side], shape: tuple[int, ...]) -> None:
         for call in _calls(d, ll, 1, rr):
             both_ways((p, d), call)
         both_ways((p, d), lambda: d.dd.pull_kv_blocks(CacheIndex(1, rr, 0), Cache(ll), [0], [0]))
+
+
+@pytest.mark.parametrize("remote", [(4, 64), (16, 16), (5, 48), (3, 100)])
+def test_row_transfers_between_different_strides(pd: tuple[Side, Side], remote: tuple[int, int]) -> None:
+    """PullKvCache reads the remote row at row x L.S (the quirk), PushKvCache writes L.S bytes at
+    row x R.S: every row and size around the bounds, both ways."""
+    p, d = pd
+    rid = p.register(4, remote)
+    lid = d.register(4, (8, 32))
+    link(d, p)
+    for row in range(0, 10):
+        for size in (-1, 1, 16, 32, 33, 48, 64):
+            both_ways((p, d), lambda: d.dd.pull_kv_cache(CacheIndex(1, rid, row), Cache(lid), row % 8, size))
+        both_ways((p, d), lambda: d.dd.push_kv_cache(d.cache(lid), CacheIndex(1, rid, row), row % 8))
+        both_ways((p, d), lambda: p.dd.push_kv_cache(p.cache(rid), CacheIndex(2, lid, row), row % remote[0]))
