@@ -38,6 +38,10 @@ static uint64_t run_serial(const kvdd_job *job) {
                 nx = sb + (uintptr_t)job->soff[j + 1];
                 nd = db + (uintptr_t)job->doff[j + 1];
                 nn = (size_t)job->len[j + 1];
+            } else if (k + 1 < job->K) { /* the next tensor's first run */
+                nx = job->pairs[k + 1].src + (uintptr_t)job->soff[0];
+                nd = job->pairs[k + 1].dst + (uintptr_t)job->doff[0];
+                nn = (size_t)job->len[0];
             }
             kvdd_copy_run(isa, stream, db + (uintptr_t)job->doff[j], sb + (uintptr_t)job->soff[j], n, nx, nd, nn);
         }
@@ -95,10 +99,14 @@ static void copy_chunk(const shared_state *st, uint64_t c) {
         if (n) {
             uintptr_t sb = job->pairs[k].src, db = job->pairs[k].dst, nx = 0, nd = 0;
             size_t nn = 0;
-            if (j + 1 < job->J && pos + n < end) {
+            if (pos + n < end && j + 1 < job->J) {
                 nx = sb + (uintptr_t)job->soff[j + 1];
                 nd = db + (uintptr_t)job->doff[j + 1];
                 nn = (size_t)job->len[j + 1];
+            } else if (pos + n < end && k + 1 < job->K) { /* the next tensor's first run */
+                nx = job->pairs[k + 1].src + (uintptr_t)job->soff[0];
+                nd = job->pairs[k + 1].dst + (uintptr_t)job->doff[0];
+                nn = (size_t)job->len[0];
             }
             kvdd_copy_run(job->isa, job->stream, db + (uintptr_t)job->doff[j] + (uintptr_t)o,
                      sb + (uintptr_t)job->soff[j] + (uintptr_t)o, (size_t)n, nx, nd, nn);

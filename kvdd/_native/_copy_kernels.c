@@ -192,6 +192,7 @@ static inline size_t align_head(char **d, const char **s, size_t n) {
 #define ST128(p, v) _mm_storeu_si128((__m128i *)(p), (v))
 #define NT128(p, v) _mm_stream_si128((__m128i *)(p), (v))
 #define PF0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define PF1(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
 /* A linear copy loop: align dst to 64, then 256 bytes per iteration (all loads, then all stores,
  * plus one prefetch step of the next run's source, and with PFD of its destination), then 64 bytes
@@ -221,15 +222,26 @@ static inline size_t align_head(char **d, const char **s, size_t n) {
 
 /* The page-interleaved streaming loop: whole groups of KVDD_PAGES pages, STEP bytes of each page per
  * step (loads of all pages first, then the non-temporal stores), the source KVDD_PF_AHEAD steps
- * ahead prefetched. Returns the bytes it left (< GROUP) for the linear loop. */
+ * ahead prefetched; and [*pf, *pf + *pfn), the next short run's source, prefetched into L2 spread
+ * evenly over the steps (a run of a few pages otherwise starts every page cold: scattered 16 KiB
+ * runs copied ~10-20% slower than one contiguous copy of the same bytes, about as fast with it).
+ * Returns the bytes it left (< GROUP) for the linear loop; *pf and *pfn are what it did not
+ * prefetch. */
 #define DEFINE_PAGED(NAME, TARGET, VT, W, LD, NT)                                                     \
-    TARGET static size_t NAME(char **dp, const char **sp, size_t n) {                                 \
+    TARGET static size_t NAME(char **dp, const char **sp, size_t n, const char **pfp, size_t *pfnp) { \
         char *d = *dp;                                                                                \
         const char *s = *sp;                                                                          \
         enum { STEP = 4 * (W), V = STEP / (W) };                                                      \
+        const char *pf = *pfp, *pfe = *pfp + *pfnp;                                                   \
+        size_t steps = (n / GROUP) * (PAGE / STEP);                                                   \
+        size_t pf_step = ((*pfnp + steps - 1) / steps + 63) & ~(size_t)63; /* steps >= 1 */          \
         for (; n >= GROUP; n -= GROUP, d += GROUP, s += GROUP) {                                      \
             for (size_t o = 0; o < PAGE; o += STEP) {                                                 \
                 VT v[KVDD_PAGES][V];                                                                  \
+                if (pf < pfe) {                                                                       \
+                    for (size_t l = 0; l < pf_step; l += 64) PF1(pf + l);                             \
+                    pf += pf_step;                                                                    \
+                }                                                                                     \
                 UNROLL for (int p = 0; p < KVDD_PAGES; p++) {                                         \
                     const char *q = s + (size_t)p * PAGE + o;                                         \
                     UNROLL for (int l = 0; l < STEP; l += 64) PF0(q + KVDD_PF_AHEAD * STEP + l);      \
@@ -243,6 +255,8 @@ static inline size_t align_head(char **d, const char **s, size_t n) {
         }                                                                                             \
         *dp = d;                                                                                      \
         *sp = s;                                                                                      \
+        *pfnp = pf < pfe ? (size_t)(pfe - pf) : 0;                                                    \
+        *pfp = pf;                                                                                    \
         return n;                                                                                     \
     }
 
@@ -290,12 +304,19 @@ static void neon_linear(char *d, const char *s, size_t n, const char *pf, size_t
     if (n) memcpy(d, s, n);
 }
 
-static size_t neon_paged(char **dp, const char **sp, size_t n) {
+static size_t neon_paged(char **dp, const char **sp, size_t n, const char **pfp, size_t *pfnp) {
     char *d = *dp;
     const char *s = *sp;
+    const char *pf = *pfp, *pfe = *pfp + *pfnp; /* the next short run: as in DEFINE_PAGED */
+    size_t steps = (n / GROUP) * (PAGE / 64);
+    size_t pf_step = ((*pfnp + steps - 1) / steps + 63) & ~(size_t)63;
     for (; n >= GROUP; n -= GROUP, d += GROUP, s += GROUP) {
         for (size_t o = 0; o < PAGE; o += 64) {
             uint8x16_t v[KVDD_PAGES][4];
+            if (pf < pfe) {
+                for (size_t l = 0; l < pf_step; l += 64) __builtin_prefetch(pf + l, 0, 2);
+                pf += pf_step;
+            }
             UNROLL for (int p = 0; p < KVDD_PAGES; p++) {
                 const uint8_t *q = (const uint8_t *)s + (size_t)p * PAGE + o;
                 __builtin_prefetch(q + KVDD_PF_AHEAD * 64, 0, 0);
@@ -310,6 +331,8 @@ static size_t neon_paged(char **dp, const char **sp, size_t n) {
     }
     *dp = d;
     *sp = s;
+    *pfnp = pf < pfe ? (size_t)(pfe - pf) : 0;
+    *pfp = pf;
     return n;
 }
 
@@ -347,20 +370,20 @@ void kvdd_copy_run(int isa, int stream, uintptr_t d, uintptr_t s, size_t n, uint
 #if KVDD_X86
             switch (isa) {
             case KVDD_ISA_AVX512:
-                if (n >= KVDD_PAGED_MIN) n = paged_avx512(&dp, &sp, n);
+                if (n >= KVDD_PAGED_MIN) n = paged_avx512(&dp, &sp, n, &pf, &next_n);
                 stream_avx512(dp, sp, n, pf, pfd, next_n);
                 return;
             case KVDD_ISA_AVX2:
-                if (n >= KVDD_PAGED_MIN) n = paged_avx2(&dp, &sp, n);
+                if (n >= KVDD_PAGED_MIN) n = paged_avx2(&dp, &sp, n, &pf, &next_n);
                 stream_avx2(dp, sp, n, pf, pfd, next_n);
                 return;
             default:
-                if (n >= KVDD_PAGED_MIN) n = paged_sse2(&dp, &sp, n);
+                if (n >= KVDD_PAGED_MIN) n = paged_sse2(&dp, &sp, n, &pf, &next_n);
                 stream_sse2(dp, sp, n, pf, pfd, next_n);
                 return;
             }
 #else
-            if (n >= KVDD_PAGED_MIN) n = neon_paged(&dp, &sp, n);
+            if (n >= KVDD_PAGED_MIN) n = neon_paged(&dp, &sp, n, &pf, &next_n);
             neon_linear(dp, sp, n, pf, next_n, 1);
             return;
 #endif

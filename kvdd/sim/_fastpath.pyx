@@ -76,11 +76,11 @@ cdef bint _ext(object ext, Ext *e, bint equal_len) except -1:
         return False
     sr = ext.src_layer_range
     dr = ext.dst_layer_range
-    e.s0 = sr[0]
-    e.s1 = sr[1]
-    e.d0 = dr[0]
-    e.d1 = dr[1]
-    e.t = ext.tensor_num_per_layer
+    if (type(sr) is not tuple or type(dr) is not tuple or len(sr) != 2 or len(dr) != 2
+            or not _int(sr[0], I32_MIN, I32_MAX, &e.s0) or not _int(sr[1], I32_MIN, I32_MAX, &e.s1)
+            or not _int(dr[0], I32_MIN, I32_MAX, &e.d0) or not _int(dr[1], I32_MIN, I32_MAX, &e.d1)
+            or not _int(ext.tensor_num_per_layer, 0, 255, &e.t)):
+        return False
     if not (e.s0 >= -1 and e.s1 >= -1 and e.s0 <= e.s1 and e.d0 >= -1 and e.d1 >= -1 and e.d0 <= e.d1):
         return False
     if e.t <= 0:
@@ -90,6 +90,23 @@ cdef bint _ext(object ext, Ext *e, bint equal_len) except -1:
 
 cdef bint _u32(object v) except -1:
     return type(v) is int and 0 <= v < _U32
+
+
+cdef bint _int(object v, int64_t lo, int64_t hi, int64_t *out) except -1:
+    """`v` into `out` if it is an int in [lo, hi] (fields are inside their C++ widths unless set past
+    the types' validation: then decline, never raise)."""
+    if type(v) is not int or not lo <= v <= hi:
+        return False
+    out[0] = v
+    return True
+
+
+cdef int64_t I32_MIN = -(1 << 31), I32_MAX = (1 << 31) - 1, I64_MIN = -(1 << 63), I64_MAX = (1 << 63) - 1
+
+
+cdef bint _index(object idx, int64_t *cache_id, int64_t *row) except -1:
+    """A CacheIndex's cache id (int64) and row (uint32), or False."""
+    return _int(idx.cache_id, I64_MIN, I64_MAX, cache_id) and _int(idx.batch_index, 0, _U32 - 1, row)
 
 
 cdef Py_ssize_t _blocks(object seq, uint64_t *out) except -2:
@@ -158,8 +175,7 @@ cdef bint _push_plan(object desc, const Ext *e, int64_t *ls0, int64_t *L, int64_
     if e.s0 >= 0:
         ls0[0], L[0], ld0[0] = e.s0, e.s1 - e.s0 + 1, e.d0
         return True
-    u = desc.num_tensors
-    if u <= 0:
+    if not _int(desc.num_tensors, 1, _U32 - 1, &u):
         return False
     ls0[0], L[0], ld0[0] = 0, (0 if u < t else (u // t - 1 if u % t == 0 else u // t)) + 1, 0
     return True
@@ -251,8 +267,10 @@ cdef class FastTransfers:
             return self._no()
         if 120 + 16 * (K + 2) > _request_limit:  # 12
             return self._no()
-        cdef int64_t cache_id = idx.cache_id, rn, stride, rT, nbytes, row = idx.batch_index
+        cdef int64_t cache_id, rn, stride, rT, nbytes, row
         cdef int64_t l_off, r_off
+        if not _index(idx, &cache_id, &row):
+            return self._no()
         lock = entity.lock
         lock.acquire()
         try:
@@ -289,7 +307,8 @@ cdef class FastTransfers:
             return self._no()  # the facade's argument checks (3, 4, 5: _ext, _runs)
         b = self.backend
         idx = src_cache_index
-        if not b.initialized or idx.batch_index != 0:  # 1, 2
+        cdef int64_t cache_id, row
+        if not _index(idx, &cache_id, &row) or not b.initialized or row != 0:  # 1, 2
             return self._no()
         cdef bint lists = e.s0 >= 0 and e.d0 >= 0
         cluster = idx.cluster_id
@@ -316,7 +335,7 @@ cdef class FastTransfers:
         for i in range(r.G):  # 9
             if r.d0[i] >= <uint64_t>B or r.d_last[i] >= <uint64_t>B:
                 return self._no()
-        cdef int64_t cache_id = src_cache_index.cache_id, rn, rT, longest = 0
+        cdef int64_t rn, rT, longest = 0
         lock = entity.lock
         lock.acquire()
         try:
@@ -356,7 +375,10 @@ cdef class FastTransfers:
         b = self.backend
         idx = dst_cache_index
         desc = src_cache.cache_desc
-        if not b.initialized or desc.placement != _device or idx.batch_index != 0:  # 1, 2, 5
+        cdef int64_t cache_id, row
+        if not _index(idx, &cache_id, &row):
+            return self._no()
+        if not b.initialized or desc.placement != _device or row != 0:  # 1, 2, 5
             return self._no()
         cdef int64_t t = e.t, ls0, L, ld0
         if not _push_plan(desc, &e, &ls0, &L, &ld0):  # 6, 7
@@ -367,7 +389,7 @@ cdef class FastTransfers:
         entity = b.entities.get(idx.cluster_id)  # b
         if entity is None or type(entity.peer) is not InProcessPeer:
             return self._no()
-        cdef int64_t cache_id = idx.cache_id, n = local.n, B = local.B, S = local.S, rT, remote_layers
+        cdef int64_t n = local.n, B = local.B, S = local.S, rT, remote_layers
         cdef Py_ssize_t i
         rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
         if rc is None:
@@ -420,7 +442,9 @@ cdef class FastTransfers:
         entity = b.entities.get(idx.cluster_id)  # b
         if entity is None or type(entity.peer) is not InProcessPeer:
             return self._no()
-        cdef int64_t cache_id = idx.cache_id, n = local.n, S = local.S, bd = idx.batch_index
+        cdef int64_t cache_id, bd, n = local.n, S = local.S
+        if not _index(idx, &cache_id, &bd):
+            return self._no()
         cdef int64_t stride, rT, remote_layers, l_off, r_off
         rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
         if rc is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ class CacheEntry:
     """A registered cache on its owner (SEMANTICS.md §2.1)."""
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions", "table",
-                 "owners", "_lock", "registered", "_drains")
+                 "owners", "_lock", "registered", "_drains", "_drains_done")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
                  addrs: Sequence[int], owners: tuple[object, ...]) -> None:
@@ -37,6 +38,7 @@ class CacheEntry:
         self._lock = threading.Lock()  # registered and the drains
         self.registered = True
         self._drains: list[Callable[[], None]] = []  # one-sided readers' lease tables (fabric)
+        self._drains_done: threading.Event | None = None  # set once retire() ran the drains
 
     @property
     def inflight(self) -> int:
@@ -78,10 +80,23 @@ class CacheEntry:
         with self._lock:
             self.registered = False
             drained = self.table.close(threading.Event())
+            first = self._drains_done is None
+            if first:
+                self._drains_done = threading.Event()
+            drains_done = self._drains_done
             drains, self._drains = self._drains, []
-        for fn in drains:  # one-sided copies and idle remote leases: no new copy starts (bounded)
-            fn()
-        if not drained.wait(timeout):
+        if first:
+            try:
+                for fn in drains:  # one-sided copies and idle remote leases: no new copy (bounded)
+                    fn()
+            finally:
+                drains_done.set()
+        # every caller waits for the first one's drains (a same-host reader's copy they revoke may
+        # still read the memory: review4 F2), then for the leases
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not drains_done.wait(timeout):
+            return False
+        if not drained.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
             return False
         self.regions = []
         self.table = _NO_REGIONS
