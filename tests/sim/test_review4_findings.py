@@ -1,6 +1,7 @@
 """review4: defects found around the compiled transfer path (F1: kvdd/sim/_fastpath.pyx; F2:
-kvdd/sim/entries.py CacheEntry.retire). Each test FAILS on the code it was written against (main at
-15fd041, and main merged at 03:11) and passes once the defect is fixed.
+kvdd/sim/entries.py CacheEntry.retire). Each test failed on the code it was written against (main at
+15fd041, and main merged at 03:11); the integrator fixed both in main 4758c4e, where they pass and
+now guard the fixes. The line numbers below are those of the code before the fix.
 
 F1 (low): the compiled path converts CacheIndex / KvCacheExtParam fields to C int64 without
 declining when they do not fit, so it raises OverflowError out of the facade where the Python path
