@@ -94,7 +94,8 @@ cdef uint64_t copy_table_runs(RegionTable src, Py_ssize_t s_first, RegionTable d
                               Py_ssize_t J) except? 0:
     """:func:`copy_runs` for the tensors ``[s_first, s_first + K)`` of `src` and ``[d_first, d_first +
     K)`` of `dst`, the runs given as C arrays: the same checks of every run against every region
-    (nothing copied on a failure), the same stores and automatic threads. Returns the bytes copied."""
+    (nothing copied on a failure), the same stores and automatic threads. Returns the bytes copied.
+    The caller holds a lease on both tables (taken with ``take``): the copy does not look at them."""
     if K < 0 or s_first < 0 or d_first < 0 or s_first > src.n - K or d_first > dst.n - K:
         raise ValueError(f"copy_tables: tensors [{s_first}, {s_first} + {K}) of a {src.n}-region table to "
                          f"[{d_first}, {d_first} + {K}) of a {dst.n}-region table; nothing was copied")
@@ -124,7 +125,8 @@ cdef uint64_t copy_table_runs(RegionTable src, Py_ssize_t s_first, RegionTable d
 def copy_tables(RegionTable src not None, Py_ssize_t s_first, RegionTable dst not None, Py_ssize_t d_first,
                 Py_ssize_t K, src_off, dst_off, length):
     """Copy runs between the tensors ``[s_first, s_first + K)`` of `src` and ``[d_first, d_first + K)``
-    of `dst`, as :func:`copy_runs` does between region lists (automatic threads).
+    of `dst`, as :func:`copy_runs` does between region lists (automatic threads). The caller holds
+    a lease on both tables (:meth:`RegionTable.acquire`): the copy does not check them.
 
     Parameters
     ----------
