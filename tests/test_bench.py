@@ -301,12 +301,12 @@ def test_limited_by_names_a_lucky_limit_run() -> None:
     numpy_2t repeat this way)."""
     from kvdd.bench.targets import judge
 
-    row = {"geometry": "1 tensor, 8 MiB", "kind": "pull_row", "bytes": 8 * KiB * KiB, "calls": 1, "tensors": 1,
+    row: dict[str, Any] = {"geometry": "1 tensor, 8 MiB", "kind": "pull_row", "bytes": 8 * KiB * KiB, "calls": 1, "tensors": 1,
            "ratio": 0.72, "ratio_median": 1.02, "limit": "numpy_2t", "limit_gbps": 30.2,
            "limit_median": "stream_2t", "limit_median_gbps": 17.9, "two_threads": 0.9, "stalls": 0,
            "median_ms": 0.461, "min_ms": 0.385, "kernel_gbps": 19.2, "outside_us": 23.0, "compiled": 1.0,
            "gbps": 21.8}
-    section = {"rows": [row], "threads_model": {"min_bytes": 1 << 18, "extra_us": 1.0, "one_thread_gbps": 9.0}}
+    section: dict[str, Any] = {"rows": [row], "threads_model": {"min_bytes": 1 << 18, "extra_us": 1.0, "one_thread_gbps": 9.0}}
     judge(section, 0.03)
     assert row["met"] is False
     assert "by medians it meets the goal (ratio_median 1.02)" in row["limited_by"]
