@@ -14,6 +14,8 @@ DEFAULT_THREADS_THRESHOLD: Final[None]
 DEFAULT_CHUNK_SIZE: Final[int]
 NOGIL_THRESHOLD: Final[int]
 GROUP_SMALL_RUNS_MAX: Final[int]
+#: Cython's table of the C functions other compiled modules cimport (_copy.pxd)
+__pyx_capi__: Final[dict[str, object]]
 
 @final
 class Region:

@@ -2,6 +2,8 @@
 
 from typing import Final, final
 
+__all__ = ["ENV_VAR", "FastTransfers", "MAX_PAIRS", "set_enabled"]
+
 ENV_VAR: Final[str]
 MAX_PAIRS: Final[int]
 
@@ -12,7 +14,7 @@ class FastTransfers:
     """The compiled transfer path of one simulator instance: True = done, False = declined."""
 
     enabled: bool
-    def __init__(self, backend: object) -> None: ...
+    def __new__(cls, backend: object) -> FastTransfers: ...
     @property
     def taken(self) -> int: ...
     @property
