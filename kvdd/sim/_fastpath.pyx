@@ -17,7 +17,8 @@ come from the Python path alone. Whether a call is accepted never changes what i
 random calls with this path on and off and compare statuses and bytes
 (tests/sim/test_fastpath.py).
 
-Accepted calls: block lists of 1-256 pairs (``list``/``tuple`` of ``int``), exact argument types
+Accepted calls: block lists of 1 to MAX_PAIRS (65,536) pairs (``list``/``tuple`` of ``int``; more
+than 256 are planned in heap memory), exact argument types
 (``CacheIndex``, ``Cache``, ``KvCacheExtParam`` or None, ``int``), caches whose indices and strides
 keep every byte offset below 2**63.
 """
@@ -26,6 +27,7 @@ import os
 
 cimport cython
 from cpython.long cimport PyLong_AsUnsignedLongLong
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint64_t
 
 from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_runs
@@ -42,8 +44,9 @@ __all__ = ["ENV_VAR", "FastTransfers", "MAX_PAIRS", "set_enabled"]
 ENV_VAR = "KVDD_SIM_FAST_PATH"
 
 #: The most block pairs an accepted block call has (larger requests take the Python path, whose
-#: long-list planning is compiled too: kvdd._native._runs).
-MAX_PAIRS = 256
+#: long-list planning is compiled too: kvdd._native._runs). A 2 MiB transfer request holds fewer
+#: runs than this (§3.11 step 8).
+MAX_PAIRS = 1 << 16
 
 cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip() != "0"
 cdef int64_t _request_limit = REQUEST_LIMIT
@@ -109,37 +112,39 @@ cdef bint _index(object idx, int64_t *cache_id, int64_t *row) except -1:
     return _int(idx.cache_id, I64_MIN, I64_MAX, cache_id) and _int(idx.batch_index, 0, _U32 - 1, row)
 
 
-cdef Py_ssize_t _blocks(object seq, uint64_t *out) except -2:
-    """The items of a list or tuple of 1..MAX_PAIRS ints in [0, 2**64) as uint64 (their count), or -1."""
-    if type(seq) is not list and type(seq) is not tuple:
-        return -1
-    cdef Py_ssize_t n = len(seq), i
-    if n < 1 or n > MAX_PAIRS:
-        return -1
+cdef bint _blocks(object seq, Py_ssize_t n, uint64_t *out) except -1:
+    """The `n` items of a list or tuple as uint64, or False when one is not an int in [0, 2**64)."""
+    cdef Py_ssize_t i
     for i in range(n):
         item = seq[i]
         if type(item) is not int or item < 0:
-            return -1
+            return False
         try:
             out[i] = PyLong_AsUnsignedLongLong(item)
         except OverflowError:
-            return -1
-    return n
+            return False
+    return True
+
+
+cdef enum:
+    SMALL_PAIRS = 256  # block requests up to this many pairs are planned in a stack buffer
+    COLUMNS = 10       # uint64 words per pair: 2 for the pairs, 5 for the runs, 3 for the byte plan
 
 
 cdef struct Runs:
     Py_ssize_t G
-    uint64_t s0[256]
-    uint64_t d0[256]
-    uint64_t ln[256]
-    uint64_t s_last[256]
-    uint64_t d_last[256]
+    uint64_t *s0       # first source block of each run (G of each column)
+    uint64_t *d0
+    uint64_t *ln       # blocks
+    uint64_t *s_last
+    uint64_t *d_last
     uint64_t d_max
-    int64_t so[256]  # the byte plan
-    int64_t do[256]
-    int64_t nb[256]
-    int64_t s_end  # largest so + nb
+    int64_t *so        # the byte plan
+    int64_t *do
+    int64_t *nb
+    int64_t s_end      # largest so + nb
     int64_t d_end
+    void *heap         # the columns of a request of more than SMALL_PAIRS pairs (freed by the caller)
 
 
 cdef bint _byte_plan(Runs *r, int64_t block, int64_t tail) noexcept:
@@ -156,13 +161,31 @@ cdef bint _byte_plan(Runs *r, int64_t block, int64_t tail) noexcept:
     return True
 
 
-cdef bint _runs(object src_blocks, object dst_blocks, Runs *r) except -1:
-    """§3.11 step 7 / §3.13: the pairs grouped into runs (False: not an accepted block list)."""
-    cdef uint64_t s[256]
-    cdef uint64_t d[256]
-    cdef Py_ssize_t n = _blocks(src_blocks, s)
-    if n < 0 or _blocks(dst_blocks, d) != n:
+cdef bint _runs(object src_blocks, object dst_blocks, Runs *r, uint64_t *small) except -1:
+    """§3.11 step 7 / §3.13: the pairs (equal-length lists or tuples of 1..MAX_PAIRS ints in
+    [0, 2**64)) grouped into runs, in `small` (SMALL_PAIRS x COLUMNS words) or in ``r.heap``,
+    which the caller frees; False: not an accepted block list."""
+    r.heap = NULL
+    if (type(src_blocks) is not list and type(src_blocks) is not tuple) or (
+            type(dst_blocks) is not list and type(dst_blocks) is not tuple):
         return False
+    cdef Py_ssize_t n = len(src_blocks)
+    if n < 1 or n > MAX_PAIRS or len(dst_blocks) != n:
+        return False
+    cdef uint64_t *buf = small
+    if n > SMALL_PAIRS:
+        r.heap = PyMem_RawMalloc(<size_t>n * COLUMNS * sizeof(uint64_t))
+        if r.heap == NULL:
+            return False
+        buf = <uint64_t *>r.heap
+    cdef uint64_t *s = buf
+    cdef uint64_t *d = buf + n
+    if not _blocks(src_blocks, n, s) or not _blocks(dst_blocks, n, d):
+        return False
+    r.s0, r.d0, r.ln, r.s_last, r.d_last = buf + 2 * n, buf + 3 * n, buf + 4 * n, buf + 5 * n, buf + 6 * n
+    r.so = <int64_t *>(buf + 7 * n)
+    r.do = <int64_t *>(buf + 8 * n)
+    r.nb = <int64_t *>(buf + 9 * n)
     r.G = group_runs(s, d, n, r.s0, r.d0, r.ln, r.s_last, r.d_last, &r.d_max)
     return True
 
@@ -300,11 +323,19 @@ cdef class FastTransfers:
         """PullKvBlocks (§3.11) if accepted: see the class notes."""
         cdef Ext e
         cdef Runs r
+        cdef uint64_t small[SMALL_PAIRS * COLUMNS]
         if not (_enabled and self.enabled):
             return False
-        if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
-                or not _ext(ext_param, &e, False) or not _runs(src_blocks, dst_blocks, &r)):
-            return self._no()  # the facade's argument checks (3, 4, 5: _ext, _runs)
+        r.heap = NULL
+        try:
+            if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
+                    or not _ext(ext_param, &e, False) or not _runs(src_blocks, dst_blocks, &r, small)):
+                return self._no()  # the facade's argument checks (3, 4, 5: _ext, _runs)
+            return self._pull_blocks(src_cache_index, dst_cache, &e, &r)
+        finally:
+            PyMem_RawFree(r.heap)
+
+    cdef bint _pull_blocks(self, object src_cache_index, object dst_cache, Ext *e, Runs *r) except -1:
         b = self.backend
         idx = src_cache_index
         cdef int64_t cache_id, row
@@ -355,7 +386,7 @@ cdef class FastTransfers:
                 return self._no()
             if local.ragged or rc.ragged or r_first + K > rn:  # kvdd rules 10 and 1
                 return self._no()
-            if not _byte_plan(&r, S, rT % S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
+            if not _byte_plan(r, S, rT % S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
                 return self._no()
             if self._move(entity, local, rc, True, l_first, r_first, K, r.do, r.so, r.nb, r.G):
                 return True
@@ -367,11 +398,19 @@ cdef class FastTransfers:
         """PushKvBlocks (§3.13) if accepted: see the class notes."""
         cdef Ext e
         cdef Runs r
+        cdef uint64_t small[SMALL_PAIRS * COLUMNS]
         if not (_enabled and self.enabled):
             return False
-        if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
-                or not _ext(ext_param, &e, True) or not _runs(src_blocks, dst_blocks, &r)):
-            return self._no()  # the facade's argument checks (3, 4, 6: _runs, _ext)
+        r.heap = NULL
+        try:
+            if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
+                    or not _ext(ext_param, &e, True) or not _runs(src_blocks, dst_blocks, &r, small)):
+                return self._no()  # the facade's argument checks (3, 4, 6: _runs, _ext)
+            return self._push_blocks(src_cache, dst_cache_index, &e, &r)
+        finally:
+            PyMem_RawFree(r.heap)
+
+    cdef bint _push_blocks(self, object src_cache, object dst_cache_index, Ext *e, Runs *r) except -1:
         b = self.backend
         idx = dst_cache_index
         desc = src_cache.cache_desc
@@ -381,7 +420,7 @@ cdef class FastTransfers:
         if not b.initialized or desc.placement != _device or row != 0:  # 1, 2, 5
             return self._no()
         cdef int64_t t = e.t, ls0, L, ld0
-        if not _push_plan(desc, &e, &ls0, &L, &ld0):  # 6, 7
+        if not _push_plan(desc, e, &ls0, &L, &ld0):  # 6, 7
             return self._no()
         local = b.caches.get(src_cache.cache_id)  # a
         if local is None:
@@ -410,7 +449,7 @@ cdef class FastTransfers:
             if local.ragged or rc.ragged:  # kvdd rule 10
                 return self._no()
             rT = rc.tensor_nbytes
-            if not _byte_plan(&r, S, 0) or r.d_end > rT:  # kvdd rule 1 (block = local S, §7.4)
+            if not _byte_plan(r, S, 0) or r.d_end > rT:  # kvdd rule 1 (block = local S, §7.4)
                 return self._no()
             if L > remote_layers - ld0 or L > n // t - ls0:  # later layers: d, f
                 return self._no()

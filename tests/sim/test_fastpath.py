@@ -380,3 +380,49 @@ def test_env_var_turns_it_off() -> None:
         env = dict(os.environ, **{_fastpath.ENV_VAR: value})
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, (value, out.stderr)
+
+
+@pytest.mark.parametrize("pairs", [257, 1500, 20_000, _fastpath.MAX_PAIRS + 1])
+def test_long_block_lists(pairs: int) -> None:
+    """Block lists past the stack buffer (256 pairs) are planned in heap memory: the same bytes
+    either way, taken; one index past the end is declined (and refused by the Python path alike).
+    A list longer than MAX_PAIRS takes the Python path (its pairs then form one run, so that the
+    request fits the 2 MiB request limit of §3.11 step 8)."""
+    def side(cluster_id: int, role: int) -> tuple[LlmDataDist, np.ndarray, int]:
+        dd = LlmDataDist(cluster_id, role, backend="sim")
+        dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0", kvdd.OPTION_DEVICE_ID: str(cluster_id)})
+        mem = np.zeros(2 * 2 * pairs * 16, np.uint8)
+        desc = CacheDesc(2, U8, (2 * pairs, 16))
+        half = mem.size // 2
+        return dd, mem, dd.register_kv_cache(desc, tensor_addrs([mem[:half], mem[half:]]))
+
+    (p, pm, pid), (d, dm, did) = side(1, LlmRole.PROMPT), side(2, LlmRole.DECODER)
+    try:
+        d.link_llm_clusters([ClusterInfo(remote_cluster_id=1, remote_ip_infos=(IpInfo(LOCALHOST, p.listening_port),))])
+        rng = np.random.default_rng(pairs)
+        too_long = pairs > _fastpath.MAX_PAIRS
+        src = list(range(pairs)) if too_long else [int(x) for x in rng.permutation(2 * pairs)[:pairs]]
+        dst = list(range(pairs, 2 * pairs)) if too_long else [int(x) for x in rng.permutation(2 * pairs)[:pairs]]
+        fast = d.backend.fast_transfers  # type: ignore[attr-defined]
+        idx, cache = CacheIndex(1, pid, 0), Cache(did)
+        for bad in (False, True):
+            s2 = src[:-1] + [2 * pairs] if bad else src
+            results = []
+            for on in (True, False):
+                pm[:] = rng.integers(0, 256, pm.size, dtype=np.uint8) if on else pm
+                dm[:] = 0
+                taken = fast.taken
+                prev = _fastpath.set_enabled(on)
+                try:
+                    out = _outcome(lambda: d.pull_kv_blocks(idx, cache, s2, dst))
+                finally:
+                    _fastpath.set_enabled(prev)
+                results.append((out, dm.copy(), fast.taken - taken))
+            (o1, m1, t1), (o2, m2, _) = results
+            assert o1 == o2 and t1 == (0 if bad or too_long else 1), (bad, o1, t1)
+            np.testing.assert_array_equal(m1, m2)
+            if not bad:
+                assert o1[0] == "ok" and m1.any()
+    finally:
+        d.finalize()
+        p.finalize()
