@@ -90,7 +90,7 @@ MiB = 1 << 20
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``kvdd bench`` (also used by ``benchmarks/transfers.py``)."""
     ap.add_argument("--quick", action="store_true",
-                    help="1024-token requests, short time budget (well under a minute on 2 cores)")
+                    help="1024-token requests, short time budget (1-2 minutes on 2 cores with every section)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     ap.add_argument("--geometries", default=",".join(DEFAULT_GEOMETRIES),
                     help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default: all but "

@@ -39,8 +39,9 @@ from kvdd.types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
 
 __all__ = ["ENV_VAR", "FastTransfers", "MAX_PAIRS", "set_enabled"]
 
-#: ``KVDD_SIM_FAST_PATH=0`` in the environment at import turns the compiled path off (every call
-#: then takes the Python path: to compare, or to step through the checks in a debugger).
+#: ``KVDD_SIM_FAST_PATH=0`` (or ``false``, ``off``, ``no``) in the environment when kvdd is imported
+#: turns the compiled path off (every call then takes the Python path: to compare, or to step
+#: through the checks in a debugger).
 ENV_VAR = "KVDD_SIM_FAST_PATH"
 
 #: The most block pairs an accepted block call has (larger requests take the Python path, whose
@@ -48,7 +49,7 @@ ENV_VAR = "KVDD_SIM_FAST_PATH"
 #: runs than this (§3.11 step 8).
 MAX_PAIRS = 1 << 16
 
-cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip() != "0"
+cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 cdef int64_t _request_limit = REQUEST_LIMIT
 cdef int64_t _device = int(CachePlacement.DEVICE)
 cdef uint64_t _U32 = 1 << 32

@@ -376,7 +376,8 @@ def test_unregistered_caches_are_not_copied() -> None:
 def test_env_var_turns_it_off() -> None:
     """KVDD_SIM_FAST_PATH=0 at import: every call takes the Python path."""
     code = ("import kvdd.sim._fastpath as f; print(f.set_enabled(True))")
-    for value, want in (("0", "False"), ("1", "True"), ("", "True")):
+    for value, want in (("0", "False"), ("off", "False"), (" False", "False"), ("no", "False"), ("1", "True"),
+                        ("", "True")):
         env = dict(os.environ, **{_fastpath.ENV_VAR: value})
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, (value, out.stderr)
