@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Literal, Protocol
 
-from ...status import S_OK, TIMEOUT, status_name
+from ...status import S_OK, TIMEOUT
 from . import injections as _registry
 from .injections import Decision, decide, serve_delay_ms
 
@@ -56,7 +56,7 @@ def _timed(owner: FaultTarget, d: Decision, nbytes: int, budget_ms: float, what:
                            f"(slowed down by kvdd.sim.faults: {spent:.1f} ms)")
     _sleep_ms(spent)
     if d.status != S_OK:
-        return owner.note_failure(d.status, f"{what} failed with {status_name(d.status)}: {d.why}")
+        return owner.note_failure(d.status, f"{what}: {d.why}")  # the status heads the message
     return S_OK
 
 
