@@ -299,6 +299,20 @@ def test_common_calls_take_the_compiled_path(pair: tuple[Side, Side]) -> None:
         assert _both_ways(pair, call, i), f"call {i} was not taken"
 
 
+def test_a_push_whose_destination_runs_out_of_layers_is_declined(pair: tuple[Side, Side]) -> None:
+    """§3.12 step 7: a 2-layer push into layers 1-2 of a 2-layer remote cache writes layer 0 and
+    then fails at layer 1 (upstream writes partially); the compiled path must leave that to the
+    Python path (same bytes, same error), for blocks and rows."""
+    p, d = pair
+    src = Cache(p.ids[1], (), p.descs[1])  # 6 tensors: 3 layers of 2
+    idx = CacheIndex(2, d.ids[0], 0)  # 4 tensors: 2 layers of 2
+    ext = KvCacheExtParam((0, 1), (1, 2), 2)
+    for call in (lambda: p.dd.push_kv_blocks(src, idx, [0], [0], ext),
+                 lambda: p.dd.push_kv_cache(src, idx, 0, -1, ext)):
+        assert not _both_ways(pair, call, 7)
+        assert _outcome(call)[0] == "LLMParamInvalidError"
+
+
 def test_pull_row_bytes(pair: tuple[Side, Side]) -> None:
     """The bytes an accepted PullKvCache moves, and none other (6 tensors, S = 32)."""
     p, d = pair
