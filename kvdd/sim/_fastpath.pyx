@@ -92,10 +92,6 @@ cdef bint _ext(object ext, Ext *e, bint equal_len) except -1:
     return not equal_len or e.s1 - e.s0 == e.d1 - e.d0
 
 
-cdef bint _u32(object v) except -1:
-    return type(v) is int and 0 <= v < _U32
-
-
 cdef bint _int(object v, int64_t lo, int64_t hi, int64_t *out) except -1:
     """`v` into `out` if it is an int in [lo, hi] (fields are inside their C++ widths unless set past
     the types' validation: then decline, never raise)."""
@@ -205,6 +201,18 @@ cdef bint _push_plan(object desc, const Ext *e, int64_t *ls0, int64_t *L, int64_
     return True
 
 
+cdef struct Pull:  # what PullKvCache steps 4-11 leave for the rest of a pull
+    int64_t n, B, S  # the local cache
+    int64_t K, l_first, r_first  # the tensors moved: K from l_first (local), r_first (remote)
+    bint lists  # layer ranges given (else every tensor, the remote count must match)
+
+
+cdef struct Push:  # what a push's plan and steps a-d leave for the rest of it
+    int64_t n, B, S  # the local cache
+    int64_t t, ls0, L, ld0  # tensors per layer; first source layer, layer count, first dst layer
+    int64_t remote_layers
+
+
 @cython.final
 cdef class FastTransfers:
     """The compiled transfer path of one :class:`kvdd.sim.engine.SimBackend` (see the module notes).
@@ -254,46 +262,83 @@ cdef class FastTransfers:
         self.taken += 1
         return True
 
+    cdef object _pull_link(self, object idx, object dst_cache, const Ext *e, int64_t bi, Pull *p):
+        """PullKvCache steps 4-8, 10, 11 (kvdd.sim.pulls._pull_common without 9) for local row
+        `bi`: ``(local entry, link entity)`` with `p` filled, or None (decline)."""
+        b = self.backend
+        cluster = idx.cluster_id
+        if cluster == b.cluster_id:  # 6
+            return None
+        local = b.caches.get(dst_cache.cache_id)  # 7
+        if local is None:
+            return None
+        p.n, p.B, p.S = local.n, local.B, local.S
+        if bi >= p.B:  # 8
+            return None
+        p.lists = e.s0 >= 0 and e.d0 >= 0  # 4
+        p.K, p.l_first, p.r_first = p.n, 0, 0
+        if p.lists:  # 10
+            p.K = (e.d1 - e.d0 + 1) * e.t
+            p.l_first = e.d0 * e.t
+            p.r_first = e.s0 * e.t
+            if (p.n % e.t != 0 or p.K > p.n or p.l_first + p.K > p.n
+                    or (e.s1 - e.s0 + 1) * e.t != p.K):
+                return None
+        entity = b.entities.get(cluster)  # 11
+        if entity is None or type(entity.peer) is not InProcessPeer or p.K <= 0:
+            return None
+        return local, entity
+
+    cdef object _push_link(self, object src_cache, object idx, int64_t cache_id, const Ext *e, Push *q):
+        """A push's plan (§3.12 steps 5-6) and steps a-d (kvdd.sim.pushes._push_layers):
+        ``(local entry, link entity, remote cache)`` with `q` filled, or None (decline)."""
+        q.t = e.t
+        if not _push_plan(src_cache.cache_desc, e, &q.ls0, &q.L, &q.ld0):
+            return None
+        b = self.backend
+        local = b.caches.get(src_cache.cache_id)  # a
+        if local is None:
+            return None
+        entity = b.entities.get(idx.cluster_id)  # b
+        if entity is None or type(entity.peer) is not InProcessPeer:
+            return None
+        rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
+        if rc is None:
+            return None
+        q.n, q.B, q.S = local.n, local.B, local.S
+        q.remote_layers = rc.num_tensors // q.t
+        if q.ld0 < 0 or q.ld0 >= q.remote_layers:  # d
+            return None
+        return local, entity, rc
+
+    cdef bint _push_layers_pass(self, object local, object rc, const Push *q) except -1:
+        """The checks of a push's layers that do not depend on what is moved (entity.lock held):
+        f and g of layer 0, kvdd rule 10, and no later layer failing d or f
+        (kvdd.sim.pushes._layers_passing)."""
+        return not (q.ls0 >= q.n // q.t or q.n % q.t != 0 or local.ragged or rc.ragged
+                    or q.L > q.remote_layers - q.ld0 or q.L > q.n // q.t - q.ls0)
+
     def pull_kv_cache(self, src_cache_index, dst_cache, batch_index=0, size=-1, ext_param=None):
         """PullKvCache (§3.10) if accepted: see the class notes."""
         cdef Ext e
+        cdef Pull p
+        cdef int64_t bi, cache_id, row, rn, stride, rT, nbytes, l_off, r_off
         if not (_enabled and self.enabled):
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
-                or not _u32(batch_index) or type(size) is not int or not _ext(ext_param, &e, False)):
+                or not _int(batch_index, 0, _U32 - 1, &bi) or type(size) is not int
+                or not _ext(ext_param, &e, False) or not _index(src_cache_index, &cache_id, &row)):
             return self._no()  # the facade's argument checks
-        b = self.backend
-        if not b.initialized:  # 1
+        if not self.backend.initialized:  # 1
             return self._no()
         if not (size == -1 or 0 < size < (1 << 62)):  # 2
             return self._no()
-        cdef int64_t nbytes_arg = size, bi = batch_index
-        cdef bint lists = e.s0 >= 0 and e.d0 >= 0  # 4 (3, 5: _ext)
-        idx = src_cache_index
-        cluster = idx.cluster_id
-        if cluster == b.cluster_id:  # 6
+        nbytes = size if size > 0 else -1
+        link = self._pull_link(src_cache_index, dst_cache, &e, bi, &p)  # 4-8, 10, 11 (3, 5: _ext)
+        if link is None or (nbytes > 0 and nbytes > p.S):  # 9
             return self._no()
-        local = b.caches.get(dst_cache.cache_id)  # 7
-        if local is None:
-            return self._no()
-        cdef int64_t n = local.n, B = local.B, S = local.S, K, l_first = 0, r_first = 0
-        if bi >= B or (nbytes_arg > 0 and nbytes_arg > S):  # 8, 9
-            return self._no()
-        K = n
-        if lists:  # 10
-            K = (e.d1 - e.d0 + 1) * e.t
-            l_first = e.d0 * e.t
-            r_first = e.s0 * e.t
-            if n % e.t != 0 or K > n or l_first + K > n or (e.s1 - e.s0 + 1) * e.t != K:
-                return self._no()
-        entity = b.entities.get(cluster)  # 11
-        if entity is None or type(entity.peer) is not InProcessPeer or K <= 0:
-            return self._no()
-        if 120 + 16 * (K + 2) > _request_limit:  # 12
-            return self._no()
-        cdef int64_t cache_id, rn, stride, rT, nbytes, row
-        cdef int64_t l_off, r_off
-        if not _index(idx, &cache_id, &row):
+        local, entity = link
+        if 120 + 16 * (p.K + 2) > _request_limit:  # 12
             return self._no()
         lock = entity.lock
         lock.acquire()
@@ -304,17 +349,18 @@ cdef class FastTransfers:
             rn = rc.num_tensors
             stride = rc.stride_nbytes
             rT = rc.tensor_nbytes
-            nbytes = nbytes_arg if nbytes_arg > 0 else S  # 15
-            if (not lists and rn != n) or nbytes > stride:  # 14, 15
+            if nbytes < 0:  # 15
+                nbytes = p.S
+            if (not p.lists and rn != p.n) or nbytes > stride:  # 14, 15
                 return self._no()
-            if local.ragged or rc.ragged or r_first + K > rn:  # kvdd rules 10 and 1 (§7.8)
+            if local.ragged or rc.ragged or p.r_first + p.K > rn:  # kvdd rules 10 and 1 (§7.8)
                 return self._no()
             # kvdd rule 1: row x (local) S + nbytes inside the remote tensor, without overflow
-            if nbytes > rT or row > (rT - nbytes) // S:
+            if nbytes > rT or row > (rT - nbytes) // p.S:
                 return self._no()
-            l_off = bi * S
-            r_off = row * S
-            if self._move(entity, local, rc, True, l_first, r_first, K, &l_off, &r_off, &nbytes, 1):
+            l_off = bi * p.S
+            r_off = row * p.S
+            if self._move(entity, local, rc, True, p.l_first, p.r_first, p.K, &l_off, &r_off, &nbytes, 1):
                 return True
             return self._no()
         finally:
@@ -336,38 +382,21 @@ cdef class FastTransfers:
         finally:
             PyMem_RawFree(r.heap)
 
-    cdef bint _pull_blocks(self, object src_cache_index, object dst_cache, Ext *e, Runs *r) except -1:
-        b = self.backend
-        idx = src_cache_index
-        cdef int64_t cache_id, row
-        if not _index(idx, &cache_id, &row) or not b.initialized or row != 0:  # 1, 2
-            return self._no()
-        cdef bint lists = e.s0 >= 0 and e.d0 >= 0
-        cluster = idx.cluster_id
-        if cluster == b.cluster_id:  # 6: PullKvCache 6
-            return self._no()
-        local = b.caches.get(dst_cache.cache_id)  # 6: PullKvCache 7
-        if local is None:
-            return self._no()
-        cdef int64_t n = local.n, B = local.B, S = local.S, K = local.n, l_first = 0, r_first = 0
+    cdef bint _pull_blocks(self, object idx, object dst_cache, const Ext *e, Runs *r) except -1:
+        cdef Pull p
+        cdef int64_t cache_id, row, rn, rT, longest = 0
         cdef Py_ssize_t i
-        if B <= 0:  # 6: PullKvCache 8 (row 0)
+        if not _index(idx, &cache_id, &row) or not self.backend.initialized or row != 0:  # 1, 2
             return self._no()
-        if lists:  # 6: PullKvCache 10
-            K = (e.d1 - e.d0 + 1) * e.t
-            l_first = e.d0 * e.t
-            r_first = e.s0 * e.t
-            if n % e.t != 0 or K > n or l_first + K > n or (e.s1 - e.s0 + 1) * e.t != K:
-                return self._no()
-        entity = b.entities.get(cluster)  # 6: PullKvCache 11
-        if entity is None or type(entity.peer) is not InProcessPeer or K <= 0:
+        link = self._pull_link(idx, dst_cache, e, 0, &p)  # 6: PullKvCache 4-8, 10, 11
+        if link is None:
             return self._no()
-        if 120 + 16 * (K + 2 * r.G) > _request_limit:  # 8
+        local, entity = link
+        if 120 + 16 * (p.K + 2 * r.G) > _request_limit:  # 8
             return self._no()
         for i in range(r.G):  # 9
-            if r.d0[i] >= <uint64_t>B or r.d_last[i] >= <uint64_t>B:
+            if r.d0[i] >= <uint64_t>p.B or r.d_last[i] >= <uint64_t>p.B:
                 return self._no()
-        cdef int64_t rn, rT, longest = 0
         lock = entity.lock
         lock.acquire()
         try:
@@ -376,20 +405,20 @@ cdef class FastTransfers:
                 return self._no()
             rn = rc.num_tensors
             rT = rc.tensor_nbytes
-            if (not lists and rn != n) or S <= 0:
+            if (not p.lists and rn != p.n) or p.S <= 0:
                 return self._no()
             for i in range(r.G):  # 11: each run's first source block below the remote block count
-                if r.s0[i] >= <uint64_t>((rT + S - 1) // S):
+                if r.s0[i] >= <uint64_t>((rT + p.S - 1) // p.S):
                     return self._no()
                 if <int64_t>r.ln[i] > longest:
                     longest = r.ln[i]
-            if longest > rT // S:  # 11: longest x S <= remote T
+            if longest > rT // p.S:  # 11: longest x S <= remote T
                 return self._no()
-            if local.ragged or rc.ragged or r_first + K > rn:  # kvdd rules 10 and 1
+            if local.ragged or rc.ragged or p.r_first + p.K > rn:  # kvdd rules 10 and 1
                 return self._no()
-            if not _byte_plan(r, S, rT % S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
+            if not _byte_plan(r, p.S, rT % p.S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
                 return self._no()
-            if self._move(entity, local, rc, True, l_first, r_first, K, r.do, r.so, r.nb, r.G):
+            if self._move(entity, local, rc, True, p.l_first, p.r_first, p.K, r.do, r.so, r.nb, r.G):
                 return True
             return self._no()
         finally:
@@ -411,50 +440,33 @@ cdef class FastTransfers:
         finally:
             PyMem_RawFree(r.heap)
 
-    cdef bint _push_blocks(self, object src_cache, object dst_cache_index, Ext *e, Runs *r) except -1:
-        b = self.backend
-        idx = dst_cache_index
-        desc = src_cache.cache_desc
+    cdef bint _push_blocks(self, object src_cache, object idx, const Ext *e, Runs *r) except -1:
+        cdef Push q
         cdef int64_t cache_id, row
+        cdef Py_ssize_t i
         if not _index(idx, &cache_id, &row):
             return self._no()
-        if not b.initialized or desc.placement != _device or row != 0:  # 1, 2, 5
+        if (not self.backend.initialized or src_cache.cache_desc.placement != _device
+                or row != 0):  # 1, 2, 5
             return self._no()
-        cdef int64_t t = e.t, ls0, L, ld0
-        if not _push_plan(desc, e, &ls0, &L, &ld0):  # 6, 7
+        link = self._push_link(src_cache, idx, cache_id, e, &q)  # 6, 7, a-d
+        if link is None:
             return self._no()
-        local = b.caches.get(src_cache.cache_id)  # a
-        if local is None:
-            return self._no()
-        entity = b.entities.get(idx.cluster_id)  # b
-        if entity is None or type(entity.peer) is not InProcessPeer:
-            return self._no()
-        cdef int64_t n = local.n, B = local.B, S = local.S, rT, remote_layers
-        cdef Py_ssize_t i
-        rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
-        if rc is None:
-            return self._no()
-        remote_layers = rc.num_tensors // t
-        if ld0 < 0 or ld0 >= remote_layers:  # d
-            return self._no()
+        local, entity, rc = link
         lock = entity.lock
         lock.acquire()
         try:
             # every planned layer passes: layer 0's checks e-h and kvdd rules 10 and 1, and no later
-            # layer fails d or f (kvdd.sim.pushes._layers_passing)
-            if r.d_max >= <uint64_t>rc.batch_size or ls0 >= n // t or n % t != 0:  # e, f, g
+            # layer fails d or f
+            if r.d_max >= <uint64_t>rc.batch_size or not self._push_layers_pass(local, rc, &q):  # e, ...
                 return self._no()
             for i in range(r.G):  # h: source blocks below the local block count
-                if r.s0[i] >= <uint64_t>B or r.s_last[i] >= <uint64_t>B:
+                if r.s0[i] >= <uint64_t>q.B or r.s_last[i] >= <uint64_t>q.B:
                     return self._no()
-            if local.ragged or rc.ragged:  # kvdd rule 10
+            # kvdd rule 1 (block = local S, §7.4)
+            if not _byte_plan(r, q.S, 0) or r.d_end > rc.tensor_nbytes:
                 return self._no()
-            rT = rc.tensor_nbytes
-            if not _byte_plan(r, S, 0) or r.d_end > rT:  # kvdd rule 1 (block = local S, §7.4)
-                return self._no()
-            if L > remote_layers - ld0 or L > n // t - ls0:  # later layers: d, f
-                return self._no()
-            if self._move(entity, local, rc, False, ls0 * t, ld0 * t, L * t, r.so, r.do, r.nb, r.G):
+            if self._move(entity, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, r.so, r.do, r.nb, r.G):
                 return True
             return self._no()
         finally:
@@ -463,52 +475,34 @@ cdef class FastTransfers:
     def push_kv_cache(self, src_cache, dst_cache_index, src_batch_index=0, size=-1, ext_param=None):
         """PushKvCache (§3.12) if accepted: see the class notes."""
         cdef Ext e
+        cdef Push q
+        cdef int64_t sbi, cache_id, bd, stride, rT, l_off, r_off
         if not (_enabled and self.enabled):
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
-                or not _u32(src_batch_index) or type(size) is not int or not _ext(ext_param, &e, True)):
+                or not _int(src_batch_index, 0, _U32 - 1, &sbi) or type(size) is not int
+                or not _ext(ext_param, &e, True) or not _index(dst_cache_index, &cache_id, &bd)):
             return self._no()  # the facade's argument checks (4: _ext)
-        b = self.backend
-        idx = dst_cache_index
-        desc = src_cache.cache_desc
-        if not b.initialized or desc.placement != _device or size != -1:  # 1, 2, 3
+        if (not self.backend.initialized or src_cache.cache_desc.placement != _device
+                or size != -1):  # 1, 2, 3
             return self._no()
-        cdef int64_t t = e.t, ls0, L, ld0, sbi = src_batch_index
-        if not _push_plan(desc, &e, &ls0, &L, &ld0):  # 5, 6
+        link = self._push_link(src_cache, dst_cache_index, cache_id, &e, &q)  # 5, 6, a-d
+        if link is None:
             return self._no()
-        local = b.caches.get(src_cache.cache_id)  # a
-        if local is None:
-            return self._no()
-        entity = b.entities.get(idx.cluster_id)  # b
-        if entity is None or type(entity.peer) is not InProcessPeer:
-            return self._no()
-        cdef int64_t cache_id, bd, n = local.n, S = local.S
-        if not _index(idx, &cache_id, &bd):
-            return self._no()
-        cdef int64_t stride, rT, remote_layers, l_off, r_off
-        rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
-        if rc is None:
-            return self._no()
-        remote_layers = rc.num_tensors // t
-        if ld0 < 0 or ld0 >= remote_layers:  # d
-            return self._no()
+        local, entity, rc = link
         lock = entity.lock
         lock.acquire()
         try:
             # every planned layer passes (kvdd.sim.pushes._layers_passing): layer 0's e-h ...
-            if bd >= rc.batch_size or ls0 >= n // t or n % t != 0 or sbi >= local.B:  # e, f, g, h
-                return self._no()
-            if local.ragged or rc.ragged:  # kvdd rule 10
+            if bd >= rc.batch_size or sbi >= q.B or not self._push_layers_pass(local, rc, &q):  # e, h, ...
                 return self._no()
             stride = rc.stride_nbytes
             rT = rc.tensor_nbytes
-            if S > rT or (stride > 0 and bd > (rT - S) // stride):  # kvdd rule 1: bd x R.S + L.S <= R.T
+            if q.S > rT or (stride > 0 and bd > (rT - q.S) // stride):  # kvdd rule 1: bd x R.S + L.S <= R.T
                 return self._no()
-            if L > remote_layers - ld0 or L > n // t - ls0:  # ... and no later layer fails d or f
-                return self._no()
-            l_off = sbi * S  # exactly L.S bytes of the source row at the remote row's offset (§7.5)
+            l_off = sbi * q.S  # exactly L.S bytes of the source row at the remote row's offset (§7.5)
             r_off = bd * stride
-            if self._move(entity, local, rc, False, ls0 * t, ld0 * t, L * t, &l_off, &r_off, &S, 1):
+            if self._move(entity, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, &l_off, &r_off, &q.S, 1):
                 return True
             return self._no()
         finally:
