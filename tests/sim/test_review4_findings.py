@@ -85,37 +85,42 @@ def test_F1_ext_fields_past_int64_are_declined_not_raised(pd: tuple[Side, Side, 
 # it after running the drains; every caller waits for it (within its timeout) before waiting for
 # the leases and before clearing regions/table.
 
-def _blocking_drain() -> tuple[threading.Event, threading.Event, Callable[[], None]]:
+def _second_returns_during_drain(entry: CacheEntry, first: Callable[[], object],
+                                 second: Callable[[], object]) -> bool:
+    """`first` (which retires `entry`) runs in a thread until `entry`'s drain (a same-host reader's
+    copy still running: revoked, waited for) has started; whether `second`, started then, returns
+    within 0.3 s while that drain still runs."""
     entered, finish = threading.Event(), threading.Event()
 
-    def drain() -> None:  # a same-host reader's copy still running: revoked, waited for
+    def drain() -> None:
         entered.set()
         finish.wait(10)
 
-    return entered, finish, drain
+    assert entry.add_drain(drain)
+    t = threading.Thread(target=first, daemon=True)
+    t.start()
+    done = threading.Event()
+    try:
+        assert entered.wait(10)
+
+        def run_second() -> None:
+            second()
+            done.set()
+
+        threading.Thread(target=run_second, daemon=True).start()
+        returned_early = done.wait(0.3)
+    finally:
+        finish.set()
+        t.join(10)
+        done.wait(10)
+    return returned_early
 
 
 def test_F2_a_second_retire_waits_for_the_first_callers_drains() -> None:
     a = np.zeros(128, np.uint8)
     entry = CacheEntry(3, 2, 64, 4, 1, [a.ctypes.data, a.ctypes.data + 64], (a,))
-    entered, finish, drain = _blocking_drain()
-    assert entry.add_drain(drain)
-    first = threading.Thread(target=entry.retire, daemon=True)
-    first.start()
-    try:
-        assert entered.wait(10)
-        second_done = threading.Event()
-
-        def second() -> None:
-            entry.retire()
-            second_done.set()
-
-        threading.Thread(target=second, daemon=True).start()
-        returned_early = second_done.wait(0.3)
-    finally:
-        finish.set()
-        first.join(10)
-    assert not returned_early, "a second retire() returned while the first caller's drain still ran"
+    assert not _second_returns_during_drain(entry, entry.retire, entry.retire), \
+        "a second retire() returned while the first caller's drain still ran"
 
 
 def test_F2_a_second_unregister_waits_for_a_running_drain() -> None:
@@ -124,24 +129,9 @@ def test_F2_a_second_unregister_waits_for_a_running_drain() -> None:
     try:
         rid = p.register(2, (4, 16))
         entry = p.dd.backend.caches[rid]  # type: ignore[attr-defined]
-        entered, finish, drain = _blocking_drain()
-        assert entry.add_drain(drain)
-        first = threading.Thread(target=p.dd.unregister_kv_cache, args=(rid,), daemon=True)
-        first.start()
-        try:
-            assert entered.wait(10)
-            second_done = threading.Event()
-
-            def second() -> None:
-                p.dd.unregister_kv_cache(rid)
-                second_done.set()
-
-            threading.Thread(target=second, daemon=True).start()
-            returned_early = second_done.wait(0.3)
-        finally:
-            finish.set()
-            first.join(10)
-        assert not returned_early, "a second UnregisterKvCache returned while a drain still ran"
+        unregister = lambda: p.dd.unregister_kv_cache(rid)  # noqa: E731
+        assert not _second_returns_during_drain(entry, unregister, unregister), \
+            "a second UnregisterKvCache returned while a drain still ran"
     finally:
         p.dd.finalize()
 
@@ -152,22 +142,5 @@ def test_F2_finalize_racing_an_unregister_waits_for_its_drain() -> None:
     p = make_side(1, LlmRole.PROMPT)
     rid = p.register(2, (4, 16))
     entry = p.dd.backend.caches[rid]  # type: ignore[attr-defined]
-    entered, finish, drain = _blocking_drain()
-    assert entry.add_drain(drain)
-    first = threading.Thread(target=p.dd.unregister_kv_cache, args=(rid,), daemon=True)
-    first.start()
-    try:
-        assert entered.wait(10)
-        fin_done = threading.Event()
-
-        def fin() -> None:
-            p.dd.finalize()
-            fin_done.set()
-
-        threading.Thread(target=fin, daemon=True).start()
-        returned_early = fin_done.wait(0.3)
-    finally:
-        finish.set()
-        first.join(10)
-        fin_done.wait(10)
-    assert not returned_early, "Finalize returned while an unregister's drain still ran"
+    assert not _second_returns_during_drain(entry, lambda: p.dd.unregister_kv_cache(rid), p.dd.finalize), \
+        "Finalize returned while an unregister's drain still ran"
