@@ -37,6 +37,8 @@ from kvdd import (
 )
 from kvdd.sim import _fastpath, faults
 
+from fastpath_support import both_ways, fast, outcome
+
 LOCALHOST = "127.0.0.1"
 U8 = DataType.DT_UINT8
 
@@ -52,8 +54,11 @@ class Side:
     ids: list[int]
     descs: list[CacheDesc]
 
-    def reset(self, seed: int) -> None:
+    def fill(self, seed: int) -> None:
         self.arena[:] = np.random.default_rng(seed).integers(0, 256, self.arena.size, dtype=np.uint8)
+
+    def memory(self) -> list[np.ndarray]:
+        return [self.arena.copy()]
 
 
 def _side(cluster_id: int, role: int) -> Side:
@@ -89,44 +94,9 @@ def pair() -> Iterator[tuple[Side, Side]]:
         p.dd.finalize()
 
 
-def _fast(side: Side) -> _fastpath.FastTransfers:
-    fast = side.dd.backend.fast_transfers  # type: ignore[attr-defined]
-    assert isinstance(fast, _fastpath.FastTransfers)
-    return fast
-
-
-def _outcome(call: Callable[[], None]) -> tuple[str, str]:
-    try:
-        call()
-    except (kvdd.LLMError, TypeError, ValueError) as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", ""
-
-
 def _both_ways(pair: tuple[Side, Side], call: Callable[[], None], seed: int) -> bool:
-    """`call` with the compiled path on, then off, from the same bytes: equal outcomes and bytes.
-    Returns whether the compiled path took the call."""
-    p, d = pair
-    results = []
-    taken = 0
-    for on in (True, False):
-        p.reset(seed)
-        d.reset(seed + 1)
-        before = _fast(p).taken + _fast(d).taken
-        prev = _fastpath.set_enabled(on)
-        try:
-            out = _outcome(call)
-        finally:
-            _fastpath.set_enabled(prev)
-        if on:
-            taken = _fast(p).taken + _fast(d).taken - before
-        results.append((out, p.arena.copy(), d.arena.copy()))
-    (out_on, p_on, d_on), (out_off, p_off, d_off) = results
-    assert out_on == out_off
-    np.testing.assert_array_equal(p_on, p_off)
-    np.testing.assert_array_equal(d_on, d_off)
-    assert taken in (0, 1) and (taken == 0 or out_on[0] == "ok")
-    return taken == 1
+    """fastpath_support.both_ways on the pair: whether the compiled path took the call."""
+    return both_ways(pair, call, seed)[0]
 
 
 # ---- random calls ---------------------------------------------------------------------------------
@@ -310,18 +280,18 @@ def test_a_push_whose_destination_runs_out_of_layers_is_declined(pair: tuple[Sid
     for call in (lambda: p.dd.push_kv_blocks(src, idx, [0], [0], ext),
                  lambda: p.dd.push_kv_cache(src, idx, 0, -1, ext)):
         assert not _both_ways(pair, call, 7)
-        assert _outcome(call)[0] == "LLMParamInvalidError"
+        assert outcome(call)[0] == "LLMParamInvalidError"
 
 
 def test_pull_row_bytes(pair: tuple[Side, Side]) -> None:
     """The bytes an accepted PullKvCache moves, and none other (6 tensors, S = 32)."""
     p, d = pair
-    p.reset(1)
-    d.reset(2)
+    p.fill(1)
+    d.fill(2)
     before = d.arena.copy()
-    taken = _fast(d).taken
+    taken = fast(d).taken
     d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 5), Cache(d.ids[1]), 2, 20)
-    assert _fast(d).taken == taken + 1
+    assert fast(d).taken == taken + 1
     off_p = off_d = sum(n * int(np.prod(s)) for n, s in GEOMETRIES[:1])
     expect = before.copy()
     for k in range(6):
@@ -332,25 +302,25 @@ def test_pull_row_bytes(pair: tuple[Side, Side]) -> None:
 
 def test_declines_leave_statuses_to_the_python_path(pair: tuple[Side, Side]) -> None:
     p, d = pair
-    fast = _fast(d)
-    declined = fast.declined
+    compiled = fast(d)
+    declined = compiled.declined
     with pytest.raises(kvdd.LLMParamInvalidError, match="batch_index"):
         d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 0), Cache(d.ids[1]), 8)
     with pytest.raises(kvdd.LLMKvCacheNotExistError):
         d.dd.pull_kv_cache(CacheIndex(1, 12345, 0), Cache(d.ids[1]))
     with pytest.raises(TypeError):
         d.dd.pull_kv_cache(CacheIndex(1, p.ids[1], 0), d.ids[1])  # type: ignore[arg-type]
-    assert fast.declined == declined + 3
+    assert compiled.declined == declined + 3
 
 
 def test_armed_faults_and_broken_links_take_the_python_path(pair: tuple[Side, Side]) -> None:
     p, d = pair
-    fast = _fast(d)
+    compiled = fast(d)
     idx = CacheIndex(1, p.ids[0], 0)
-    taken = fast.taken
+    taken = compiled.taken
     with faults.inject("pull_kv_cache", delay_ms=1, count=1):
         d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
-    assert fast.taken == taken
+    assert compiled.taken == taken
     entity = d.dd.backend.entities[1]  # type: ignore[attr-defined]
     entity.broken = True
     try:
@@ -358,9 +328,9 @@ def test_armed_faults_and_broken_links_take_the_python_path(pair: tuple[Side, Si
             d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
     finally:
         entity.broken = False
-    assert fast.taken == taken
+    assert compiled.taken == taken
     d.dd.pull_kv_cache(idx, Cache(d.ids[0]))
-    assert fast.taken == taken + 1
+    assert compiled.taken == taken + 1
 
 
 def test_unregistered_caches_are_not_copied() -> None:
@@ -418,7 +388,7 @@ def test_long_block_lists(pairs: int) -> None:
         too_long = pairs > _fastpath.MAX_PAIRS
         src = list(range(pairs)) if too_long else [int(x) for x in rng.permutation(2 * pairs)[:pairs]]
         dst = list(range(pairs, 2 * pairs)) if too_long else [int(x) for x in rng.permutation(2 * pairs)[:pairs]]
-        fast = d.backend.fast_transfers  # type: ignore[attr-defined]
+        compiled = d.backend.fast_transfers  # type: ignore[attr-defined]
         idx, cache = CacheIndex(1, pid, 0), Cache(did)
         for bad in (False, True):
             s2 = src[:-1] + [2 * pairs] if bad else src
@@ -426,13 +396,13 @@ def test_long_block_lists(pairs: int) -> None:
             for on in (True, False):
                 pm[:] = rng.integers(0, 256, pm.size, dtype=np.uint8) if on else pm
                 dm[:] = 0
-                taken = fast.taken
+                taken = compiled.taken
                 prev = _fastpath.set_enabled(on)
                 try:
-                    out = _outcome(lambda: d.pull_kv_blocks(idx, cache, s2, dst))
+                    out = outcome(lambda: d.pull_kv_blocks(idx, cache, s2, dst))
                 finally:
                     _fastpath.set_enabled(prev)
-                results.append((out, dm.copy(), fast.taken - taken))
+                results.append((out, dm.copy(), compiled.taken - taken))
             (o1, m1, t1), (o2, m2, _) = results
             assert o1 == o2 and t1 == (0 if bad or too_long else 1), (bad, o1, t1)
             np.testing.assert_array_equal(m1, m2)

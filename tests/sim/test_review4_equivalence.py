@@ -26,6 +26,8 @@ from kvdd import (
 )
 from kvdd.sim import _fastpath
 
+from fastpath_support import both_ways
+
 LOCALHOST = "127.0.0.1"
 U8 = DataType.DT_UINT8
 
@@ -73,46 +75,6 @@ def link(a: Side, b: Side, remote_cluster_id: int | None = None) -> None:
     rid = b.dd.cluster_id if remote_cluster_id is None else remote_cluster_id
     a.dd.link_llm_clusters([ClusterInfo(remote_cluster_id=rid,
                                         remote_ip_infos=(IpInfo(LOCALHOST, b.dd.listening_port),))])
-
-
-def fast(side: Side) -> _fastpath.FastTransfers:
-    f = side.dd.backend.fast_transfers  # type: ignore[attr-defined]
-    assert isinstance(f, _fastpath.FastTransfers)
-    return f
-
-
-def outcome(call: Callable[[], None]) -> tuple[str, str]:
-    try:
-        call()
-    except (kvdd.LLMError, TypeError, ValueError, OverflowError) as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", ""
-
-
-def both_ways(sides: tuple[Side, ...], call: Callable[[], None], seed: int = 7) -> tuple[bool, tuple[str, str]]:
-    """`call` with the compiled path on, then off, from the same bytes: equal outcomes and equal
-    bytes of every cache of every side. Returns (taken by the compiled path, outcome)."""
-    results = []
-    taken = 0
-    for on in (True, False):
-        for i, s in enumerate(sides):
-            s.fill(seed + i)
-        before = sum(fast(s).taken for s in sides)
-        prev = _fastpath.set_enabled(on)
-        try:
-            out = outcome(call)
-        finally:
-            _fastpath.set_enabled(prev)
-        if on:
-            taken = sum(fast(s).taken for s in sides) - before
-        results.append((out, [m for s in sides for m in s.memory()]))
-    (out_on, mem_on), (out_off, mem_off) = results
-    assert out_on == out_off
-    assert len(mem_on) == len(mem_off)
-    for a, b in zip(mem_on, mem_off):
-        np.testing.assert_array_equal(a, b)
-    assert taken in (0, 1) and (taken == 0 or out_on[0] == "ok")
-    return taken == 1, out_on
 
 
 @pytest.fixture

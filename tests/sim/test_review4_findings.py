@@ -25,7 +25,8 @@ import pytest
 from kvdd import Cache, CacheIndex, KvCacheExtParam, LlmRole
 from kvdd.sim.entries import CacheEntry
 
-from test_review4_equivalence import Side, both_ways, link, make_side
+from fastpath_support import both_ways
+from test_review4_equivalence import Side, link, make_side
 
 
 @pytest.fixture

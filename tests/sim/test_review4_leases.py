@@ -16,7 +16,8 @@ from kvdd import Cache, CacheDesc, CacheIndex, LlmRole, tensor_addrs
 from kvdd._native._copy import Region, RegionTable
 from kvdd.sim.entries import CacheEntry
 
-from test_review4_equivalence import U8, Side, both_ways, fast, link, make_side
+from fastpath_support import both_ways, fast
+from test_review4_equivalence import U8, Side, link, make_side
 
 
 def _entry(n: int = 2, T: int = 64) -> tuple[np.ndarray, CacheEntry]:

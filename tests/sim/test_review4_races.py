@@ -14,14 +14,14 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
 
 import kvdd
 from kvdd import Cache, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LlmRole
 from kvdd.sim.entries import CacheEntry
 
-from test_review4_equivalence import LOCALHOST, Side, fast, link, make_side
+from fastpath_support import fast
+from test_review4_equivalence import LOCALHOST, Side, link, make_side
 
 MiB = 1 << 20
 BIG = (1, 8 * MiB)  # one row of 8 MiB per tensor: a copy long enough to run without the GIL
