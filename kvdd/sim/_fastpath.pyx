@@ -262,6 +262,13 @@ cdef class FastTransfers:
         self.taken += 1
         return True
 
+    cdef bint _in_process(self, object idx) except -1:
+        """Whether the link to ``idx.cluster_id`` reaches an instance of this process: checked
+        before a block list is read, so that a cross-process call does not parse its block list
+        twice (once here to decline)."""
+        entity = self.backend.entities.get(idx.cluster_id)
+        return entity is not None and type(entity.peer) is InProcessPeer
+
     cdef object _pull_link(self, object idx, object dst_cache, const Ext *e, int64_t bi, Pull *p):
         """PullKvCache steps 4-8, 10, 11 (kvdd.sim.pulls._pull_common without 9) for local row
         `bi`: ``(local entry, link entity)`` with `p` filled, or None (decline)."""
@@ -376,6 +383,7 @@ cdef class FastTransfers:
         r.heap = NULL
         try:
             if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
+                    or not self._in_process(src_cache_index)
                     or not _ext(ext_param, &e, False) or not _runs(src_blocks, dst_blocks, &r, small)):
                 return self._no()  # the facade's argument checks (3, 4, 5: _ext, _runs)
             return self._pull_blocks(src_cache_index, dst_cache, &e, &r)
@@ -434,6 +442,7 @@ cdef class FastTransfers:
         r.heap = NULL
         try:
             if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
+                    or not self._in_process(dst_cache_index)
                     or not _ext(ext_param, &e, True) or not _runs(src_blocks, dst_blocks, &r, small)):
                 return self._no()  # the facade's argument checks (3, 4, 6: _runs, _ext)
             return self._push_blocks(src_cache, dst_cache_index, &e, &r)
