@@ -238,6 +238,46 @@ cdef inline void _gather(const Py_buffer *v, int64_t *out, Py_ssize_t n) noexcep
             memcpy(&out[j], p + j * st, 8)
 
 
+cdef Py_ssize_t _take_runs(object src_off, object dst_off, object length, int64_t *small,
+                           Py_ssize_t small_j, int64_t **runs) except -1:
+    """Snapshot the three run arrays into C memory: ``*runs`` holds J source offsets, then J
+    destination offsets, then J lengths, in `small` (room for `small_j` runs) or else in memory
+    from PyMem_RawMalloc that the caller frees. Returns J.
+
+    Raises TypeError for an array that is not 1-D int64/uint64, ValueError for unequal lengths."""
+    cdef Py_buffer vs, vd, vl
+    cdef int held = 0  # buffers acquired so far (vs, vd, vl in that order)
+    cdef Py_ssize_t J
+    try:
+        _get_i64(src_off, &vs, "src_off")
+        held = 1
+        _get_i64(dst_off, &vd, "dst_off")
+        held = 2
+        _get_i64(length, &vl, "length")
+        held = 3
+        J = vl.shape[0]
+        if vs.shape[0] != J or vd.shape[0] != J:
+            raise ValueError(f"copy_runs: src_off, dst_off and length must have equal lengths, not "
+                             f"{vs.shape[0]}, {vd.shape[0]} and {J}")
+        if J <= small_j:
+            runs[0] = small
+        else:
+            runs[0] = <int64_t *>PyMem_RawMalloc(<size_t>J * 3 * 8)
+            if runs[0] == NULL:
+                raise MemoryError()
+        _gather(&vs, runs[0], J)
+        _gather(&vd, runs[0] + J, J)
+        _gather(&vl, runs[0] + 2 * J, J)
+        return J
+    finally:
+        if held >= 1:
+            PyBuffer_Release(&vs)
+        if held >= 2:
+            PyBuffer_Release(&vd)
+        if held >= 3:
+            PyBuffer_Release(&vl)
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class _Request:
@@ -281,42 +321,13 @@ cdef _Request _prepare(object src, object dst, object src_off, object dst_off, o
     if PyTuple_GET_SIZE(r.dst) != K:
         raise ValueError(f"copy_runs: {K} source regions but {PyTuple_GET_SIZE(r.dst)} destination "
                          "regions; pass one destination per source")
-    cdef Py_buffer vs, vd, vl
-    cdef int held = 0  # buffers acquired so far (vs, vd, vl in that order)
-    cdef Py_ssize_t J, j
-    try:
-        _get_i64(src_off, &vs, "src_off")
-        held = 1
-        _get_i64(dst_off, &vd, "dst_off")
-        held = 2
-        _get_i64(length, &vl, "length")
-        held = 3
-        J = vl.shape[0]
-        if vs.shape[0] != J or vd.shape[0] != J:
-            raise ValueError(f"copy_runs: src_off, dst_off and length must have equal lengths, not "
-                             f"{vs.shape[0]}, {vd.shape[0]} and {J}")
-        if K <= SMALL_K:
-            r.pairs = r.small_pairs
-        else:
-            r.pairs = <kvdd_pair *>PyMem_RawMalloc(<size_t>K * sizeof(kvdd_pair))
-            if r.pairs == NULL:
-                raise MemoryError()
-        if J <= SMALL_J:
-            r.runs = r.small_runs
-        else:
-            r.runs = <int64_t *>PyMem_RawMalloc(<size_t>J * 3 * 8)
-            if r.runs == NULL:
-                raise MemoryError()
-        _gather(&vs, r.runs, J)
-        _gather(&vd, r.runs + J, J)
-        _gather(&vl, r.runs + 2 * J, J)
-    finally:
-        if held >= 1:
-            PyBuffer_Release(&vs)
-        if held >= 2:
-            PyBuffer_Release(&vd)
-        if held >= 3:
-            PyBuffer_Release(&vl)
+    if K <= SMALL_K:
+        r.pairs = r.small_pairs
+    else:
+        r.pairs = <kvdd_pair *>PyMem_RawMalloc(<size_t>K * sizeof(kvdd_pair))
+        if r.pairs == NULL:
+            raise MemoryError()
+    cdef Py_ssize_t J = _take_runs(src_off, dst_off, length, r.small_runs, SMALL_J, &r.runs)
 
     # Bounds: each run must fit every region, i.e. the smallest one on each side.
     cdef Region reg

@@ -148,34 +148,11 @@ def copy_tables(RegionTable src not None, Py_ssize_t s_first, RegionTable dst no
     TypeError
         Arrays that are not 1-D int64/uint64.
     """
-    cdef Py_buffer vs, vd, vl
-    cdef int held = 0
-    cdef Py_ssize_t J
+    cdef int64_t small[3]
     cdef int64_t *runs = NULL
-    try:
-        _get_i64(src_off, &vs, "src_off")
-        held = 1
-        _get_i64(dst_off, &vd, "dst_off")
-        held = 2
-        _get_i64(length, &vl, "length")
-        held = 3
-        J = vl.shape[0]
-        if vs.shape[0] != J or vd.shape[0] != J:
-            raise ValueError("copy_tables: src_off, dst_off and length must have equal lengths")
-        runs = <int64_t *>PyMem_RawMalloc(<size_t>(J if J > 0 else 1) * 3 * 8)
-        if runs == NULL:
-            raise MemoryError()
-        _gather(&vs, runs, J)
-        _gather(&vd, runs + J, J)
-        _gather(&vl, runs + 2 * J, J)
-    finally:
-        if held >= 1:
-            PyBuffer_Release(&vs)
-        if held >= 2:
-            PyBuffer_Release(&vd)
-        if held >= 3:
-            PyBuffer_Release(&vl)
+    cdef Py_ssize_t J = _take_runs(src_off, dst_off, length, small, 1, &runs)
     try:
         return copy_table_runs(src, s_first, dst, d_first, K, runs, runs + J, runs + 2 * J, J)
     finally:
-        PyMem_RawFree(runs)
+        if runs != small:
+            PyMem_RawFree(runs)

@@ -86,3 +86,16 @@ def test_leases() -> None:
 def test_closing_an_idle_table_drains_at_once() -> None:
     _, _, t, _ = _tables(1, 8)
     assert t.close(threading.Event()).is_set()
+
+
+def test_run_arrays_are_checked_as_in_copy_runs() -> None:
+    a, b, ta, tb = _tables(2, 64)
+    so, do, ln = _runs((0, 0, 8), (8, 8, 8))
+    with pytest.raises(ValueError, match="equal lengths"):
+        copy_tables(ta, 0, tb, 0, 2, so, do[:1], ln)
+    with pytest.raises(TypeError, match="int64 or uint64"):
+        copy_tables(ta, 0, tb, 0, 2, so.astype(np.int32), do, ln)  # type: ignore[arg-type]
+    assert not b.any()
+    assert copy_tables(ta, 0, tb, 0, 2, so, do, ln) == 32  # more runs than the one-run buffer
+    np.testing.assert_array_equal(b[:16], a[:16])
+    np.testing.assert_array_equal(b[64:80], a[64:80])
