@@ -1,0 +1,1 @@
+"""CANN's ``llm_datadist`` Python package on kvdd's simulator (docs/spec/PYPKG.md)."""
