@@ -181,13 +181,13 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "numpy_2t_gbps" in out and "ratio" in out and "median_us" in out and "limit" in out
     assert "qwen2.5-7b" in out and "pull_row" in out
-    assert "Cross-process" not in out and "Targets" not in out
+    assert "Cross-process" not in out and "Kernel targets" not in out
 
 
 def test_targets_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--targets", "--repeats", "1", *TG_TINY]) == 0
     out = capsys.readouterr().out
-    assert "Targets of issue 15" in out and "# target per-layer pull" in out
+    assert "Kernel targets" in out and "# target per-layer pull" in out
     assert "Per-call overhead" not in out and "Cross-process" not in out
 
 

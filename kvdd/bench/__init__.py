@@ -108,7 +108,7 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     tg = ap.add_mutually_exclusive_group()
     tg.add_argument("--targets", action="store_true",
                     help="measure only the targets section (the copy kernels against the best of numpy.copyto "
-                         "and glibc's streaming memcpy, 1 and 2 threads, on the workloads of issue 15); a plain "
+                         "and glibc's streaming memcpy, 1 and 2 threads, on the workloads the kernel targets name); a plain "
                          "run includes it")
     tg.add_argument("--no-targets", action="store_true", help="leave the targets section out")
     ap.add_argument("--scales", help=f"MiB per call of the targets' single-tensor rows, comma-separated (default "

@@ -63,7 +63,7 @@ def print_targets(section: Mapping[str, Any], file: IO[str] | None = None) -> No
     """The targets table, one verdict line per target and what limits every row below its goal."""
     out = file if file is not None else sys.stdout
     print(file=out)
-    print(f"Targets of issue 15 ({section['tokens']}-token requests for the model rows; {LIMITS_TEXT}):",
+    print(f"Kernel targets ({section['tokens']}-token requests for the model rows; {LIMITS_TEXT}):",
           file=out)
     rows = section["rows"]
     for name in dict.fromkeys(r["target"] for r in rows):

@@ -55,7 +55,7 @@ __all__ = ["XP_BLOCKS", "XP_BLOCK_BYTES", "XP_COLUMNS", "XP_QUICK_BLOCKS", "XP_Q
            "measure_cross_process", "print_cross_process"]
 
 XP_BLOCK_BYTES = 64 * KiB
-XP_ROW_BYTES, XP_BLOCKS = 256 * MiB, 1024  # the targets of issue 6
+XP_ROW_BYTES, XP_BLOCKS = 256 * MiB, 1024  # the workload of the cross-process targets
 XP_QUICK_ROW_BYTES, XP_QUICK_BLOCKS = 64 * MiB, 256
 XP_LOCAL_ID = 20
 XP_PEER_IDS = {"process_vm": 21, "tcp": 22}
@@ -478,7 +478,7 @@ XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps
 
 
 def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -> None:
-    """The cross-process tables and the targets of issue 11."""
+    """The cross-process tables and the cross-process targets."""
     out = file if file is not None else sys.stdout
     cfg = cross["config"]
     print(file=out)

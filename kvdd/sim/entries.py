@@ -92,7 +92,7 @@ class CacheEntry:
             finally:
                 drains_done.set()
         # every caller waits for the first one's drains (a same-host reader's copy they revoke may
-        # still read the memory: review4 F2), then for the leases
+        # still read the memory), then for the leases
         deadline = None if timeout is None else time.monotonic() + timeout
         if not drains_done.wait(timeout):
             return False

@@ -1,12 +1,12 @@
-"""The security review of the cross-process fabric (issue #11, findings F1-F4), as bounded tests.
+"""Security of the cross-process fabric's same-host path and its secret, as bounded tests.
 
-F1: the same-host path attests the process that *sent the key proof* (SCM_PIDFD), not the one that
-    called listen()/connect() (SO_PEERCRED), on both sides of the proof; no PR_SET_PTRACER.
-F2: the owner's wait for a reader is capped by the TCP path's constant and never repeated on a
-    table whose reader died or whose wait already ran out.
-F3: the automatic secret never lands in a directory another user controls.
-F4: a copy never starts past the reader's deadline, one that ends past it is LLM_TIMEOUT, and
-    unregister waits for a living reader whose copy is still in flight.
+Attestation: the same-host path attests the process that *sent the key proof* (SCM_PIDFD), not the
+    one that called listen()/connect() (SO_PEERCRED), on both sides of the proof; no PR_SET_PTRACER.
+Reader waits: the owner's wait for a reader is capped by the TCP path's constant and never repeated
+    on a table whose reader died or whose wait already ran out.
+Secret directory: the automatic secret never lands in a directory another user controls.
+Deadlines: a copy never starts past the reader's deadline, one that ends past it is LLM_TIMEOUT,
+    and unregister waits for a living reader whose copy is still in flight.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def table(slots):
 
 # The fake acceptor M: a child K calls listen() on M's endpoint and stays alive; M answers.
 _FAKE_ACCEPTOR = _RAW + r"""
-name = b"\0kvdd-sh-review-" + os.urandom(8).hex().encode()
+name = b"\0kvdd-sh-attest-" + os.urandom(8).hex().encode()
 ls = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 ls.bind(name)
 r, w = os.pipe()
@@ -112,7 +112,7 @@ def _spawn(script: str, s: _Session, *extra: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_f1_initiator_attests_the_sender_of_the_proof_not_the_listen_caller() -> None:
+def test_initiator_attests_the_sender_of_the_proof_not_the_listen_caller() -> None:
     """Before: SO_PEERCRED named K (listen() caller) and the honest side read/wrote K."""
     s = _Session(initiator=True)
     m = _spawn(_FAKE_ACCEPTOR, s)
@@ -130,7 +130,7 @@ def test_f1_initiator_attests_the_sender_of_the_proof_not_the_listen_caller() ->
         m.wait(10)
 
 
-def test_f1_acceptor_attests_the_sender_of_the_proof_not_the_connect_caller() -> None:
+def test_acceptor_attests_the_sender_of_the_proof_not_the_connect_caller() -> None:
     """Before: SO_PEERCRED of the accepted socket named K (connect() caller)."""
     s = _Session(initiator=False)
     got: list[samehost.SameHostLink | None] = []
@@ -154,7 +154,7 @@ def test_f1_acceptor_attests_the_sender_of_the_proof_not_the_connect_caller() ->
         m.wait(10)
 
 
-def test_f1_yama_scope_1_means_tcp_without_ptracer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_yama_scope_1_means_tcp_without_ptracer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Yama ptrace_scope >= 1: the path is not offered (no PR_SET_PTRACER grant), doctor says so."""
     monkeypatch.setattr(samehost, "ptrace_scope", lambda: 1)
     ok, why = samehost.availability()
@@ -189,7 +189,7 @@ def _served(cids: tuple[int, ...], cap_ms: int = wire.MAX_LEASE_MS) -> tuple[lis
     return entries, served, fd
 
 
-def test_f2_reader_limit_is_capped_like_tcp_and_never_waited_twice() -> None:
+def test_reader_limit_is_capped_like_tcp_and_never_waited_twice() -> None:
     """Before: a peer's limit was honoured up to 600 s and every later unregister waited again."""
     assert samehost_path.MAX_LEASE_MS == wire.MAX_LEASE_MS == 60_000
     entries, served, fd = _served((3, 5, 7), cap_ms=200)
@@ -218,7 +218,7 @@ def test_f2_reader_limit_is_capped_like_tcp_and_never_waited_twice() -> None:
         os.close(fd)
 
 
-def test_f4_no_copy_starts_past_the_deadline() -> None:
+def test_no_copy_starts_past_the_deadline() -> None:
     """The deadline is checked before the first process_vm call: a 0 ms budget moves no byte
     (before: the whole first 16 MiB batch was copied, then the deadline looked at)."""
     src = np.arange(4096, dtype=np.uint8)
@@ -250,7 +250,7 @@ r.release(lease); print(int(st), flush=True)
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to delay a system call")
-def test_f4_unregister_waits_for_a_living_reader_in_a_delayed_copy() -> None:
+def test_unregister_waits_for_a_living_reader_in_a_delayed_copy() -> None:
     """A reader whose process_vm_writev is delayed 1.5 s past its 300 ms deadline (strace): the
     owner's unregister returns only after the copy, and the reader reports LLM_TIMEOUT.  Before:
     unregister returned after 300 + 250 ms and the bytes landed after it."""
@@ -296,7 +296,7 @@ def secret_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_f3_world_writable_runtime_dir_is_not_used(secret_env: Path,
+def test_world_writable_runtime_dir_is_not_used(secret_env: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """XDG_RUNTIME_DIR=/tmp-like (sticky, world-writable): the secret goes to ~/.config."""
     shared = secret_env / "shared"
@@ -310,7 +310,7 @@ def test_f3_world_writable_runtime_dir_is_not_used(secret_env: Path,
     assert not (shared / "kvdd").exists()
 
 
-def test_f3_secret_dir_must_be_ours_and_0700(secret_env: Path,
+def test_secret_dir_must_be_ours_and_0700(secret_env: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     run = secret_env / "run"
     run.mkdir(mode=0o700)
@@ -343,7 +343,7 @@ def test_f3_secret_dir_must_be_ours_and_0700(secret_env: Path,
 
 _PID_REUSE = _RAW + r"""
 import subprocess, threading
-name = b"\0kvdd-sh-review-" + os.urandom(8).hex().encode()
+name = b"\0kvdd-sh-attest-" + os.urandom(8).hex().encode()
 ls = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 ls.bind(name)
 k = os.fork()
@@ -399,10 +399,10 @@ v.wait(10)
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare (a private pid namespace to reuse a pid)")
-def test_f1_reused_pid_of_the_listen_caller_is_never_touched() -> None:
-    """The review's repro: K called listen() and exited, its pid now names a victim V; the key
+def test_reused_pid_of_the_listen_caller_is_never_touched() -> None:
+    """The pid-reuse attack: K called listen() and exited, its pid now names a victim V; the key
     holder M answers the proof.  The honest initiator attests M (pid 1 in the namespace), never V,
-    and V's memory is unchanged (before: it attested V and wrote 64 bytes into it)."""
+    and V's memory is unchanged (attesting the listen caller would write 64 bytes into V)."""
     s = _Session(initiator=False)
     out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
                           _PID_REUSE, s.key.hex(), s.transcript.hex()],

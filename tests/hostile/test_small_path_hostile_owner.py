@@ -1,9 +1,9 @@
-"""Review 3 of the compiled small TCP path over real links and Channels (see test_review3_small.py).
+"""The compiled small TCP path over real links and Channels against a hostile owner (the reader
+alone: test_small_reader.py; the owner's compiled serve: test_small_serve.py).
 
 A caller pulls from a raw hostile owner (tests/hostile/rawpeer.py): a full-speed flood, random
 answers of every kind split anywhere, a signal handler raising while the caller waits, and, on a
-Channel directly, frames that follow a request's DONE.  Tests marked ``xfail(strict=True)`` are
-findings: they fail on the code they were written against and pass once it is fixed.
+Channel directly, frames that follow a request's DONE.
 """
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ def _random_answer(rng: random.Random, req: int) -> tuple[list[bytes], int]:
     is broken).  The rule: the first DONE(req) of 4 bytes decides, provided nothing before it
     broke the protocol (DATA of another request, more DATA than asked, a refused header, a
     malformed DONE of this request); success also needs every byte.  Nothing follows the frame
-    that decides (frames after a DONE are F5's, test_the_first_done_decides)."""
+    that decides (frames after a DONE: test_the_first_done_decides)."""
     frames: list[bytes] = []
     want: int | None = None
     got = 0
     pieces = sorted(rng.sample(range(1, 64), rng.randint(0, 4)))
     chunks = [ANSWER[a:b] for a, b in zip([0, *pieces], [*pieces, 64])]
     for _ in range(rng.randint(1, 8)):
-        if want is not None:  # decided: what a hostile owner sends after that is F5's (below)
+        if want is not None:  # decided: what a hostile owner sends after that: test_the_first_done_decides
             break
         kind = rng.choice(["data", "data", "data", "empty", "done", "done", "refuse", "other_data",
                            "other_done", "pong", "bad_header", "long_done", "extra"])
@@ -220,7 +220,7 @@ def test_random_hostile_answers_split_anywhere(caller: Caller, seed: int) -> Non
             t.join(10)
 
 
-# -- findings -----------------------------------------------------------------------------------
+# -- signals and frames after a DONE -------------------------------------------------------------
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
@@ -285,7 +285,7 @@ def test_the_first_done_decides() -> None:
     get the refusal, and nothing may reach its stage after it."""
     mine, theirs = socket.socketpair()
     theirs.settimeout(5)
-    chan = Channel(mine, MinimalOwner(), "review3")  # type: ignore[arg-type]
+    chan = Channel(mine, MinimalOwner(), "first-done")  # type: ignore[arg-type]
     chan.start()
     stage = Stage(64, 1 << 16)
     try:

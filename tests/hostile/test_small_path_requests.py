@@ -1,8 +1,9 @@
-"""Findings of the second review of the one-request small TCP path (issue 11, commits 62b1247 and
-8059fc3: the caller reads its own reply, one deadline guard per connection, LEASE_READ bytes
-staged until DONE).  F1, F3 and F4 are fixed and their tests pass; F2 is a documented residual
-(docs/security.md) and its test pins it.  The other tests pin what held (liveness against a
-hostile owner, replies routed to the right caller under many threads)."""
+"""Requests on the one-request small TCP path (the caller reads its own reply, one deadline guard
+per connection, LEASE_READ bytes staged until DONE) against hostile and busy peers: a peer's
+request read along with a reply is served, many small reads in flight keep the link, a hostile
+owner cannot hold callers past their wait time, replies reach their own callers, no byte lands
+after a request returned, and the documented residual (docs/security.md): a big READ refused
+after its DATA leaves that DATA in its destination."""
 
 from __future__ import annotations
 
@@ -149,10 +150,9 @@ class Peer:
         self.t.join(10)
 
 
-# -- F1 (fixed by ebd6ca3): a frame of the peer read with a caller's reply was stranded -----------
-# At 62b1247 the idle receiver thread slept in poll() while a frame the leaving leader had
-# buffered waited for the next byte to arrive (138 of 200 rounds stranded); since ebd6ca3 the
-# idle receiver waits in recv itself.  Kept as the regression test.
+# -- a frame of the peer read along with a caller's reply ------------------------------------------
+# The idle receiver thread waits in recv itself: were it to sleep in poll(), a frame the leaving
+# leader had buffered would wait for the next byte to arrive.
 
 def test_a_peer_request_read_along_with_a_reply_is_served(make: Callable[..., Honest]) -> None:
     """The peer's own small read that arrives in the same segment as the answer our caller
@@ -180,12 +180,12 @@ def test_a_peer_request_read_along_with_a_reply_is_served(make: Callable[..., Ho
             if not peer.wait(wire.F_DONE, theirs[-1], 1.0):
                 late.append(i)
                 break
-        assert not late, f"the peer's read after round {late} not answered within 1 s"
+        assert not late, f"the peer's read after call {late} not answered within 1 s"
     finally:
         peer.close()
 
 
-# -- F2: a big READ refused after its DATA: the documented residual --------------------------------
+# -- a big READ refused after its DATA: the documented residual -----------------------------------
 
 def test_big_read_refused_after_its_data_stays_in_its_destination(
         make: Callable[..., Honest]) -> None:
@@ -216,7 +216,7 @@ def test_big_read_refused_after_its_data_stays_in_its_destination(
         peer.close()
 
 
-# -- F3: a reading peer with many threads loses its link behind one big answer --------------------
+# -- a reading peer with many threads keeps its link behind one big answer ------------------------
 
 def test_peer_reading_its_answers_keeps_its_link_with_40_small_reads_in_flight(
         make: Callable[..., Honest]) -> None:
@@ -401,9 +401,9 @@ def test_replies_reach_their_own_callers(make: Callable[..., Honest]) -> None:
 
 
 
-# -- F4 (latent, fixed here): a READ answered DONE-first was written after its request returned --
-# Cursor.recv counted a DATA frame as received before its bytes were, and a request returning
-# with its reply did not stop its sink; both fixed in redteam2 (streams.py, channel.py).
+# -- a READ answered DONE-first is not written after its request returned --------------------------
+# Cursor.recv counts a DATA frame as received once its bytes are, and a request returning with its
+# reply stops its sink (streams.py, channel.py).
 
 class _Owner:
     """The least a Channel needs of its instance (it serves nothing here)."""
@@ -424,7 +424,7 @@ def test_no_byte_lands_in_a_read_after_its_request_returned() -> None:
     n = 256 << 10
     mine, theirs = socket.socketpair()
     theirs.settimeout(5)
-    chan = Channel(mine, _Owner(), "review2")  # type: ignore[arg-type]
+    chan = Channel(mine, _Owner(), "done-first")  # type: ignore[arg-type]
     chan.start()
     arena = np.zeros(n, dtype=np.uint8)
     cursor = Cursor(Layout([Region(int(arena.ctypes.data), n, arena)], np.array([0]),

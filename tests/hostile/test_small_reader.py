@@ -1,11 +1,10 @@
-"""Review 3 of the compiled small TCP path (kvdd/_native/_small.pyx: FrameReader, Stage, small_reply).
+"""The compiled small TCP path's reader (kvdd/_native/_small.pyx: FrameReader, Stage, small_reply).
 
 The reader is driven directly over a socket pair with bytes a hostile owner would send (split at
 every byte, interleaved with other requests' frames, too long, too short, DONE before DATA, a
 peer that stops mid-frame, signals while blocked); the owner's compiled answer is compared with
-the generic framing.  Real links and Channels: test_review3_link.py; the owner's compiled serve:
-test_review3_serve.py.  Tests marked ``xfail(strict=True)`` are findings: they fail on the
-code they were written against and pass once it is fixed (then drop the mark).
+the generic framing.  Real links and Channels: test_small_path_hostile_owner.py; the owner's
+compiled serve: test_small_serve.py.
 """
 
 from __future__ import annotations
@@ -328,7 +327,7 @@ def test_read_answer_refuses_what_is_not_a_frame(req: int, n: int, magic: bytes)
         read_answer(req, int(src.ctypes.data), n, magic, wire.PROTOCOL_VERSION)
 
 
-# -- findings -----------------------------------------------------------------------------------
+# -- out-of-range arguments and shared readers ---------------------------------------------------
 
 def test_discard_refuses_a_negative_count(pair: tuple[Rx, socket.socket]) -> None:
     rx, _peer = pair

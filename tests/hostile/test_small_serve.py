@@ -1,4 +1,4 @@
-"""Review 3 of the owner's compiled serve of a one-run small READ (kvdd._native._small.serve_one_run).
+"""The owner's compiled serve of a one-run small READ (kvdd._native._small.serve_one_run).
 
 It parses a peer's LEASE_READ payload in C and copies out of the owner's registered memory, so
 it is compared, on every field a hostile reader controls (cache id, tensor index, offset and

@@ -1,4 +1,4 @@
-"""Review 3 of the compiled block-run helpers (kvdd/_native/_runs.pyx, _copy_runs.pxi).
+"""The compiled block-run helpers (kvdd/_native/_runs.pyx, _copy_runs.pxi).
 
 Their input is the local user's: they must never crash or read out of bounds, never accept what the
 item-by-item check refuses (bools, floats, numpy scalars, int subclasses, out-of-width ints), and
@@ -177,7 +177,7 @@ def test_byte_runs_match_numpy_wrapping_anywhere(runs: list[tuple[int, int, int]
                                                  tail: int, strided: bool) -> None:
     """byte_runs on any uint64 indices (even past the bounds its callers check first) and on
     strided or read-only arrays: exact sums, saturated at 2**64-1 past 64 bits (so a bound check
-    refuses them; review3 F7), and numpy's int64 results wherever nothing saturates."""
+    refuses them), and numpy's int64 results wherever nothing saturates."""
     s0 = [r[0] for r in runs]
     d0 = [r[1] for r in runs]
     ln = [r[2] for r in runs]
@@ -278,9 +278,9 @@ def test_no_reference_leaks_in_the_compiled_helpers() -> None:
 def test_the_checked_items_are_the_items_returned_while_another_thread_mutates() -> None:
     """check_int_seq's compiled fast path (ints_within, then a copy) must return the items it
     checked: a list another thread mutates between the check and the copy must not slip a bool
-    (or an out-of-width int) into the 'checked' tuple.  Found by review3 (F6): it returned
-    unchecked items ~70 times a second under this load; fixed in kvdd/widths.py by copying
-    first and checking the copy."""
+    (or an out-of-width int) into the 'checked' tuple.  Checking before copying returns
+    unchecked items ~70 times a second under this load; kvdd/widths.py copies first and checks
+    the copy."""
     lst: list[object] = [1] * 8
     stop = threading.Event()
 
@@ -323,7 +323,7 @@ def test_the_checked_items_are_the_items_returned_while_another_thread_mutates()
 
 
 def test_the_byte_plans_agree_on_ends_past_int64() -> None:
-    """review3 F7 (fixed): both plans give the exact end past int64."""
+    """Both plans (short list and numpy) give the exact end past int64."""
     s0, d0, ln, block = [0], [4], [2**32 - 1], 2**31 - 1
     small = small_byte_plan(s0, d0, ln, block, 0)
     big = byte_runs(np.array(s0, np.uint64), np.array(d0, np.uint64), np.array(ln, np.int64),

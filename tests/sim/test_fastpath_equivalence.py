@@ -1,7 +1,7 @@
-"""review4: attacks on kvdd.sim._fastpath that held: edge values where the compiled path and the
-Python path must give the same outcome and bytes (the compiled path on, then off, from the same
-bytes), beyond tests/sim/test_fastpath.py's random calls (which use <= 6 block pairs, uint8 caches,
-the comm backend and one fixed link)."""
+"""Edge values where kvdd.sim._fastpath (the compiled path) and the Python path must give the same
+outcome and bytes (the compiled path on, then off, from the same bytes), beyond
+tests/sim/test_fastpath.py's random calls (which use <= 6 block pairs, uint8 caches, the comm
+backend and one fixed link)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""review4: memory safety of the compiled transfer path under concurrency (attacks that held).
+"""Memory safety of the compiled transfer path under concurrency.
 
 Unregister, unlink and Finalize race with compiled copies from another thread: once the call that
 removes a cache returns, no byte of its memory may be read or written any more (the racing thread
@@ -21,7 +21,7 @@ from kvdd import Cache, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam, LlmRol
 from kvdd.sim.entries import CacheEntry
 
 from fastpath_support import fast
-from test_review4_equivalence import LOCALHOST, Side, link, make_side
+from test_fastpath_equivalence import LOCALHOST, Side, link, make_side
 
 MiB = 1 << 20
 BIG = (1, 8 * MiB)  # one row of 8 MiB per tensor: a copy long enough to run without the GIL

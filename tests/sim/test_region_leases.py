@@ -1,4 +1,4 @@
-"""review4: the leases that moved into kvdd._native._copy.RegionTable (attacks that held):
+"""The leases of kvdd._native._copy.RegionTable:
 CacheEntry.acquire/release/retire delegate to the table; a table after close; release without a
 lease; concurrent and timed retire; memory shared by both instances (overlapping copies)."""
 
@@ -17,7 +17,7 @@ from kvdd._native._copy import Region, RegionTable
 from kvdd.sim.entries import CacheEntry
 
 from fastpath_support import both_ways, fast
-from test_review4_equivalence import U8, Side, link, make_side
+from test_fastpath_equivalence import U8, Side, link, make_side
 
 
 def _entry(n: int = 2, T: int = 64) -> tuple[np.ndarray, CacheEntry]:

@@ -146,7 +146,7 @@ def default_secret_path() -> Path:
 
     ``$XDG_RUNTIME_DIR`` is used only when it is an absolute path to a real directory (no
     symbolic link) owned by this user, not under a world-writable directory such as ``/tmp``
-    (issue #11 finding F3: another user could own ``kvdd/`` there)."""
+    (another user could own ``kvdd/`` there)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isabs(runtime):
         try:

@@ -325,7 +325,7 @@ class Channel(Calls):
         wait; a peer sending more (one that does not read our answers) loses its connection.
         Answers already prepared (small replies waiting for the send side) count in the bytes
         only, each as at least ANSWER_CHARGE: a peer that reads, only late, may have many small
-        requests in flight (review 2, F3), and one that never reads is still cut off."""
+        requests in flight, and one that never reads is still cut off."""
         jobs, size = _charge(ftype, payload)
         with self._lock:
             if (self._queued_jobs + jobs > MAX_JOBS
