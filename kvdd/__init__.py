@@ -8,7 +8,11 @@ anywhere).
 
 from __future__ import annotations
 
-from ._version import __version__
+from ._checkout import require_compiled as _require_compiled
+
+_require_compiled()  # one clear line when imported from a source checkout (no compiled modules)
+
+from ._version import __version__  # noqa: E402
 from .backend import Backend, available_backends
 from .datadist import LlmDataDist
 from .memory import TensorAddrs, tensor_addrs

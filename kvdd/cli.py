@@ -122,7 +122,7 @@ def _doctor_cann_root() -> str | list[str]:
 
 def _doctor_fabric_secret() -> str:
     try:
-        from .sim.fabric.auth import describe_secret
+        from .secret import describe_secret
     except ImportError as exc:
         return f"unavailable ({exc})"
     return describe_secret()  # where it comes from, never the secret; whether auth is off
@@ -165,7 +165,7 @@ def _doctor(args: argparse.Namespace) -> int:
 # ---- demo and bench --------------------------------------------------------------------------
 
 def _fabric_secret(args: argparse.Namespace) -> int:
-    from .sim.fabric.auth import generate_secret
+    from .secret import generate_secret
 
     print(generate_secret())
     return 0
