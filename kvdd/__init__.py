@@ -8,9 +8,10 @@ anywhere).
 
 from __future__ import annotations
 
-from ._checkout import require_compiled as _require_compiled
+from ._checkout import compiled_problem as _compiled_problem
 
-_require_compiled()  # one clear line when imported from a source checkout (no compiled modules)
+if (_problem := _compiled_problem()) is not None:  # a source checkout: no compiled modules
+    raise ImportError(_problem, name="kvdd")  # name: `python -m kvdd` prints it as one line
 
 from ._version import __version__  # noqa: E402
 from .backend import Backend, available_backends

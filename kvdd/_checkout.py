@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["SOURCE_TREE_MESSAGE", "has_compiled_modules", "require_compiled", "source_checkout"]
+__all__ = ["SOURCE_TREE_MESSAGE", "compiled_problem", "has_compiled_modules", "source_checkout",
+           "source_tree_problem"]
 
 #: The message, formatted with ``root`` (the clone's directory).
 SOURCE_TREE_MESSAGE = (
@@ -52,14 +53,15 @@ def source_tree_problem(package_dir: str) -> str | None:
     return SOURCE_TREE_MESSAGE.format(root=root)
 
 
-def require_compiled() -> None:
-    """Import kvdd's first compiled module, or raise the one-line source-tree error.
+def compiled_problem() -> str | None:
+    """Import kvdd's first compiled module; the one-line source-tree message when that fails
+    because kvdd is being imported from a source checkout (``import kvdd`` raises it as an
+    :class:`ImportError`).
 
     Raises
     ------
     ImportError
-        When the compiled modules are missing: with :data:`SOURCE_TREE_MESSAGE` when kvdd is
-        being imported from a source checkout, else the original error.
+        When a compiled module is missing from an installed (not source-tree) kvdd.
     """
     try:
         importlib.import_module(_PROBE)
@@ -67,5 +69,6 @@ def require_compiled() -> None:
         if exc.name is not None and exc.name.startswith("kvdd."):
             problem = source_tree_problem(os.path.dirname(os.path.abspath(__file__)))
             if problem is not None:
-                raise ImportError(problem, name="kvdd") from None
+                return problem
         raise
+    return None

@@ -268,36 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- errors ----------------------------------------------------------------------------------
 
-def _source_checkout(package_dir: str) -> str | None:
-    """The checkout root when ``package_dir`` is kvdd's source tree (not an installed copy)."""
-    root = os.path.dirname(package_dir)
-    if os.path.isfile(os.path.join(root, "meson.build")) and os.path.isfile(
-            os.path.join(root, "pyproject.toml")):
-        return root
-    return None
-
-
 def _import_problem(exc: ImportError) -> str:
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    root = _source_checkout(package_dir)
-    if root is not None and not _has_compiled_modules(package_dir):
-        return (
-            f"Python imported kvdd from the source checkout {root}, which has no compiled "
-            "modules, instead of the installed package (the current directory comes first on "
-            "sys.path for `python -m`). Run the installed `kvdd` command, or run from another "
-            "directory, or install in editable mode (pip install --no-build-isolation -e .)."
-        )
+    from ._checkout import source_tree_problem
+
+    problem = source_tree_problem(os.path.dirname(os.path.abspath(__file__)))
+    if problem is not None:
+        return problem
     return (f"kvdd cannot load a module it needs ({exc}). Reinstall kvdd (pip install .) in "
             "this environment; `kvdd doctor` says what this installation has.")
-
-
-def _has_compiled_modules(package_dir: str) -> bool:
-    native = os.path.join(package_dir, "_native")
-    try:
-        return any(name.startswith("_copy.") and name.endswith((".so", ".pyd"))
-                   for name in os.listdir(native))
-    except OSError:
-        return False
 
 
 def _fail(message: str, status: int) -> int:

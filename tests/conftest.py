@@ -18,14 +18,11 @@ os.environ.setdefault("PYTHONSAFEPATH", "1")
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import kvdd._native._copy  # noqa: F401
-    except ImportError as exc:
-        import kvdd
-
-        where = Path(kvdd.__file__).parent
+    except ImportError as exc:  # kvdd's own one line (from a source checkout) or what is missing
         raise pytest.UsageError(
-            f"kvdd is imported from {where} without its compiled modules ({exc}). Install it "
-            "(pip install '.[test]') and run the `pytest` command, not `python -m pytest`, which "
-            "puts the source tree first on sys.path; or use an editable install "
+            f"{exc}" if "source directory" in str(exc) else
+            f"kvdd cannot load its compiled modules ({exc}). Install it (pip install '.[test]') and "
+            "run the `pytest` command, or use an editable install "
             "(pip install --no-build-isolation -e '.[test]')."
         ) from None
 
