@@ -135,7 +135,9 @@ def _check_backend(backend: str | None) -> None:
     except (ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     if problem is not None:
-        raise ConfigError(f"--backend {backend}: {problem}")
+        name = backend or "auto"  # the demo passes None for --backend auto
+        raise ConfigError(f"--backend {name}: {problem}" if backend else
+                          f"--backend auto selects native, which is unusable: {problem}")
 
 
 def _check_memory(opts: DemoOptions, both: bool) -> None:

@@ -50,6 +50,7 @@ class SimBackend:
     """
 
     def __init__(self, cluster_id: int, role: int) -> None:
+        faults.load_env()  # KVDD_SIM_FAULTS, once per process (FaultSpecError when malformed)
         self.cluster_id = int(cluster_id)
         self.role = int(role)
         self._lock = threading.RLock()
