@@ -98,6 +98,8 @@ class Control:
             raise DemoError(f"the {self.peer} side sent a malformed control message: {line[:80]!r}")
         kind = msg.get("type")
         if kind == "error":
+            if msg.get("refused"):  # the other side goes on (waiting for a matching peer)
+                raise DemoError(f"the {self.peer} side refused this one: {msg.get('message')}")
             raise DemoError(f"{self.peer} side failed: {msg.get('message')}")
         if kind not in expected:
             raise DemoError(f"control protocol: expected {' or '.join(expected)} from the {self.peer} "

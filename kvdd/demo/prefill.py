@@ -98,19 +98,37 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                 f"{ready.to_json()['control']}; waiting for decode")
             if on_ready is not None:
                 on_ready(ready)
-            ctl, peer_addr, refused = accept_control(server, opts.timeout, secret, log.warn, cancel)
+            # A decode side that does not match (geometry, seed, transfer backend, protocol) is told
+            # why and refused, as one without the secret is; prefill keeps waiting for the real one.
+            deadline = time.monotonic() + opts.timeout
+            refused = 0
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DemoError(f"no matching decode side connected within {opts.timeout:g} s "
+                                    f"({refused} refused)")
+                ctl, peer_addr, failed_auth = accept_control(server, left, secret, log.warn, cancel)
+                ctl.timeout = opts.timeout
+                ctl.sock.settimeout(opts.timeout)
+                refused += failed_auth
+                try:
+                    hello = ctl.recv("hello")
+                    problem = _hello_problem(hello, geom, opts)
+                except DemoError as exc:
+                    hello, problem = {}, exc.message
+                if problem is None:
+                    break
+                refused += 1
+                log.warn(f"refused decode from {peer_addr[0]}: {problem}; still waiting for decode")
+                try:
+                    ctl.send({"type": "error", "refused": True, "message": problem})
+                except DemoError:
+                    pass  # that side has gone already
+                ctl.close()
+                ctl = None
             server.close()
             server = None
             result["refused_control"] = refused
-            hello = ctl.recv("hello")
-            if hello.get("protocol") != PROTOCOL:
-                raise DemoError(f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}")
-            theirs = Geometry.from_json(hello["geometry"])
-            if theirs.agreement_key() != geom.agreement_key() or hello.get("seed") != opts.seed:
-                raise DemoError(_disagreement(geom, theirs, opts.seed, hello.get("seed")))
-            if hello.get("transfer_backend") != opts.transfer_backend:
-                raise DemoError(f"decode uses transfer backend {hello.get('transfer_backend')}, "
-                                f"prefill {opts.transfer_backend}: pass the same --transfer-backend to both")
             decode_id = int(hello["cluster_id"])
             log(f"decode cluster {decode_id} connected from {peer_addr[0]}")
             ctl.send({"type": "welcome", "cluster_id": PREFILL_CLUSTER_ID,
@@ -193,6 +211,23 @@ def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],
         dd.unlink_llm_clusters([linked], timeout_ms=LINK_TIMEOUT_MS)
     log(f"pushed request {req}: {mib(nbytes)} in {seconds * 1e3:.1f} ms")
     return {"calls": calls, "bytes": nbytes, "seconds": seconds, "src_blocks": src, "dst_blocks": dst}
+
+
+def _hello_problem(hello: Mapping[str, Any], geom: Geometry, opts: DemoOptions) -> str | None:
+    """Why prefill refuses a decode side's ``hello`` (None: it matches this prefill)."""
+    if hello.get("protocol") != PROTOCOL:
+        return f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}"
+    try:
+        theirs = Geometry.from_json(hello["geometry"])
+        int(hello["cluster_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed hello from decode ({type(exc).__name__}: {exc})"
+    if theirs.agreement_key() != geom.agreement_key() or hello.get("seed") != opts.seed:
+        return _disagreement(geom, theirs, opts.seed, hello.get("seed"))
+    if hello.get("transfer_backend") != opts.transfer_backend:
+        return (f"decode uses transfer backend {hello.get('transfer_backend')}, prefill "
+                f"{opts.transfer_backend}: pass the same --transfer-backend to both")
+    return None
 
 
 def _disagreement(mine: Geometry, theirs: Geometry, my_seed: int, their_seed: object) -> str:

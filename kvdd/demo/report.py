@@ -87,7 +87,7 @@ def render_geometry(opts: DemoOptions, mode: str, out: IO[str]) -> None:
     w = out.write
     col = max(10, *(len(f.name) + 8 for f in geom.families))
     src = "built-in" if m.source == "built-in" else f"from {m.source}"
-    w(f"kvdd demo: {m.name} KV cache, prefill -> decode, every byte verified\n")
+    w(f"kvdd demo: {m.name} KV cache, prefill -> decode; verifies every byte\n")
     w(f"  {'model':<{col}}{m.name} ({src}): {m.describe()}\n")
     for note in m.notes:
         w(f"  {'':<{col}}note: {note}\n")
