@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from .backend import Backend, FastTransfers, create_backend, fast_transfers, resolve_backend_name
+from .calllog import DEBUG, cache_bytes, is_enabled, peer_of, peers_of, traced, tracing, transfer_bytes
 from .calls import DEFAULT_EXT, check_clusters, check_tensor_sizes, check_type, ext_or_default, raise_status
 from .memory import TensorAddrs
 from .options import check_options
@@ -76,6 +77,8 @@ class LlmDataDist(UnsupportedCalls):
         self._backend: Backend = create_backend(self._backend_name, self._cluster_id, self._role)
         # the backend's compiled path for common transfers, tried before the checked path
         self._fast: FastTransfers | None = fast_transfers(self._backend)
+        # registered here: cache id -> (stride, num_tensors), for the bytes of DEBUG call records
+        self._geometry: dict[int, tuple[int, int]] = {}
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -173,6 +176,8 @@ class LlmDataDist(UnsupportedCalls):
         -----
         A second call on an initialized instance succeeds and ignores its options.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("Initialize", self._cluster_id, None, None, lambda: self.initialize(options))
         opts = check_options(options)
         status = self._backend.initialize(opts)
         if status:
@@ -183,7 +188,10 @@ class LlmDataDist(UnsupportedCalls):
 
         Safe to call twice; never raises for a status (upstream's Finalize returns none).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("Finalize", self._cluster_id, None, None, self.finalize)
         self._backend.finalize()
+        self._geometry.clear()
 
     def set_role(self, role: int, options: Mapping[str, str] | None = None) -> None:
         """Change the role and listen address [SetRole, docs/spec/SEMANTICS.md §3.4].
@@ -206,6 +214,8 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("SetRole", self._cluster_id, None, None, lambda: self.set_role(role, options))
         role = check_int("role", role, INT32)
         opts = check_options(options)
         status = self._backend.set_role(role, opts)
@@ -235,6 +245,9 @@ class LlmDataDist(UnsupportedCalls):
             every cluster's status (``[]`` when the call failed before the per-cluster phase):
             LLMLinkFailedError, LLMAlreadyLinkError, LLMParamInvalidError, ...
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("LinkLlmClusters", self._cluster_id, peers_of(clusters), None,
+                          lambda: self.link_llm_clusters(clusters, timeout_ms))
         cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         status, rets = self._backend.link_llm_clusters(cl, timeout_ms)
@@ -267,6 +280,9 @@ class LlmDataDist(UnsupportedCalls):
             cannot be reached for a non-force unlink, LLMParamInvalidError for a non-positive timeout
             or an empty list.  Unlinking a cluster that was never linked succeeds.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("UnlinkLlmClusters", self._cluster_id, peers_of(clusters), None,
+                          lambda: self.unlink_llm_clusters(clusters, timeout_ms, force))
         cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         if not isinstance(force, bool):
@@ -311,6 +327,9 @@ class LlmDataDist(UnsupportedCalls):
         -----
         Register before linking: a cache registered after a link is invisible over it (§2.4).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("RegisterKvCache", self._cluster_id, None, cache_bytes(cache_desc),
+                          lambda: self.register_kv_cache(cache_desc, addrs, cfg))
         check_type("cache_desc", cache_desc, CacheDesc)
         checked = check_int_seq("addrs", addrs, UINT64)
         if cfg is None:
@@ -322,6 +341,10 @@ class LlmDataDist(UnsupportedCalls):
         status, cache_id = self._backend.register_kv_cache(cache_desc, passed, cfg)
         if status:
             raise_status(self._backend, status, "RegisterKvCache")
+        try:
+            self._geometry[cache_id] = (cache_desc.tensor_nbytes // cache_desc.shape[0], cache_desc.num_tensors)
+        except (ValueError, ZeroDivisionError, IndexError):  # a shape the backend accepted as it is
+            pass
         return cache_id
 
     def unregister_kv_cache(self, cache_id: int) -> None:
@@ -337,10 +360,14 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("UnregisterKvCache", self._cluster_id, None, None,
+                          lambda: self.unregister_kv_cache(cache_id))
         cache_id = check_int("cache_id", cache_id, INT64)
         status = self._backend.unregister_kv_cache(cache_id)
         if status:
             raise_status(self._backend, status, "UnregisterKvCache")
+        self._geometry.pop(cache_id, None)
 
     # -- transfers --------------------------------------------------------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
@@ -377,6 +404,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("PullKvCache", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, None, size, ext_param, 1),
+                          lambda: self.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param))
         fast = self._fast
         if fast is not None and fast.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param):
             return
@@ -410,6 +441,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.11 gives the order of the checks).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("PullKvBlocks", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, dst_blocks, None, ext_param, 1),
+                          lambda: self.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param))
         fast = self._fast
         if fast is not None and fast.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks,
                                                     ext_param):
@@ -450,6 +485,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.12 gives the order of the checks).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("PushKvCache", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, None, size, ext_param, 0),
+                          lambda: self.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param))
         fast = self._fast
         if fast is not None and fast.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param):
             return
@@ -483,6 +522,10 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`push_kv_cache` (§3.13).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("PushKvBlocks", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, src_blocks, None, ext_param, 0),
+                          lambda: self.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param))
         fast = self._fast
         if fast is not None and fast.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks,
                                                     ext_param):
@@ -495,3 +538,4 @@ class LlmDataDist(UnsupportedCalls):
         status = self._backend.push_kv_blocks(src_cache, dst_cache_index, src, dst, ext)
         if status:
             raise_status(self._backend, status, "PushKvBlocks")
+
