@@ -46,7 +46,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._native import _copy
@@ -54,7 +54,7 @@ from ..models import BLOCK_TOKENS
 from .baselines import LIMIT_NAMES, STREAM_THRESHOLD, StreamingMemcpy
 from .harness import LoadMonitor, Row, environment
 from .overhead import measure_overhead
-from .report import print_report
+from .report import print_footer, print_machine, print_section
 from .targets import DEFAULT_SCALES, PER_LAYER_TOKENS, QUICK_SCALES, judge, measure_targets
 from .transfers import DEFAULT_GEOMETRIES, GEOMETRIES, KINDS, BenchGeometry, measure_transfers
 from .xproc import (
@@ -72,6 +72,7 @@ __all__ = [
     "SCHEMA",
     "BenchGeometry",
     "add_bench_arguments",
+    "geometry_names",
     "main",
     "measure_cross_process",
     "measure_overhead",
@@ -93,7 +94,8 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
                     help="1024-token requests, short time budget (1-2 minutes on 2 cores with every section)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     ap.add_argument("--geometries", default=",".join(DEFAULT_GEOMETRIES),
-                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default: all but "
+                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)}, or model names as the demo "
+                         f"spells them (Qwen2.5-7B, DeepSeek-V3: both its caches; any case) (default: all but "
                          f"{', '.join(g for g in GEOMETRIES if g not in DEFAULT_GEOMETRIES)})")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of: {', '.join(KINDS)}")
     ap.add_argument("--tokens", type=int,
@@ -137,6 +139,33 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return names
 
 
+def geometry_names(text: str) -> list[str]:
+    """The geometries ``--geometries`` names: their own names (``qwen2.5-7b``) or the demo's model
+    names (``Qwen2.5-7B``; ``DeepSeek-V3`` and ``GLM-5`` stand for each of their caches), any case.
+
+    Raises
+    ------
+    ValueError
+        A name that is neither, listing the choices.
+    """
+    out: list[str] = []
+    bad: list[str] = []
+    for name in (x.strip() for x in text.split(",")):
+        if not name:
+            continue
+        key = name.lower()
+        found = [key] if key in GEOMETRIES else [  # a model: each of its caches
+            g for g, geom in GEOMETRIES.items() if geom.model.lower().startswith(key + " ")]
+        if not found:
+            bad.append(name)
+        out += [g for g in found if g not in out]
+    if bad or not out:
+        raise ValueError(f"unknown geometry {', '.join(bad) or '(none given)'}; choose from "
+                         f"{', '.join(GEOMETRIES)} (or a model: Qwen2.5-7B, Llama-3.1-8B, Llama-3.1-70B, "
+                         "DeepSeek-V3, GLM-5)")
+    return out
+
+
 def _command(args: argparse.Namespace) -> str:
     parts = ["kvdd bench"]
     for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process"):
@@ -152,9 +181,19 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`)."""
-    names = _names(args.geometries, list(GEOMETRIES), "geometry")
+def run(args: argparse.Namespace,
+        on_section: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`).
+
+    ``on_section(name, doc)`` is called as each part is known, with the document so far:
+    ``"machine"`` before measuring, then ``"main"`` (overhead and transfers), ``"targets"`` and
+    ``"cross_process"`` as each section finishes (so an interrupted run keeps what it measured).
+    """
+    def section(name: str, part: dict[str, Any]) -> None:
+        if on_section is not None:
+            on_section(name, part)
+
+    names = geometry_names(args.geometries)
     kinds = _names(args.kinds, KINDS, "transfer kind")
     tokens = args.tokens if args.tokens is not None else (1024 if args.quick else 2048)
     if tokens < BLOCK_TOKENS:
@@ -195,6 +234,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not 1 <= xp_blocks <= xp_bytes // XP_BLOCK_BYTES:
             raise ValueError("--cross-process-blocks must lie in [1, --cross-process-bytes / 64 KiB]")
     progress = None if args.json else (lambda msg: print(f"# measuring {msg}", file=sys.stderr, flush=True))
+    partial: dict[str, Any] = {"environment": environment(), "config": _kernel_config(),
+                               "overhead": [], "transfers": [], "targets": None, "cross_process": None}
+    section("machine", partial)
 
     t0 = time.perf_counter()
     stats0 = _copy.thread_stats()
@@ -208,6 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             overhead = measure_overhead(calls, 7 if args.quick else 15)
             transfers = measure_transfers(names, tokens, args.blocks, budget, args.repeats, args.seed, kinds,
                                           progress, child_cpu=children)
+            partial.update(overhead=overhead, transfers=transfers)
+            section("main", partial)
         if with_tg:
             mine: list[float] = []
             with LoadMonitor() as tg_load:
@@ -215,6 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tg_load.add_own(sum(mine))
             judge(targets, tg_load.result().get("other_busy"))
             children += mine
+            partial["targets"] = targets
+            section("targets", partial)
         load.add_own(sum(children))
         if with_xp:
             try:
@@ -225,6 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "error": f"{type(exc).__name__}: {exc}", "peers": [], "peer_cpu_s": 0.0, "rows": [],
                          "targets": []}
             load.add_own(float(cross["peer_cpu_s"]))  # the peers are this run, not other load
+            partial["cross_process"] = cross
+            section("cross_process", partial)
     stats1 = _copy.thread_stats()
     env = environment()
     env.update(load.result())
@@ -239,12 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "budget_s": budget,
             "repeats": args.repeats,
             "seed": args.seed,
-            "isa": _copy.get_isa(),
-            "streaming_threshold": _copy.get_streaming_threshold(),
-            "threads_threshold": _copy.get_threads_threshold(),
-            "threads_model": _copy.threads_model(),
-            "cache_sizes": _copy.cache_sizes(),
-            "cpu_features": _copy.cpu_features(),
+            **_kernel_config(),
             "limits": list(LIMIT_NAMES),
             "stream_limit_tunables": f"glibc.cpu.x86_non_temporal_threshold={STREAM_THRESHOLD:#x}"
                                      if StreamingMemcpy.available else None,
@@ -257,10 +300,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": time.perf_counter() - t0,
     }
 
+def _kernel_config() -> dict[str, Any]:
+    """The copy kernels' configuration (the 2-thread model is learned from this run's calls)."""
+    return {"isa": _copy.get_isa(), "streaming_threshold": _copy.get_streaming_threshold(),
+            "threads_threshold": _copy.get_threads_threshold(), "threads_model": _copy.threads_model(),
+            "cache_sizes": _copy.cache_sizes(), "cpu_features": _copy.cpu_features()}
+
+
+def _print_section(name: str, doc: dict[str, Any]) -> None:
+    if name == "machine":
+        print_machine(doc["environment"], doc["config"])
+    else:
+        print_section(doc, name)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """``kvdd bench``: exit status 0, 2 for unusable arguments, 1 when ``--cross-process`` failed."""
+    """``kvdd bench``: exit status 0, 2 for unusable arguments, 1 when ``--cross-process`` failed.
+
+    Tables are printed as each section finishes (Ctrl-C keeps the finished ones); ``--json``
+    prints the whole document at the end."""
     try:
-        doc = run(args)
+        doc = run(args, None if args.json else _print_section)
     except ValueError as exc:
         print(f"kvdd bench: {exc}", file=sys.stderr)
         return 2
@@ -269,7 +329,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        print_report(doc)
+        print_footer(doc)
     cross = doc.get("cross_process")
     if getattr(args, "cross_process", False) and cross is not None and cross.get("error"):
         print(f"kvdd bench: cross-process: {cross['error']}", file=sys.stderr)
