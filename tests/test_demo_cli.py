@@ -181,6 +181,7 @@ def test_quick_demo_two_commands(transfer_backend: str) -> None:
         assert [t["name"] for t in doc["transfers"]] == TRANSFERS
         out, err = prefill.communicate(timeout=60)
         assert prefill.returncode == 0, err
+        assert out.count("\n") == 1  # the ready line was read above; the result is one line too
         result = json.loads(out)
         assert result["event"] == "result" and result["ok"] is True
         assert result["prefill"]["source_intact"] is True

@@ -237,10 +237,11 @@ def _run_prefill_cli(opts: DemoOptions, as_json: bool, out: IO[str]) -> int:
     except (DemoError, LLMError, OSError, BackendUnavailableError) as exc:
         result = {"role": "prefill"}
         error = exc.message if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
-    if as_json:
-        _print_json({"schema": JSON_SCHEMA, "event": "result", "ok": error is None, "mode": "prefill",
-                     "geometry": opts.geometry.to_json(), "prefill": result,
-                     "wall_seconds": time.perf_counter() - t0, "error": error}, out)
+    if as_json:  # one line, as the ready event: a JSON-lines stream
+        out.write(json.dumps({"schema": JSON_SCHEMA, "event": "result", "ok": error is None, "mode": "prefill",
+                              "geometry": opts.geometry.to_json(), "prefill": result,
+                              "wall_seconds": time.perf_counter() - t0, "error": error}) + "\n")
+        out.flush()
     elif error is None:
         push = result.get("push", {})
         out.write(f"prefill done: served decode (push {mib(push.get('bytes', 0))} in "
