@@ -13,8 +13,8 @@ milliseconds.  kvdd configures no handler (a library must not): enable the recor
 ``logging.basicConfig(level=logging.DEBUG)`` or ``logging.getLogger("kvdd.calls").setLevel(...)``
 plus a handler, or ``kvdd -vv`` on the command line.
 
-Off (the default), a call costs one ``Logger.isEnabledFor(DEBUG)`` check (tens of nanoseconds)
-before the compiled fast path; nothing is formatted or timed.
+Off (the default), a call costs one dictionary lookup before the compiled fast path (the logger's
+cached ``isEnabledFor(DEBUG)`` answer, see :data:`known_off`); nothing is formatted or timed.
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ from typing import TypeVar
 from .status import LLMError
 from .types import KvCacheExtParam
 
-__all__ = ["CALL_LOGGER", "DEBUG", "cache_bytes", "is_enabled", "layer_tensors", "peer_of", "peers_of", "traced",
+__all__ = ["CALL_LOGGER", "DEBUG", "cache_bytes", "is_enabled", "known_off", "layer_tensors", "peer_of", "peers_of", "traced",
            "tracing", "transfer_bytes"]
 
 #: The logger of the call records.
 CALL_LOGGER = logging.getLogger("kvdd.calls")
 DEBUG = logging.DEBUG
-#: ``is_enabled(DEBUG)``: the check each call makes (the logger's own cached test).
+#: ``is_enabled(DEBUG)``: whether a call is recorded (the logger's own test, authoritative).
 is_enabled = CALL_LOGGER.isEnabledFor
+#: The logger's cache of its ``isEnabledFor`` answers (CPython keeps one per logger and clears it
+#: on every level change).  Each call first reads ``known_off.get(DEBUG, True)``: False only while
+#: the logger's last answer for DEBUG, still valid, was "off", so a call with DEBUG off costs a
+#: dictionary lookup; anything else asks :data:`is_enabled`.  A Python without that cache gets an
+#: empty dict, and every call asks :data:`is_enabled`.
+_cache = getattr(CALL_LOGGER, "_cache", None)
+known_off: dict[int, bool] = _cache if isinstance(_cache, dict) else {}
 
 _state = threading.local()
 R = TypeVar("R")
@@ -57,8 +64,11 @@ def layer_tensors(ext: KvCacheExtParam | None, which: int, num_tensors: int) -> 
     return max(0, last - first + 1) * ext.tensor_num_per_layer
 
 
-def traced(name: str, cluster: int, peer: object, nbytes: int | None, run: Callable[[], R]) -> R:
-    """Run ``run`` (the call itself) and log one DEBUG record for it.
+def traced(name: str, cluster: int, peer: object, nbytes: int | None, run: Callable[..., R], *args: object) -> R:
+    """Run ``run(*args)`` (the call itself) and log one DEBUG record for it.
+
+    The caller passes its bound method and arguments, never a closure: a lambda in the method
+    would make its arguments closure cells, a cost on every call even with DEBUG off.
 
     Parameters
     ----------
@@ -71,13 +81,16 @@ def traced(name: str, cluster: int, peer: object, nbytes: int | None, run: Calla
     nbytes : int or None
         Bytes the call asks to move (None: not known).
     run : callable
-        The call; its result is returned and its exception re-raised unchanged.
+        The call (the same method, which then runs untraced); its result is returned and its
+        exception re-raised unchanged.
+    *args : object
+        Its arguments.
     """
     _state.busy = True
     status = "LLM_SUCCESS"
     t0 = time.perf_counter()
     try:
-        return run()
+        return run(*args)
     except LLMError as exc:
         status = exc.status.name
         raise
