@@ -13,8 +13,10 @@ milliseconds.  kvdd configures no handler (a library must not): enable the recor
 ``logging.basicConfig(level=logging.DEBUG)`` or ``logging.getLogger("kvdd.calls").setLevel(...)``
 plus a handler, or ``kvdd -vv`` on the command line.
 
-Off (the default), a call costs one dictionary lookup before the compiled fast path (the logger's
-cached ``isEnabledFor(DEBUG)`` answer, see :data:`known_off`); nothing is formatted or timed.
+Off (the default), an in-process transfer on the simulator's compiled path costs one C-level
+dictionary lookup (the logger's cached ``isEnabledFor(DEBUG)`` answer, :data:`known_off`, read by
+:mod:`kvdd.sim._fastpath`, which declines every call while the records are on); every other call
+one ``isEnabledFor`` check.  Nothing is formatted or timed.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ DEBUG = logging.DEBUG
 #: ``is_enabled(DEBUG)``: whether a call is recorded (the logger's own test, authoritative).
 is_enabled = CALL_LOGGER.isEnabledFor
 #: The logger's cache of its ``isEnabledFor`` answers (CPython keeps one per logger and clears it
-#: on every level change).  Each call first reads ``known_off.get(DEBUG, True)``: False only while
-#: the logger's last answer for DEBUG, still valid, was "off", so a call with DEBUG off costs a
-#: dictionary lookup; anything else asks :data:`is_enabled`.  A Python without that cache gets an
-#: empty dict, and every call asks :data:`is_enabled`.
+#: on every level change): ``known_off.get(DEBUG) is False`` only while the logger's last answer
+#: for DEBUG, still valid, was "off".  The compiled transfer path reads it and declines otherwise,
+#: so the facade asks :data:`is_enabled` on the Python path.  A logger without that cache gives an
+#: empty dict: every transfer then takes the Python path.
 _cache = getattr(CALL_LOGGER, "_cache", None)
 known_off: dict[int, bool] = _cache if isinstance(_cache, dict) else {}
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from .backend import Backend, FastTransfers, create_backend, fast_transfers, resolve_backend_name
-from .calllog import DEBUG, cache_bytes, is_enabled, known_off, peer_of, peers_of, traced, tracing, transfer_bytes
+from .calllog import DEBUG, cache_bytes, is_enabled, peer_of, peers_of, traced, tracing, transfer_bytes
 from .calls import DEFAULT_EXT, check_clusters, check_tensor_sizes, check_type, ext_or_default, raise_status
 from .memory import TensorAddrs
 from .options import check_options
@@ -176,7 +176,7 @@ class LlmDataDist(UnsupportedCalls):
         -----
         A second call on an initialized instance succeeds and ignores its options.
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("Initialize", self._cluster_id, None, None, self.initialize, options)
         opts = check_options(options)
         status = self._backend.initialize(opts)
@@ -188,7 +188,7 @@ class LlmDataDist(UnsupportedCalls):
 
         Safe to call twice; never raises for a status (upstream's Finalize returns none).
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("Finalize", self._cluster_id, None, None, self.finalize)
         self._backend.finalize()
         self._geometry.clear()
@@ -214,7 +214,7 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("SetRole", self._cluster_id, None, None, self.set_role, role, options)
         role = check_int("role", role, INT32)
         opts = check_options(options)
@@ -245,7 +245,7 @@ class LlmDataDist(UnsupportedCalls):
             every cluster's status (``[]`` when the call failed before the per-cluster phase):
             LLMLinkFailedError, LLMAlreadyLinkError, LLMParamInvalidError, ...
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("LinkLlmClusters", self._cluster_id, peers_of(clusters), None,
                           self.link_llm_clusters, clusters, timeout_ms)
         cl = check_clusters(clusters)
@@ -280,7 +280,7 @@ class LlmDataDist(UnsupportedCalls):
             cannot be reached for a non-force unlink, LLMParamInvalidError for a non-positive timeout
             or an empty list.  Unlinking a cluster that was never linked succeeds.
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("UnlinkLlmClusters", self._cluster_id, peers_of(clusters), None,
                           self.unlink_llm_clusters, clusters, timeout_ms, force)
         cl = check_clusters(clusters)
@@ -327,7 +327,7 @@ class LlmDataDist(UnsupportedCalls):
         -----
         Register before linking: a cache registered after a link is invisible over it (§2.4).
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("RegisterKvCache", self._cluster_id, None, cache_bytes(cache_desc),
                           self.register_kv_cache, cache_desc, addrs, cfg)
         check_type("cache_desc", cache_desc, CacheDesc)
@@ -360,7 +360,7 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
+        if is_enabled(DEBUG) and not tracing():
             return traced("UnregisterKvCache", self._cluster_id, None, None,
                           self.unregister_kv_cache, cache_id)
         cache_id = check_int("cache_id", cache_id, INT64)
@@ -404,13 +404,13 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
-            return traced("PullKvCache", self._cluster_id, peer_of(src_cache_index),
-                          transfer_bytes(self._geometry, dst_cache, None, size, ext_param, 1),
-                          self.pull_kv_cache, src_cache_index, dst_cache, batch_index, size, ext_param)
         fast = self._fast
         if fast is not None and fast.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PullKvCache", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, None, size, ext_param, 1),
+                          self.pull_kv_cache, src_cache_index, dst_cache, batch_index, size, ext_param)
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         batch_index = check_int("batch_index", batch_index, UINT32)
@@ -441,14 +441,14 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.11 gives the order of the checks).
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
-            return traced("PullKvBlocks", self._cluster_id, peer_of(src_cache_index),
-                          transfer_bytes(self._geometry, dst_cache, dst_blocks, None, ext_param, 1),
-                          self.pull_kv_blocks, src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         fast = self._fast
         if fast is not None and fast.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks,
                                                     ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PullKvBlocks", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, dst_blocks, None, ext_param, 1),
+                          self.pull_kv_blocks, src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
@@ -485,13 +485,13 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`pull_kv_cache` (§3.12 gives the order of the checks).
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
-            return traced("PushKvCache", self._cluster_id, peer_of(dst_cache_index),
-                          transfer_bytes(self._geometry, src_cache, None, size, ext_param, 0),
-                          self.push_kv_cache, src_cache, dst_cache_index, src_batch_index, size, ext_param)
         fast = self._fast
         if fast is not None and fast.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PushKvCache", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, None, size, ext_param, 0),
+                          self.push_kv_cache, src_cache, dst_cache_index, src_batch_index, size, ext_param)
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
@@ -522,14 +522,14 @@ class LlmDataDist(UnsupportedCalls):
         LLMParamInvalidError, LLMKvCacheNotExistError, LLMNotYetLinkError, LLMTimeoutError, LLMError
             As :meth:`push_kv_cache` (§3.13).
         """
-        if known_off.get(DEBUG, True) and is_enabled(DEBUG) and not tracing():
-            return traced("PushKvBlocks", self._cluster_id, peer_of(dst_cache_index),
-                          transfer_bytes(self._geometry, src_cache, src_blocks, None, ext_param, 0),
-                          self.push_kv_blocks, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
         fast = self._fast
         if fast is not None and fast.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks,
                                                     ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PushKvBlocks", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, src_blocks, None, ext_param, 0),
+                          self.push_kv_blocks, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src = check_int_seq("src_blocks", src_blocks, UINT64)

@@ -107,3 +107,17 @@ def test_off_by_default_nothing_is_traced(pair: Pair, caplog: pytest.LogCaptureF
     pair.d.pull_kv_cache(CacheIndex(1, pair.rid), Cache(pair.lid))
     assert caplog.records == []
     assert (pair.dst[3][0] == 4).all() and (pair.dst[3][1:] == 0).all()
+
+
+def test_the_compiled_path_takes_calls_only_while_debug_is_off(pair: Pair,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    fast = pair.d._fast  # the backend's compiled path (kvdd.backend.FastTransfers)
+    assert fast is not None
+    idx, dst = CacheIndex(1, pair.rid), Cache(pair.lid)
+    caplog.set_level(logging.INFO, logger="kvdd.calls")  # clears the logger's cached answers
+    pair.d.pull_kv_cache(idx, dst)  # the facade asks the logger: DEBUG is off (now cached)
+    assert fast.pull_kv_cache(idx, dst, 0, -1, None) is True  # accepted, copied
+    caplog.set_level(logging.DEBUG, logger="kvdd.calls")
+    assert fast.pull_kv_cache(idx, dst, 0, -1, None) is False  # declined: the facade records it
+    pair.d.pull_kv_cache(idx, dst)
+    assert records(caplog) == [("PullKvCache", "2", "1", str(BLOCK * T), "LLM_SUCCESS")]
