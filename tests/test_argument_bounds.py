@@ -36,9 +36,9 @@ def test_block_array_that_is_not_1d_is_refused_by_pull_kv_blocks(backend: str) -
         dd.initialize({kvdd.OPTION_DEVICE_ID: "0"})
         cache = Cache(dd.register_kv_cache(desc, kvdd.tensor_addrs([mem])), cache_desc=desc)
         with pytest.raises(ValueError, match="1-D"):
-            dd.pull_kv_blocks(CacheIndex(2, 1), cache, np.zeros((1, 1), np.int64), [0])
+            dd.pull_kv_blocks(CacheIndex(2, 1), cache, np.zeros((1, 1), np.int64), [0])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="1-D"):
-            dd.pull_kv_blocks(CacheIndex(2, 1), cache, [0], np.array(0, np.int64))
+            dd.pull_kv_blocks(CacheIndex(2, 1), cache, [0], np.array(0, np.int64))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", kvdd.available_backends())
