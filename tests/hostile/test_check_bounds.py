@@ -35,6 +35,7 @@ import pytest
 import kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmRole, Status
 from kvdd.sim.fabric import auth, leases, wire
+from kvdd.sim.fabric.serving import check_request
 from kvdd.sim.fabric.auth import NONCE_BYTES, AuthError, load_secret
 
 from hostile import rawpeer
@@ -155,6 +156,43 @@ def test_read_one_past_the_cache_is_refused(victim: Victim, runs: int, what: str
         # the connection and its lease stay usable for a valid request
         status, data = _read(s, lease_id, [0], [0], [T], 7)
         assert (status, data) == (S, bytes(victim.tensor(0)))
+
+
+def _check(tensors: list[int], off: list[int], length: list[int], n: int = N, t: int = T) -> int:
+    return check_request(n, t, np.array(tensors, np.int64), np.array(off, np.int64),
+                         np.array(length, np.int64))
+
+
+@pytest.mark.parametrize("runs", [1, 16, 17, 40])  # both sides of the plain-Python/numpy switch
+def test_owner_request_check_at_every_bound(runs: int) -> None:
+    ok, bad = Status.LLM_SUCCESS, Status.LLM_PARAM_INVALID
+    zeros, ones = [0] * runs, [1] * runs
+
+    def with_last(values: list[int], last: int) -> list[int]:
+        return values[:-1] + [last]
+
+    assert _check([N - 1], zeros, ones) == ok
+    assert _check([N], zeros, ones) == bad  # tensor n, one past the last
+    assert _check([0, N - 1, 0], zeros, ones) == ok
+    assert _check([0, N, 0], zeros, ones) == bad
+    assert _check([0], with_last(zeros, T - 1), ones) == ok  # the last byte
+    assert _check([0], with_last(zeros, T), ones) == bad  # one past it
+    assert _check([0], zeros, with_last(ones, T)) == ok  # a whole tensor
+    assert _check([0], zeros, with_last(ones, T + 1)) == bad
+    assert _check([0], with_last(zeros, 1), with_last(ones, T - 1)) == ok  # ends exactly at T
+    assert _check([0], with_last(zeros, 1), with_last(ones, T)) == bad  # one byte past
+    assert _check([0], zeros, with_last(ones, 0)) == ok  # an empty run is no violation
+    assert _check([0], zeros, with_last(ones, -1)) == bad
+    assert _check([0], with_last(zeros, -1), ones) == bad
+    assert _check([], zeros, ones) == ok  # no tensor: nothing moves
+
+
+def test_owner_request_check_caps_tensors_times_runs() -> None:
+    cap = wire.MAX_RUNS  # 2**31
+    tensors = np.zeros(1 << 16, np.int64)
+    for runs, want in ((cap >> 16, Status.LLM_SUCCESS), ((cap >> 16) + 1, Status.LLM_PARAM_INVALID)):
+        off, length = np.zeros(runs, np.int64), np.ones(runs, np.int64)
+        assert check_request(N, T, tensors, off, length) == want, runs
 
 
 # ---- leases: the per-connection cap and the lifetime cap -------------------------------------------
