@@ -56,3 +56,17 @@ def python_path_only() -> Iterator[None]:
         yield
     finally:
         _fastpath.set_enabled(prev)
+
+
+@pytest.fixture
+def compiled_path_on() -> Iterator[None]:
+    """The simulator's compiled in-process transfer path on for one test, whatever
+    ``KVDD_SIM_FAST_PATH`` says: tests of that path itself use it, so the whole suite passes with
+    the variable set to 0 as well as without it (kvdd.sim._fastpath)."""
+    from kvdd.sim import _fastpath
+
+    prev = _fastpath.set_enabled(True)
+    try:
+        yield
+    finally:
+        _fastpath.set_enabled(prev)

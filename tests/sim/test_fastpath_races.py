@@ -23,6 +23,9 @@ from kvdd.sim.entries import CacheEntry
 from fastpath_support import fast
 from test_fastpath_equivalence import LOCALHOST, Side, link, make_side
 
+#: tests of the compiled path force it on (they pass with KVDD_SIM_FAST_PATH=0 too)
+pytestmark = pytest.mark.usefixtures("compiled_path_on")
+
 MiB = 1 << 20
 BIG = (1, 8 * MiB)  # one row of 8 MiB per tensor: a copy long enough to run without the GIL
 N = 4
