@@ -30,6 +30,10 @@ Fixtures:
   (``kvdd_faults.inject("pull_kv_blocks", status="LLM_TIMEOUT", count=1)``), removed at
   tear-down; skips the test on the native backend (fault injection is the simulator's).
 
+* ``kvdd_llm_datadist``: for one test, ``import llm_datadist`` (and its submodules) resolves to
+  kvdd's simulator of CANN's Python package (``kvdd.llm_datadist``), as after ``source
+  DEST/set_env.sh`` of a ``kvdd cann-root DEST``; the module is the fixture's value.
+
 Markers: ``kvdd_sim_only(reason)`` skips a test (with the reason) on the native backend.
 
 Leak checks: after the tear-down of a test that used a kvdd fixture, no kvdd thread it started,
@@ -43,6 +47,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -268,6 +273,30 @@ def kvdd_faults(kvdd_backend: str) -> Iterator[Faults]:
     faults = Faults()
     yield faults
     faults.remove_all()
+
+
+@pytest.fixture
+def kvdd_llm_datadist() -> Iterator[ModuleType]:
+    """``import llm_datadist`` resolves to ``kvdd.llm_datadist`` for one test (restored after)."""
+    import sys
+
+    from kvdd.llm_datadist import toplevel
+
+    was = toplevel.is_installed()
+    saved = {name: mod for name, mod in sys.modules.items()
+             if name == "llm_datadist" or name.startswith("llm_datadist.")}
+    toplevel.install()
+    import llm_datadist  # type: ignore[import-not-found,unused-ignore]
+
+    module: ModuleType = llm_datadist
+    try:
+        yield module
+    finally:
+        if not was:
+            toplevel.uninstall()
+        for name in [n for n in sys.modules if n == "llm_datadist" or n.startswith("llm_datadist.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 # ---- leak checks -----------------------------------------------------------------------------------
