@@ -36,8 +36,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .memory import TensorAddrs, tensor_addrs
-from .types import CacheDesc, CachePlacement
+from ..memory import TensorAddrs, tensor_addrs
+from ..types import CacheDesc, CachePlacement
 
 __all__ = [
     "AclError",
