@@ -35,7 +35,7 @@ def test_relink_to_a_vanished_peer_is_already_linked(world: World) -> None:
         _relink(d, port, p.cluster_id + 10)
 
 
-@pytest.mark.sim_only("fault injection is the simulator's")
+@pytest.mark.kvdd_sim_only("fault injection is the simulator's")
 def test_relink_is_already_linked_before_an_armed_link_fault(world: World) -> None:
     from kvdd.sim import faults
 
