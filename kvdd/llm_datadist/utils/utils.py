@@ -1,0 +1,118 @@
+"""Argument checks of CANN's ``llm_datadist`` package (PYPKG.md §2.1 "Setters validate").
+
+A wrong type raises ``TypeError``; an integer outside its C type's range raises ``ValueError``.
+``None`` passes :func:`check_isinstance` unless ``allow_none=False``, and ``bool`` passes as
+``int`` (as upstream).  Semantic checks (``LLMException(LLM_PARAM_INVALID)``) are
+:func:`kvdd.llm_datadist.status.raise_if_false` / ``raise_if_true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "check_isinstance",
+    "check_int_range",
+    "check_uint16",
+    "check_uint32",
+    "check_int32",
+    "check_uint64",
+    "check_int64",
+    "check_list_of",
+    "check_dict",
+    "UINT16_MAX",
+    "UINT32_MAX",
+    "INT32_MAX",
+    "INT32_MIN",
+    "UINT64_MAX",
+    "INT64_MAX",
+    "INT64_MIN",
+]
+
+UINT16_MAX = 2**16 - 1
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+UINT64_MAX = 2**64 - 1
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    if isinstance(types, tuple):
+        return " or ".join(t.__name__ for t in types)
+    return types.__name__
+
+
+def check_isinstance(name: str, value: Any, types: type | tuple[type, ...],
+                     allow_none: bool = True) -> None:
+    """``TypeError`` unless ``value`` is an instance of ``types`` (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, types):
+        raise TypeError(f"{name} must be {_type_names(types)}, but got {type(value).__name__}.")
+
+
+def check_int_range(name: str, value: Any, low: int, high: int, type_name: str,
+                    allow_none: bool = False) -> None:
+    """``TypeError`` unless ``value`` is an int; ``ValueError`` unless ``low <= value <= high``."""
+    check_isinstance(name, value, int, allow_none)
+    if value is None:
+        return
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in range of {type_name} [{low}, {high}], but got {value}.")
+
+
+def check_uint16(name: str, value: Any, allow_none: bool = False) -> None:
+    """int in [0, 2**16 - 1]."""
+    check_int_range(name, value, 0, UINT16_MAX, "uint16", allow_none)
+
+
+def check_uint32(name: str, value: Any, allow_none: bool = False) -> None:
+    """int in [0, 2**32 - 1]."""
+    check_int_range(name, value, 0, UINT32_MAX, "uint32", allow_none)
+
+
+def check_int32(name: str, value: Any, allow_none: bool = False) -> None:
+    """int in [-2**31, 2**31 - 1]."""
+    check_int_range(name, value, INT32_MIN, INT32_MAX, "int32", allow_none)
+
+
+def check_uint64(name: str, value: Any, allow_none: bool = False) -> None:
+    """int in [0, 2**64 - 1]."""
+    check_int_range(name, value, 0, UINT64_MAX, "uint64", allow_none)
+
+
+def check_int64(name: str, value: Any, allow_none: bool = False) -> None:
+    """int in [-2**63, 2**63 - 1]."""
+    check_int_range(name, value, INT64_MIN, INT64_MAX, "int64", allow_none)
+
+
+def check_list_of(name: str, value: Any, item_types: type | tuple[type, ...],
+                  container: type | tuple[type, ...] = (list, tuple), allow_none: bool = False) -> None:
+    """``TypeError`` unless ``value`` is a ``container`` whose items are all ``item_types``."""
+    check_isinstance(name, value, container, allow_none)
+    if value is None:
+        return
+    for i, item in enumerate(value):
+        if not isinstance(item, item_types):
+            raise TypeError(f"{name}[{i}] must be {_type_names(item_types)}, "
+                            f"but got {type(item).__name__}.")
+
+
+def check_dict(name: str, value: Any, key_types: type | tuple[type, ...],
+               value_types: type | tuple[type, ...], allow_none: bool = False) -> None:
+    """``TypeError`` unless ``value`` is a dict with keys ``key_types`` and values ``value_types``."""
+    check_isinstance(name, value, dict, allow_none)
+    if value is None:
+        return
+    for k, v in value.items():
+        if not isinstance(k, key_types) or not isinstance(v, value_types):
+            raise TypeError(f"{name} must be dict[{_type_names(key_types)}, "
+                            f"{_type_names(value_types)}], but has {k!r}: {v!r}.")
+
+
+def all_in_range(values: Iterable[int], low: int, high: int) -> bool:
+    """True when every value is in [low, high]."""
+    return all(low <= v <= high for v in values)
