@@ -116,6 +116,7 @@ def main() -> int:
         ap.error(f"unknown example {', '.join(unknown)}; choose from {', '.join(PAIRS)}")
 
     env = dict(os.environ)
+    env.pop("PYTHONSAFEPATH", None)  # each example imports `common` from its own folder
     with tempfile.TemporaryDirectory(prefix="kvdd-examples-") as tmp:
         found = None if args.sim else _which(env)
         if found is None:
