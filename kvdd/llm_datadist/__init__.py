@@ -48,7 +48,13 @@ v2_list = [
 
 _LEGACY_NAMES = ("TensorDesc", "Tensor", "KvCacheManager")
 
-__all__ = v2_list + list(_LEGACY_NAMES)
+__all__ = [
+    "LLMDataDist", "LLMStatusCode", "LLMException", "Status", "LLMClusterInfo", "LLMRole",
+    "LlmConfig", "LLMConfig", "DataType", "KvCache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex",
+    "BlocksCacheKey", "Placement", "RegisterMemStatus", "Cache", "LayerSynchronizer",
+    "TransferConfig", "CacheTask", "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
+    "TensorDesc", "Tensor", "KvCacheManager",
+]  # v2_list + the three legacy names (a literal, so type checkers see the re-exports)
 
 
 def __getattr__(name: str) -> Any:
