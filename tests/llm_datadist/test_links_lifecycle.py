@@ -253,3 +253,35 @@ def test_rank_link_on_hixl_is_not_enabled(rendezvous_dir: str) -> None:
         assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (FEATURE_NOT_ENABLED, 0)
         assert links.query_register_mem_status(1) == (FEATURE_NOT_ENABLED, 0)
         assert links.unlink(1) == FEATURE_NOT_ENABLED
+
+
+# -- fault injection reaches the link calls (kvdd.sim.faults) -----------------------------------------
+def test_injected_faults_reach_rank_table_calls(rendezvous_dir: str) -> None:
+    from kvdd.sim import faults
+    link_busy, timeout, unlink_failed = 0x5010B01B, 0x5010B01A, 0x5010B00A
+    with engine(1, options()):
+        with faults.inject("link", status=link_busy, count=1):
+            assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (link_busy, 0)
+            assert "LINK_BUSY" in (lifecycle.last_error_detail() or "")
+            assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (S_OK, 1)  # id not consumed
+        with faults.inject("query_register_mem_status", status=timeout, count=1, peer=2):
+            assert links.query_register_mem_status(1) == (timeout, 0)
+            assert links.query_register_mem_status(1) == (S_OK, PREPARING)
+        with faults.inject("unlink", status=unlink_failed, count=1):
+            assert links.unlink(1) == unlink_failed
+            assert links.query_register_mem_status(1) == (S_OK, PREPARING)  # kept: retry works
+            assert links.unlink(1) == S_OK
+        with faults.inject("link", status=link_busy, peer=3):  # another peer: not this domain
+            assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (S_OK, 2)
+
+
+def test_injected_faults_reach_link_clusters() -> None:
+    from kvdd.sim import faults
+    processing, not_yet = 0x5010B00D, NOT_YET_LINK
+    with engine(2, options("Decoder")):
+        with faults.inject("link", status=processing, count=1, peer=1):
+            assert links.link_clusters_v2([cluster(1, free_port())], 1000) == (processing, [processing])
+        with faults.inject("unlink", status=not_yet, count=1):
+            assert links.unlink_clusters_v2([(1, 0, [], [])], 1000, True) == (not_yet, [not_yet])
+        engine_ = lifecycle.current()
+        assert engine_ is not None and not engine_.instance.entities

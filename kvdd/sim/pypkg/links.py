@@ -102,9 +102,9 @@ def unlink(comm_id: int) -> int:
         return note(FAILED, "no engine: initialize first")
     if engine.transfer_backend == "hixl":
         return note(Status.LLM_FEATURE_NOT_ENABLED, "the hixl transfer backend has no rank-table links")
-    status = engine.domains.unlink(comm_id)
+    status, why = engine.domains.unlink(comm_id)
     if status != S_OK:
-        return note(status, f"no rank-table link with comm id {comm_id}")
+        return note(status, why)
     return int(S_OK)
 
 
@@ -117,7 +117,7 @@ def query_register_mem_status(comm_id: int) -> tuple[int, int]:
         return note(FAILED, "no engine: initialize first"), 0
     if engine.transfer_backend == "hixl":
         return note(Status.LLM_FEATURE_NOT_ENABLED, "the hixl transfer backend has no rank-table links"), 0
-    status, state = engine.domains.query(comm_id)
+    status, state, why = engine.domains.query(comm_id)
     if status != S_OK:
-        return note(status, f"no rank-table link with comm id {comm_id}"), 0
+        return note(status, why), 0
     return int(S_OK), state

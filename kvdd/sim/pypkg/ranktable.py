@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ...status import FAILED, PARAM_INVALID, S_OK, Status
 from ...types import ClusterInfo, IpInfo
-from .. import fabric
+from .. import fabric, faults
 from . import rendezvous
 from .instance import Claim, PkgInstance, Snapshot, stating
 
@@ -155,6 +155,12 @@ class Domains:
         if devices is None:
             return (Status.LLM_LINK_FAILED, 0, "the rank table is not a JSON object with a "
                     "server_list (no communicator can be built from it)")
+        others = [c for c, _ in members if c != inst.cluster_id]
+        # kvdd.sim.faults: in place of building the communicator (kind "link")
+        status = faults.on_call(inst, "link", others[0] if len(others) == 1 else None,
+                                self.link_total_s * 1000.0, True)
+        if status != S_OK:
+            return status, 0, inst.last_error_detail() or "injected fault"
         try:
             addrs = rendezvous.address_map()
             own_rank = dict(members)[inst.cluster_id]
@@ -205,20 +211,39 @@ class Domains:
             self._listeners[(key[0], lst.port if listen is None else key[1])] = lst
             return key[0], lst.port
 
-    def query(self, comm_id: int) -> tuple[int, int]:
+    def _peer_of(self, d: Domain) -> int | None:
+        """The peer a fault injection names for ``d``: its other member when it has one."""
+        others = sorted(d.others)
+        return others[0] if len(others) == 1 else None
+
+    def query(self, comm_id: int) -> tuple[int, int, str]:
+        """``(status, RegisterMemStatus value, why)``; unknown id → NOT_YET_LINK."""
         with self._lock:
             d = self._domains.get(comm_id)
         if d is None:
-            return Status.LLM_NOT_YET_LINK, 0
-        return S_OK, d.status
+            return Status.LLM_NOT_YET_LINK, 0, f"no rank-table link with comm id {comm_id}"
+        # kvdd.sim.faults: kind "query_register_mem_status"
+        status = faults.on_call(self.instance, "query_register_mem_status", self._peer_of(d))
+        if status != S_OK:
+            return status, 0, self.instance.last_error_detail() or "injected fault"
+        return S_OK, d.status, ""
 
-    def unlink(self, comm_id: int) -> int:
+    def unlink(self, comm_id: int) -> tuple[int, str]:
+        """``(status, why)``; unknown id → NOT_YET_LINK; an injected failure keeps the domain."""
         with self._lock:
-            d = self._domains.pop(comm_id, None)
+            d = self._domains.get(comm_id)
         if d is None:
-            return Status.LLM_NOT_YET_LINK
+            return Status.LLM_NOT_YET_LINK, f"no rank-table link with comm id {comm_id}"
+        # kvdd.sim.faults: kind "unlink", in place of the teardown (local: no peer loss)
+        status = faults.on_call(self.instance, "unlink", self._peer_of(d))
+        if status != S_OK:
+            return status, self.instance.last_error_detail() or "injected fault"
+        with self._lock:
+            if self._domains.get(comm_id) is not d:  # another thread unlinked it meanwhile
+                return Status.LLM_NOT_YET_LINK, f"no rank-table link with comm id {comm_id}"
+            del self._domains[comm_id]
         self._stop(d)
-        return S_OK
+        return S_OK, ""
 
     def close(self) -> None:
         """Finalize: stop every prepare, drop the entries and on-demand listeners."""

@@ -197,8 +197,11 @@ def lookup(directory: Path, comm_name: str, cluster_id: int) -> tuple[str, int] 
 
 
 def withdraw(path: Path) -> None:
-    """Remove a published entry (absent is fine)."""
+    """Remove an entry this process published (absent, or replaced by another process's: kept)."""
     try:
-        os.unlink(path)
-    except OSError:
+        with open(path, "rb") as f:
+            pid = json.loads(f.read(_MAX_ENTRY + 1)).get("pid")
+        if pid == os.getpid():
+            os.unlink(path)
+    except (OSError, ValueError, AttributeError):
         pass
