@@ -167,3 +167,23 @@ def test_across_hosts_the_address_map_replaces_the_directory(tmp_path: Path) -> 
         assert p.call(S + "init", 1, options("Prompt")) == S_OK
         assert p.call(K + "link", "x", PD, rank_table()) == (LINK_FAILED, 0)
         assert "KVDD_SIM_RANK_TABLE_ADDRS" in (p.call(L + "last_error_detail") or "")
+
+
+def test_a_member_that_vanishes_after_link_fails_the_domain_in_time(fresh: tuple[Peer, Peer, Peer],
+                                                                     rv_dir: Path) -> None:
+    # D calls link and dies before P links: its entry names a process that is gone, so P never
+    # dials it and the domain fails after the link total time (PREPARING always ends, §9.3)
+    p, _, _ = fresh
+    with Peer({"KVDD_SIM_RENDEZVOUS_DIR": str(rv_dir)}) as d:
+        assert d.call(S + "init", 2, options("Decoder")) == S_OK
+        assert d.call(K + "link", "pd", PD, rank_table()) == (S_OK, 1)
+        d.process.kill()
+        d.process.join(5)
+    stale = [f for f in os.listdir(rv_dir) if not f.startswith(".")]
+    assert len(stale) == 1  # the dead member's entry stays behind, ignored
+    assert p.call(S + "init", 1, options("Prompt", llm_LinkTotalTime="1")) == S_OK
+    t0 = time.monotonic()
+    assert p.call(K + "link", "pd", PD, rank_table()) == (S_OK, 1)
+    assert p.call(S + "wait_status", 1) == (S_OK, FAILED_STATE)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    os.unlink(rv_dir / stale[0])

@@ -68,7 +68,7 @@ class Claim:
         try:
             obj = json.loads(data)
             ra, comm, members = obj["ra"], obj["comm"], obj["members"]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             return None
         if not isinstance(ra, bool) or not (comm is None or isinstance(comm, str)):
             return None

@@ -13,7 +13,7 @@ are (no IPv4-string check), and both ends' ``llm.EnableRemoteCacheAccessible`` m
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ...llm_datadist._seam import ClusterTuple
 from ...status import FAILED, PARAM_INVALID, S_OK, Status
@@ -77,7 +77,7 @@ def unlink_clusters_v2(clusters: Sequence[ClusterTuple], timeout_ms: int,
     return int(status), [int(r) for r in rets]
 
 
-def link(comm_name: str, cluster_rank_info: Sequence[tuple[int, int]],
+def link(comm_name: str, cluster_rank_info: Sequence[tuple[int, int]] | Mapping[int, int],
          rank_table: str) -> tuple[int, int]:
     """Rank-table link (PYPKG.md §3.3): ``(status, comm_id)``; the comm id starts PREPARING.
 
@@ -88,7 +88,9 @@ def link(comm_name: str, cluster_rank_info: Sequence[tuple[int, int]],
     engine = current_engine()
     if engine is None:
         return note(FAILED, "no engine: initialize first"), 0
-    status, comm_id, why = engine.domains.link(comm_name, list(cluster_rank_info), rank_table)
+    pairs = list(cluster_rank_info.items()) if isinstance(cluster_rank_info, Mapping) \
+        else list(cluster_rank_info)
+    status, comm_id, why = engine.domains.link(comm_name, pairs, rank_table)
     if status != S_OK:
         return note(status, why), 0
     return int(S_OK), comm_id

@@ -171,12 +171,12 @@ class Domains:
             return Status.LLM_LINK_FAILED, 0, str(exc)
         except OSError as exc:
             return Status.LLM_LINK_FAILED, 0, f"cannot listen for the rank-table link: {exc.strerror}"
+        snapshot = inst.snapshot_for_link()  # the caches registered now (§9.4)
         with self._lock:
             if self._closed:
                 return FAILED, 0, "the engine is finalizing"
             comm_id = self._next_id
             self._next_id += 1
-            snapshot = inst.snapshot_for_link()  # the caches registered now (§9.4)
             d = Domain(comm_id, comm_name, members, inst.cluster_id,
                        time.monotonic() + self.link_total_s, snapshot)
             self._domains[comm_id] = d
