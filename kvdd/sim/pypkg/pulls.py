@@ -126,6 +126,7 @@ def pull_cache_v2(engine: PkgEngine, dst_cache_id: int, key: CacheKeyTuple,
             if local.placement == HOST:
                 reject(PARAM_INVALID, "a HOST destination needs a device memory pool in the "
                        "two-sided mode (not simulated)")
+            _construct(local, param)  # the request is built as in the one-sided mode
             reject(Status.LLM_FEATURE_NOT_ENABLED, "this pull is two-sided (the engine is not "
                    "remote-cache-accessible): it needs the peer's device-side request handler, "
                    "which the simulator does not model; set enable_remote_cache_accessible=True "
@@ -133,11 +134,10 @@ def pull_cache_v2(engine: PkgEngine, dst_cache_id: int, key: CacheKeyTuple,
         return _pull_one_sided(engine, entity, local, key, param)
 
 
-def _pull_one_sided(engine: PkgEngine, entity: Entity, local: CacheEntry, key: CacheKeyTuple,
-                    param: PullParamTuple) -> int:
-    size, batch_index, src_blocks, dst_blocks, src_idx, dst_idx, _so, _do, _t = param
-    kind = "pull_blocks" if dst_blocks else "pull_cache"
-    # ConstructTransferInfo: the groups, the request size, the destination bounds
+def _construct(local: CacheEntry, param: PullParamTuple) -> Runs | None:
+    """``ConstructTransferInfo`` (both modes): the groups, the request size, the destination
+    bounds; the B2B runs (None for C2C and C2B)."""
+    _size, _batch, src_blocks, dst_blocks, _src_idx, dst_idx, _so, _do, _t = param
     if src_blocks and not dst_blocks:
         reject(PARAM_INVALID, "pulling blocks into a contiguous cache is not supported")
     runs: Runs | None = None
@@ -159,6 +159,15 @@ def _pull_one_sided(engine: PkgEngine, entity: Entity, local: CacheEntry, key: C
         for b in dst_blocks:
             if b >= local.N:
                 reject(PARAM_INVALID, f"dst block {b} is out of range [0, {local.N})")
+    return runs
+
+
+def _pull_one_sided(engine: PkgEngine, entity: Entity, local: CacheEntry, key: CacheKeyTuple,
+                    param: PullParamTuple) -> int:
+    size, batch_index, src_blocks, dst_blocks, src_idx, dst_idx, _so, _do, _t = param
+    kind = "pull_blocks" if dst_blocks else "pull_cache"
+    runs = _construct(local, param)
+    K = len(dst_idx) if dst_idx else local.n
     # FindCacheEntry on the link's snapshot, then the remote-accessible flags (local first)
     rc = find_remote(entity.peer.snapshot(), key)
     if rc is None:
