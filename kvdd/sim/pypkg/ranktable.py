@@ -163,9 +163,12 @@ class Domains:
             return status, 0, inst.last_error_detail() or "injected fault"
         try:
             addrs = rendezvous.address_map()
-            own_rank = dict(members)[inst.cluster_id]
-            listen = rendezvous.mapped_address(devices.get(own_rank), addrs)
-            directory = None if listen is not None else rendezvous.rendezvous_dir()
+            targets = {c: rendezvous.mapped_address(devices.get(r), addrs) for c, r in members}
+            listen = targets[inst.cluster_id]
+            # the directory: for publishing our address (when it is not mapped) or finding a
+            # peer whose address is not mapped
+            unmapped = any(t is None for t in targets.values())
+            directory = rendezvous.rendezvous_dir() if unmapped else None
             ip, port = self._reachable(listen)
         except rendezvous.RendezvousError as exc:
             return Status.LLM_LINK_FAILED, 0, str(exc)
@@ -189,9 +192,8 @@ class Domains:
         if len(members) > 4:
             logger.warning("kvdd: comm domain %r has %d members; the hardware allows at most 4 per "
                            "domain (not enforced by the simulator)", comm_name, len(members))
-        if directory is not None:
+        if directory is not None and listen is None:
             d.entry = rendezvous.publish(directory, comm_name, inst.cluster_id, ip, port)
-        targets = {c: rendezvous.mapped_address(devices.get(r), addrs) for c, r in members}
         d.thread = threading.Thread(target=self._prepare, args=(d, directory, targets), daemon=True,
                                     name=f"kvdd-rank-link {comm_name[:32]}#{comm_id}")
         d.thread.start()

@@ -191,17 +191,21 @@ def lookup(directory: Path, comm_name: str, cluster_id: int) -> tuple[str, int] 
         return None
     if not same or not isinstance(ip, str) or not isinstance(port, int) or not isinstance(pid, int):
         return None
-    if not 0 < port < 65536 or not _alive(pid):
+    if not 0 < port < 65536:
+        return None
+    if not _alive(pid):  # its process is gone: the entry is stale (our own directory)
+        withdraw(path, pid)
         return None
     return ip, port
 
 
-def withdraw(path: Path) -> None:
-    """Remove an entry this process published (absent, or replaced by another process's: kept)."""
+def withdraw(path: Path, owner: int | None = None) -> None:
+    """Remove an entry published by process ``owner`` (default: this one); absent, or replaced
+    by another process's entry meanwhile: kept."""
     try:
         with open(path, "rb") as f:
             pid = json.loads(f.read(_MAX_ENTRY + 1)).get("pid")
-        if pid == os.getpid():
+        if pid == (os.getpid() if owner is None else owner):
             os.unlink(path)
     except (OSError, ValueError, AttributeError):
         pass
