@@ -24,7 +24,8 @@ def test_two_prefills_linked_in_a_batch_and_pulled() -> None:
 
 
 def test_statuses_of_the_retry_set_are_retried_until_the_pull_succeeds() -> None:
-    faults = {"decode": "pull_blocks:status=LLM_LINK_BUSY:count=1;pull_blocks:status=LLM_PROCESSING_LINK:after=1:count=1"}
+    # injections are consulted in order and the first that fires decides: busy, then processing link
+    faults = {"decode": "pull_blocks:status=LLM_LINK_BUSY:count=1;pull_blocks:status=LLM_PROCESSING_LINK:count=1"}
     procs = run("omni_infer.py", [("prefill0", ["0"]), ("decode", ["1"])], faults)
     d = procs["decode"].result
     assert d["tries"] == [3, 1]  # model 0: busy, processing link, then through; model 1 at once
