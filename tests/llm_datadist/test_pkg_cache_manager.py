@@ -443,3 +443,40 @@ def test_retained_cache_manager_after_finalize_reaches_the_engine(fake: Recordin
     with pytest.raises(LLMException) as exc:
         mgr.pull_blocks(BlocksCacheKey(1), b, [0], [0])
     assert exc.value.status_code is PI and fake.names()[-1] == "pull_cache_v2"
+
+
+def test_documented_hardware_limits_are_logged_once_not_enforced(fake: RecordingWrapper,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from kvdd.llm_datadist.v2 import doc_limits
+
+    doc_limits.reset_warnings()
+    mgr = cm()
+    aligned = [doc_limits.DEVICE_ALIGNMENT * (i + 1) for i in range(120)]
+    with caplog.at_level("WARNING", logger="LLM_DATADIST"):
+        first = mgr.register_cache(desc(120), aligned)
+        mgr.register_blocks_cache(desc(120), aligned)  # exactly 240: no warning
+        assert caplog.records == []
+        mgr.register_cache(desc(1), [aligned[0]])  # 241
+        assert [r.getMessage() for r in caplog.records] == [
+            "kvdd does not enforce this hardware limit of CANN's documentation: at most 240 registered "
+            "addresses per process (now 241)"]
+        mgr.unregister_cache(first.cache_id)
+        mgr.register_cache(desc(120), aligned)
+        mgr.register_cache(desc(1), [aligned[0] + 64])  # unaligned device address
+        mgr.register_cache(desc(1, placement=Placement.HOST), [64])  # host memory needs no alignment
+        mgr.register_cache(desc(1), [aligned[0] + 128])
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "2 MiB-aligned" in messages[1]
+    assert all(r.levelname == "WARNING" for r in caplog.records)
+    assert LLMDataDist.llm_engine_instance is not None
+    LLMDataDist.llm_engine_instance.finalize()
+    mgr = cm()  # a new engine counts from zero
+    fake.tensor_size = doc_limits.MAX_DEVICE_BYTES // 2
+    with caplog.at_level("WARNING", logger="LLM_DATADIST"):
+        mgr.register_cache(desc(2), aligned[:2])  # exactly 50 GiB
+        assert len(caplog.records) == 2
+        mgr.register_cache(desc(1, placement=Placement.HOST), [64])
+        assert len(caplog.records) == 2  # host bytes are counted apart
+        mgr.register_cache(desc(1), aligned[:1])
+    assert "50 GB" in caplog.records[-1].getMessage()
+    doc_limits.reset_warnings()

@@ -3,6 +3,7 @@ str() forms, the legacy names, import effects, statuses, the toplevel alias."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -62,28 +63,50 @@ def test_star_import_fails_without_the_legacy_package() -> None:
         exec("from kvdd.llm_datadist import *", {})
 
 
-def test_import_sets_auto_use_uc_memory_only_when_unset() -> None:
-    code = "import os, kvdd.llm_datadist; print(os.environ['AUTO_USE_UC_MEMORY'])"
+IMPORT_PROBE = """
+import os
+import kvdd.llm_datadist.data_type as d
+lazy_before = len(d._lazy)
+_ = d.dtype_to_np_dtype
+print("AUTO_USE_UC_MEMORY=" + os.environ["AUTO_USE_UC_MEMORY"])
+print("lazy=%d,%d" % (lazy_before, len(d._lazy)))
+from kvdd.llm_datadist.status import raise_if_false
+try:
+    raise_if_false(False, "boom-msg")
+except Exception:
+    pass
+import logging
+logging.getLogger("LLM_DATADIST").info("info-msg")
+"""
+
+
+def test_import_effects_in_a_fresh_process() -> None:
+    """AUTO_USE_UC_MEMORY=0 when unset; the numpy maps are built on first access; the logger
+    prints on stdout at the ASCEND_GLOBAL_LOG_LEVEL level and raise_if_* records once."""
     env = {k: v for k, v in os.environ.items() if k != "AUTO_USE_UC_MEMORY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "0"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "AUTO_USE_UC_MEMORY": "1"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "1"
+    env["ASCEND_GLOBAL_LOG_LEVEL"] = "1"
+    out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "AUTO_USE_UC_MEMORY=0" in out
+    assert "lazy=0,3" in out
+    assert out.count("boom-msg") == 1
+    assert "info-msg" in out
 
 
-def test_logger_level_from_env_and_stdout_when_unconfigured() -> None:
+def test_auto_use_uc_memory_is_kept_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTO_USE_UC_MEMORY", "1")
+    importlib.reload(pkg)
+    assert os.environ["AUTO_USE_UC_MEMORY"] == "1"
+    monkeypatch.delenv("AUTO_USE_UC_MEMORY")
+    importlib.reload(pkg)
+    assert os.environ["AUTO_USE_UC_MEMORY"] == "0"
+    assert pkg.LLMDataDist is pkg.v2.llm_datadist.LLMDataDist  # reloading rebinds the same classes
+
+
+def test_log_levels() -> None:
     assert [level_from_env(v) for v in ("0", "1", "2", "3", None, "7", "x")] == [
         logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.ERROR, logging.ERROR,
         logging.ERROR]
-    code = ("from kvdd.llm_datadist.status import raise_if_false\n"
-            "try:\n    raise_if_false(False, 'boom-msg')\nexcept Exception:\n    pass\n"
-            "import logging; logging.getLogger('LLM_DATADIST').info('info-msg')\n")
-    for level, expect_info in (("1", True), ("3", False)):
-        env = {**os.environ, "ASCEND_GLOBAL_LOG_LEVEL": level}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.count("boom-msg") == 1  # raise_if_* log at ERROR, once, on stdout
-        assert ("info-msg" in out.stdout) is expect_info
 
 
 def test_records_propagate_once_when_logging_is_configured(caplog: pytest.LogCaptureFixture,
@@ -175,13 +198,6 @@ def test_raise_if_helpers_and_status() -> None:
 
 
 def test_data_type_maps_are_lazy_and_bf16_is_float16() -> None:
-    # built on first access (kvdd itself imports numpy, so laziness is seen in the module state)
-    code = ("import kvdd.llm_datadist.data_type as d\n"
-            "before = dict(d._lazy)\n"
-            "m = d.dtype_to_np_dtype\n"
-            "print(len(before), len(d._lazy))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["0", "3"]
     import numpy as np
 
     from kvdd.llm_datadist import data_type as d
@@ -216,29 +232,67 @@ def test_toplevel_alias_gives_the_same_module_objects() -> None:
     assert "llm_datadist" not in sys.modules
     with toplevel.installed() as top:
         assert toplevel.is_installed()
-        import llm_datadist  # type: ignore[import-not-found]
-        import llm_datadist.v2.cache_manager  # type: ignore[import-not-found]
-        from llm_datadist.status import LLMException as TopException  # type: ignore[import-not-found]
+        top_pkg = importlib.import_module("llm_datadist")
+        top_cm = importlib.import_module("llm_datadist.v2.cache_manager")
+        top_status = importlib.import_module("llm_datadist.status")
+        exec_ns: dict[str, object] = {}
+        exec("from llm_datadist.status import LLMException", exec_ns)
 
+        import kvdd.llm_datadist.status
         import kvdd.llm_datadist.v2.cache_manager
 
-        assert top is llm_datadist is pkg
-        assert TopException is LLMException
-        assert llm_datadist.v2.cache_manager is kvdd.llm_datadist.v2.cache_manager
-        assert llm_datadist.CacheDesc is pkg.CacheDesc
+        assert top is top_pkg is pkg
+        assert exec_ns["LLMException"] is LLMException is kvdd.llm_datadist.status.LLMException
+        assert top_status is kvdd.llm_datadist.status
+        assert top_cm is kvdd.llm_datadist.v2.cache_manager
+        assert top_pkg.CacheDesc is pkg.CacheDesc
         assert pkg.__spec__ is not None and pkg.__spec__.name == "kvdd.llm_datadist"
+        assert top_cm.__spec__ is not None and top_cm.__spec__.name == "kvdd.llm_datadist.v2.cache_manager"
         with pytest.raises(ModuleNotFoundError):
-            import llm_datadist.no_such_module  # type: ignore[import-not-found]  # noqa: F401
+            importlib.import_module("llm_datadist.no_such_module")
         with pytest.raises(ModuleNotFoundError, match="llm_datadist_v1"):
-            from llm_datadist import KvCacheManager  # noqa: F401
+            exec("from llm_datadist import KvCacheManager", {})
+        toplevel.install()  # idempotent
+        assert sys.meta_path.count(toplevel._finder) == 1
     assert not toplevel.is_installed()
     assert not [n for n in sys.modules if n == "llm_datadist" or n.startswith("llm_datadist.")]
     # without the finder the name is no longer kvdd's (under pytest, tests/ is on sys.path and
     # tests/llm_datadist/ would be found as a namespace package)
     try:
-        import llm_datadist as after  # noqa: F811
+        after = importlib.import_module("llm_datadist")
     except ModuleNotFoundError:
         pass
     else:
         assert after is not pkg
         del sys.modules["llm_datadist"]
+
+
+def test_toplevel_after_the_thin_package_replaced_itself() -> None:
+    """What the cann-root package does: install(), then sys.modules['llm_datadist'] = kvdd's."""
+    toplevel.install()
+    sys.modules["llm_datadist"] = pkg
+    try:
+        sub = importlib.import_module("llm_datadist.v2.llm_types")
+        assert sub is importlib.import_module("kvdd.llm_datadist.v2.llm_types")
+        assert sub.CacheDesc is pkg.CacheDesc
+    finally:
+        toplevel.uninstall()
+    assert "llm_datadist" not in sys.modules and "llm_datadist.v2.llm_types" not in sys.modules
+
+
+def test_native_wrapper_module_constants_and_functions() -> None:
+    from pkg_fake import use_fake
+
+    import kvdd.llm_datadist.llm_datadist_wrapper as native
+
+    assert (native.kSuccess, native.kFailed, native.kParamInvalid, native.kLinKFailed) == (
+        0, 0xFFFFFFFF, 0x5010B005, 0x5010B009)
+    assert native.dict_to_vector({3: 1, 1: 0}) == [(3, 1), (1, 0)]
+    with use_fake() as fake:
+        assert native.initialize_v2(5, {"a": "b"}) == 0
+        assert native.unlink(4) == 0
+        assert native.register_cache((1, 1, -1, [2], 1, False), [8], [], True) == (0, (1, [[8]]))
+        assert native.calc_tensor_size([2, 3], 1) == fake.tensor_size
+    assert fake.names() == ["initialize_v2", "unlink", "register_cache"]
+    with pytest.raises(AttributeError):
+        getattr(native, "no_such_function")

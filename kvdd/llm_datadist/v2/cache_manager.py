@@ -13,24 +13,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._seam import TransferCfgTuple, Wrapper
-from ..status import handle_llm_status, raise_if_false
+from ..status import LLMException, handle_llm_status, raise_if_false
 from ..utils.utils import (
-    check_dict,
     check_int64,
     check_isinstance,
     check_list_of,
     check_uint32,
-    check_uint64,
 )
 from . import transfer
-from .llm_keys import INVALID_ID, BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from .cache_copies import LocalCopies
+from .doc_limits import RegistrationLimits
+from .llm_keys import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .llm_types import (
     Cache,
     CacheDesc,
     CacheTask,
     LayerSynchronizer,
-    MemInfo,
-    Memtype,
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
@@ -46,7 +44,6 @@ from .llm_utils import (
 
 __all__ = ["CacheManager"]
 
-_SWAP_IN, _SWAP_OUT = 0, 1  # swap_blocks_v2 swap_type: host -> device, device -> host
 
 
 def _pull_kwargs(kwargs: Mapping[str, Any]) -> tuple[Any, Any, Any]:
@@ -60,7 +57,7 @@ def _check_tensor_num_per_layer(t: Any) -> None:
     raise_if_false(t > 0, f"tensor_num_per_layer must be > 0, but got {t}.")
 
 
-class CacheManager:
+class CacheManager(LocalCopies):
     """The cache side of an initialized :class:`~kvdd.llm_datadist.LLMDataDist` in
     cache-manager mode (CANN ``CacheManager``, PYPKG.md §4); obtained from
     ``LLMDataDist.cache_manager``."""
@@ -73,6 +70,14 @@ class CacheManager:
         self._enable_local_comm_res = "llm.LocalCommRes" in engine_options
         self._is_call_linked = False
         self._initialized = True
+        self._limits = RegistrationLimits()
+
+    def _note_registered(self, cache_id: int, cache_desc: CacheDesc, addrs: list[int]) -> None:
+        try:
+            nbytes: int | None = cache_desc.size * cache_desc.num_tensors
+        except LLMException:
+            nbytes = None
+        self._limits.registered(cache_id, addrs, cache_desc.placement == Placement.DEVICE, nbytes)
 
     def _detail(self) -> str:
         return self._wrapper.last_error_detail() or ""
@@ -144,6 +149,7 @@ class CacheManager:
             pack_cache_desc(cache_desc), pack_uint64_list("addrs", addrs),
             [pack_cache_key(k) for k in cache_keys], ra)
         self._check(status, "register_cache", f"cache_desc={cache_desc!r}")
+        self._note_registered(cache_id, cache_desc, addrs)
         return Cache(cache_id, cache_desc, list(tensor_addrs[0]) if tensor_addrs else list(addrs),
                      self, True, False)
 
@@ -175,6 +181,7 @@ class CacheManager:
         status, (cache_id, tensor_addrs) = self._wrapper.register_cache(
             pack_cache_desc(cache_desc), pack_uint64_list("addrs", addrs), keys, ra)
         self._check(status, "register_blocks_cache", f"cache_desc={cache_desc!r}")
+        self._note_registered(cache_id, cache_desc, addrs)
         return Cache(cache_id, cache_desc, list(tensor_addrs[0]) if tensor_addrs else list(addrs),
                      self, True, True)
 
@@ -183,6 +190,7 @@ class CacheManager:
         CANN ``unregister_cache``, PYPKG.md §4.2). ``TypeError`` / ``ValueError`` (int64)."""
         check_int64("cache_id", cache_id)
         self._check(self._wrapper.unregister_cache(cache_id), "unregister_cache", f"cache_id={cache_id}")
+        self._limits.unregistered(cache_id)
 
     # -- pool-backed allocation (§4.3) ---------------------------------------------------------
 
@@ -425,75 +433,3 @@ class CacheManager:
         return transfer.transfer_cache_async(self._wrapper, self._enable_remote_cache_accessible,
                                              src_cache, layer_synchronizer, transfer_configs,
                                              src_block_indices, dst_block_indices, dst_block_memory_size)
-
-    # -- local copies (§4.11) ------------------------------------------------------------------
-
-    def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
-                   offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
-        """Copy rows between two local non-blocks caches (CANN ``copy_cache``, PYPKG.md §4.11):
-        ``dst[i][dst_batch*S+offset, +m) <- src[i][src_batch*S+offset, +m)``, ``m`` = ``size``
-        bytes or the rest of the row. LLM_PARAM_INVALID for a blocks cache or ``size`` not -1/>0.
-        """
-        check_isinstance("dst", dst, Cache, allow_none=False)
-        check_isinstance("src", src, Cache, allow_none=False)
-        check_uint32("dst_batch_index", dst_batch_index)
-        check_uint32("src_batch_index", src_batch_index)
-        check_uint64("offset", offset)
-        check_int64("size", size)
-        raise_if_false(not dst.is_blocks_cache and not src.is_blocks_cache,
-                       "copy_cache does not take blocks caches.")
-        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, but got {size}.")
-        check_uint64("req_id", req_id, allow_none=True)
-        param = (src.cache_id, dst.cache_id, src_batch_index, dst_batch_index, offset, size,
-                 INVALID_ID if req_id is None else req_id)
-        self._check(self._wrapper.copy_cache_v2(param), "copy_cache",
-                    f"src={src.cache_id}, dst={dst.cache_id}")
-
-    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
-        """Copy block ``s`` to each block of ``copy_block_info[s]`` in every tensor of a blocks
-        cache (CANN ``copy_blocks``, PYPKG.md §4.11)."""
-        check_isinstance("cache", cache, Cache, allow_none=False)
-        raise_if_false(cache.is_blocks_cache, "copy_blocks needs a blocks cache.")
-        check_dict("copy_block_info", copy_block_info, int, (list, tuple))
-        pairs: list[tuple[int, int]] = []
-        for src_block, dst_list in copy_block_info.items():
-            check_list_of("copy_block_info value", dst_list, int)
-            pairs.extend((src_block, d) for d in dst_list)
-        self._check(self._wrapper.copy_blocks_v2(cache.cache_id, pairs), "copy_blocks",
-                    f"cache_id={cache.cache_id}")
-
-    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
-        """Copy blocks between a HOST and a DEVICE blocks cache (CANN ``swap_blocks``,
-        PYPKG.md §4.11); the HOST side is usually ``Cache.create_cpu_cache``."""
-        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
-        check_dict("src_to_dst", src_to_dst, int, int, allow_none=False)
-        sd, dd = src_cache.cache_desc, dst_cache.cache_desc
-        raise_if_false(src_cache.is_blocks_cache and dst_cache.is_blocks_cache,
-                       "swap_blocks needs two blocks caches.")
-        block_size = sd.size // sd.batch_size
-        raise_if_false(block_size == dd.size // dd.batch_size and sd.num_tensors == dd.num_tensors,
-                       "swap_blocks needs equal block sizes and tensor counts.")
-        for s, d in src_to_dst.items():
-            raise_if_false(0 <= s < sd.batch_size and 0 <= d < dd.batch_size,
-                           f"block pair ({s}, {d}) out of range.")
-        placements = {sd.placement, dd.placement}
-        raise_if_false(placements == {Placement.HOST, Placement.DEVICE},
-                       "swap_blocks needs one HOST and one DEVICE cache.")
-        swap_type = _SWAP_IN if sd.placement == Placement.HOST else _SWAP_OUT
-        status = self._wrapper.swap_blocks_v2(
-            (src_cache.cache_id, [src_cache.tensor_addrs]), (dst_cache.cache_id, [dst_cache.tensor_addrs]),
-            block_size, swap_type, list(src_to_dst.items()))
-        self._check(status, "swap_blocks", f"src={src_cache.cache_id}, dst={dst_cache.cache_id}")
-
-    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
-        """Re-bind registered device memory (reserved upstream, PYPKG.md §4.11)."""
-        infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
-        raise_if_false(isinstance(infos, list) and all(isinstance(m, MemInfo) for m in infos),
-                       "mem_infos must be a MemInfo or a list of MemInfo.")
-        for info in infos:
-            raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE, "mem_type must be MEM_TYPE_DEVICE.")
-            raise_if_false(info.addr != 0, "addr must not be 0.")
-            raise_if_false(info.size > 0, "size must be > 0.")
-        status = self._wrapper.remap_registered_memory([(i.mem_type.value, i.addr, i.size) for i in infos])
-        self._check(status, "remap_registered_memory", f"{len(infos)} ranges")
