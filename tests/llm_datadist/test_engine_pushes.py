@@ -158,14 +158,14 @@ def test_pushes_serialized_engine_wide(pair: tuple[Engine, Engine],
         link(p, e)
         inside = [0]
         peak = [0]
-        real = pushes.run
+        real = getattr(pushes, "run")
 
         def slow_run(*args: object) -> int:
             inside[0] += 1
             peak[0] = max(peak[0], inside[0])
             time.sleep(0.05)
             inside[0] -= 1
-            return real(*args)  # type: ignore[arg-type]
+            return int(real(*args))
 
         monkeypatch.setattr(pushes, "run", slow_run)
         results: list[int] = []
