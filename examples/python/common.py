@@ -120,8 +120,8 @@ def pattern(tag: int, tensor: int, count: int, start: int = 0) -> np.ndarray[Any
     x = (i + (np.uint64(tensor) << np.uint64(20)) + (np.uint64(tag) << np.uint64(28))) * np.uint64(0x9E3779B1)
     x &= np.uint64(0xFFFFFFFF)
     x ^= x >> np.uint64(15)
-    words = x % np.uint64(0xEEEC) + np.uint64(1)
-    return words.astype(np.uint16)
+    words: np.ndarray[Any, np.dtype[np.uint16]] = (x % np.uint64(0xEEEC) + np.uint64(1)).astype(np.uint16)
+    return words
 
 
 class Tensors:

@@ -56,7 +56,8 @@ def pattern(tag: int, tensor: int, nbytes: int, start: int = 0) -> NDArray[np.ui
     x = (i + (np.uint64(tensor) << np.uint64(24)) + (np.uint64(tag) << np.uint64(36))) * np.uint64(0x9E3779B97F4A7C15)
     x ^= x >> np.uint64(29)
     v = (x % np.uint64(255)).astype(np.uint8)
-    return np.where(v >= UNTOUCHED, v + 1, v).astype(np.uint8)
+    out: NDArray[np.uint8] = np.where(v >= UNTOUCHED, v + 1, v).astype(np.uint8)
+    return out
 
 
 class Memory:

@@ -80,7 +80,7 @@ class DatadistEngine:
         self.caches[model_id] = cache
         return cache
 
-    def link(self, remote_cluster_id: int, remote_ip: str, remote_port: int) -> None:
+    def link(self, remote_cluster_id: int, remote_ip: str | int, remote_port: int) -> None:
         info = LLMClusterInfo()
         info.remote_cluster_id = remote_cluster_id
         info.append_local_ip_info(cs.HOST, 0)
@@ -109,7 +109,7 @@ class DatadistEngine:
                 # A newly registered cache may require relink.
                 info = self.linked[remote_cluster_id]
                 self.unlink(remote_cluster_id)
-                ip, port = info.remote_ip_info_list[0]
+                ip, port = info.remote_ip_info_list[0]  # the IP as the package packed it (an int)
                 self.link(remote_cluster_id, ip, port)
                 self.relinks += 1
 

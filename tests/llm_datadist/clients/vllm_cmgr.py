@@ -143,7 +143,7 @@ class CMgrWorker:
 
 def memories(kind: str, blocks: int, tag: int | None) -> tuple[list[cs.Memory], list[tuple[int, ...]]]:
     layers = LAYERS[kind]
-    shapes = [(blocks, BLOCK_SIZE, *tok) for tok in FAMILIES[kind]]
+    shapes: list[tuple[int, ...]] = [(blocks, BLOCK_SIZE, *tok) for tok in FAMILIES[kind]]
     per = 2 * layers if kind == "mha" else layers
     mems = []
     for m, shape in enumerate(shapes):
