@@ -120,3 +120,15 @@ def test_hixl_links_are_one_directional_under_the_given_id(fresh: tuple[Peer, Pe
     assert d.call(S + "entities") == []
     assert d.call(K + "link_clusters_v2", [cluster(1, pp)], 2000) == (S_OK, [S_OK])
     assert d.call(S + "entities") == [1]
+
+
+def test_local_comm_res_is_checked_at_link_time(fresh: tuple[Peer, Peer]) -> None:
+    # PYPKG.md §2.3: llm.LocalCommRes is not validated by initialize; a link checks both sides'
+    p, d = fresh
+    port = free_port()
+    assert p.call(S + "init", 1, options("Prompt", port)) == S_OK
+    assert d.call(S + "init", 2, options("Decoder", llm_LocalCommRes="{not json")) == S_OK
+    # a non-empty resource: no local IP needed, but it must be a valid one
+    assert d.call(K + "link_clusters_v2", [cluster(1, port, local=False)], 2000) \
+        == (PARAM_INVALID, [PARAM_INVALID])
+    assert d.call(S + "entities") == [] and p.call(S + "entities") == []

@@ -285,3 +285,11 @@ def test_injected_faults_reach_link_clusters() -> None:
             assert links.unlink_clusters_v2([(1, 0, [], [])], 1000, True) == (not_yet, [not_yet])
         engine_ = lifecycle.current()
         assert engine_ is not None and not engine_.instance.entities
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 30), ("0", 30), ("1", 1), ("1080", 1080)])
+def test_link_total_time_in_seconds_30_when_0(value: str | None, seconds: int) -> None:
+    opts = options() if value is None else options(llm_LinkTotalTime=value)
+    assert _init(opts) == S_OK
+    engine_ = lifecycle.current_engine()
+    assert engine_ is not None and engine_.link_total_s == seconds
