@@ -154,7 +154,8 @@ def test_across_hosts_the_address_map_replaces_the_directory(tmp_path: Path) -> 
     env = {"KVDD_SIM_RENDEZVOUS_DIR": str(bad),
            "KVDD_SIM_RANK_TABLE_ADDRS": f"10.0.0.1=127.0.0.1:{pp},10.0.0.2=127.0.0.1:{dp}"}
     with Peer(env) as p, Peer(env) as d:
-        assert p.call(S + "init", 1, options("Prompt")) == S_OK
+        # P's own listen address is its mapped one: the rank-table link uses that listener
+        assert p.call(S + "init", 1, options("Prompt", pp)) == S_OK
         assert d.call(S + "init", 2, options("Decoder")) == S_OK
         assert d.call(K + "link", "x", PD, rank_table()) == (S_OK, 1)
         assert p.call(K + "link", "x", PD, rank_table()) == (S_OK, 1)

@@ -28,6 +28,7 @@ from pathlib import Path
 from ...status import FAILED, PARAM_INVALID, S_OK, Status
 from ...types import ClusterInfo, IpInfo
 from .. import fabric, faults
+from ..fabric.registry import norm_ip
 from . import rendezvous
 from .instance import Claim, PkgInstance, Snapshot, stating
 
@@ -200,7 +201,8 @@ class Domains:
         return S_OK, comm_id, ""
 
     def _reachable(self, listen: tuple[str, int] | None) -> tuple[str, int]:
-        """Where peers reach this member: the mapped address, else on-demand on 127.0.0.1."""
+        """Where peers reach this member: the mapped address (the engine's own listener when it
+        listens there), else a listener started on demand on 127.0.0.1 (one per engine)."""
         key = listen if listen is not None else ("127.0.0.1", 0)
         with self._lock:
             if listen is None:
@@ -209,6 +211,11 @@ class Domains:
                         return ip, lst.port
             elif key in self._listeners:
                 return key
+            else:
+                own = self.instance.listener
+                if own is not None and own.port == listen[1] \
+                        and own.ip in (norm_ip(listen[0]), "0.0.0.0", "::"):
+                    return key
             lst = fabric.Listener(self.instance, key[0], key[1])
             self._listeners[(key[0], lst.port if listen is None else key[1])] = lst
             return key[0], lst.port
