@@ -146,6 +146,9 @@ def use_fake() -> Iterator[RecordingWrapper]:
     """A fresh fake engine for the block; any LLMDataDist still initialized is finalized after."""
     from kvdd.llm_datadist import LLMDataDist
 
+    leftover = LLMDataDist.llm_engine_instance
+    if leftover is not None:  # an earlier test's instance: one engine per process
+        leftover.finalize()
     fake = RecordingWrapper()
     with _engine.use_wrapper(_as_wrapper(fake)):
         try:

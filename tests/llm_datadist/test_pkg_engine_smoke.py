@@ -36,6 +36,8 @@ def options() -> dict[str, str]:
 
 @pytest.fixture
 def dd() -> Iterator[LLMDataDist]:
+    if LLMDataDist.llm_engine_instance is not None:  # left by an earlier test: one engine per process
+        LLMDataDist.llm_engine_instance.finalize()
     instance = LLMDataDist(LLMRole.DECODER, ME)
     instance.init(options())
     try:
