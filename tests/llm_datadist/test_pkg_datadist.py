@@ -4,6 +4,7 @@ error happens before any engine call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -370,3 +371,21 @@ def test_atexit_hook_finalizes_and_swallows_llm_exception(fake: RecordingWrapper
     dd_module._finalize_at_exit()  # swallowed
     monkeypatch.undo()
 
+
+
+def test_cache_manager_only_members_refuse_an_instance_in_legacy_mode(fake: RecordingWrapper) -> None:
+    """kvdd cannot initialize legacy mode (no llm_datadist_v1); an instance flagged as legacy shows
+    the mode guards of PYPKG.md §3.6-§3.7: the cache-manager members raise LLM_PARAM_INVALID
+    before any engine call."""
+    dd = started()
+    dd._enable_cache_mgr = False
+    calls: list[Callable[[], object]] = [lambda: dd.cache_manager, lambda: dd.link("c", {2: 0, 3: 1}, "{}"),
+                                         lambda: dd.unlink(1), lambda: dd.query_register_mem_status(1)]
+    for call in calls:
+        with pytest.raises(LLMException) as exc:
+            call()
+        assert exc.value.status_code is PI
+    with pytest.raises(ModuleNotFoundError, match="llm_datadist_v1"):
+        dd.kv_cache_manager
+    assert fake.names() == ["initialize_v2"]
+    dd._enable_cache_mgr = True
