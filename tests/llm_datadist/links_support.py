@@ -120,3 +120,21 @@ def engine(cluster_id: int, opts: dict[str, str]) -> Iterator[None]:
         yield
     finally:
         lifecycle.finalize_v2()
+
+
+def state_garbage(value: bytes) -> None:
+    """Make this process state ``value`` as its ``llm_datadist`` handshake entry (a hostile or
+    broken peer)."""
+    from kvdd.sim import fabric
+    from kvdd.sim.pypkg import instance
+
+    def offer(session: Any, owner: Any) -> bytes | None:
+        return value if session.initiator else None
+
+    fabric.register_extension(instance.EXTENSION, offer, lambda session, v: None)
+
+
+def state_normally() -> None:
+    """Undo :func:`state_garbage`."""
+    from kvdd.sim.pypkg import instance
+    instance.register_extension()

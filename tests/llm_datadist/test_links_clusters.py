@@ -132,3 +132,23 @@ def test_local_comm_res_is_checked_at_link_time(fresh: tuple[Peer, Peer]) -> Non
     assert d.call(K + "link_clusters_v2", [cluster(1, port, local=False)], 2000) \
         == (PARAM_INVALID, [PARAM_INVALID])
     assert d.call(S + "entities") == [] and p.call(S + "entities") == []
+
+
+@pytest.mark.parametrize("garbage", [b"", b"{", b"[]", b'{"ra": 1, "comm": null, "members": []}',
+                                     b'{"ra": true, "comm": null, "members": [[1]]}',
+                                     b'{"ra": true, "comm": null, "members": []}' + b" " * 3000,
+                                     b"[" * 2000 + b"]" * 2000])
+def test_a_malformed_claim_is_refused(fresh: tuple[Peer, Peer], garbage: bytes) -> None:
+    # a peer (holding the fabric secret) whose handshake entry is not a valid claim: refused
+    # before any entity is made, and the acceptor keeps serving
+    p, d = fresh
+    port = free_port()
+    assert p.call(S + "init", 1, options("Prompt", port)) == S_OK
+    assert d.call(S + "init", 2, options("Decoder")) == S_OK
+    d.call(S + "state_garbage", garbage)
+    try:
+        assert d.call(K + "link_clusters_v2", [cluster(1, port)], 2000) == (LINK_FAILED, [LINK_FAILED])
+        assert p.call(S + "entities") == [] and d.call(S + "entities") == []
+    finally:
+        d.call(S + "state_normally")
+    assert d.call(K + "link_clusters_v2", [cluster(1, port)], 2000) == (S_OK, [S_OK])

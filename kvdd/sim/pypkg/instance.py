@@ -35,7 +35,8 @@ from ..entries import CacheEntry
 from ..fabric import LinkOffer, PeerHandle, RemoteCache
 from ..fabric.auth import Session
 
-__all__ = ["Claim", "DomainGate", "PkgInstance", "Snapshot", "stating", "EXTENSION"]
+__all__ = ["Claim", "DomainGate", "PkgInstance", "Snapshot", "stating", "EXTENSION", "MALFORMED",
+           "register_extension"]
 
 #: The handshake extension's name.
 EXTENSION = "llm_datadist"
@@ -128,11 +129,21 @@ def _accept(session: Session, value: bytes) -> object:
     return None
 
 
-fabric.register_extension(EXTENSION, _offer, _accept)
+def register_extension() -> None:
+    """(Re-)register this module's handshake extension (done once at import)."""
+    fabric.register_extension(EXTENSION, _offer, _accept)
+
+
+register_extension()
+
+
+#: What :func:`_take_claim` returns for a claim the peer sent that cannot be used.
+MALFORMED = Claim(-1, False)
 
 
 def _take_claim(peer_cluster_id: int) -> Claim | None:
-    """The claim of the peer whose link this thread serves now (see the module docstring)."""
+    """The claim of the peer whose link this thread serves now (see the module docstring); None
+    when it stated none, :data:`MALFORMED` when what it stated is unusable."""
     got: tuple[Claim | None, float] | None = getattr(_tls, "incoming", None)
     _tls.incoming = None
     if got is not None:
@@ -140,7 +151,7 @@ def _take_claim(peer_cluster_id: int) -> Claim | None:
         if claim is not None and claim.cluster_id == peer_cluster_id \
                 and time.monotonic() - at < _CLAIM_TTL_S:
             return claim
-        return None
+        return MALFORMED
     out: Claim | None = getattr(_tls, "outgoing", None)  # a peer in this process, same thread
     if out is not None and out.cluster_id == peer_cluster_id:
         return out
@@ -177,6 +188,9 @@ class PkgInstance(SimBackend):
         remote-accessible flags equal on both ends (else PARAM_INVALID), and a rank-table link
         only into a domain we prepare with the same members."""
         claim = _take_claim(peer.cluster_id)
+        if claim is MALFORMED:  # untrusted input: refused before anything is made
+            return (Status.LLM_LINK_FAILED, f"cluster {peer.cluster_id} sent a malformed "
+                    f"{EXTENSION!r} handshake entry", None)
         if claim is None:
             claim = Claim(peer.cluster_id, True)  # kvdd's C++ face: always remote-accessible
         gate = self.domains
