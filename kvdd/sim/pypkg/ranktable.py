@@ -262,6 +262,10 @@ class Domains:
             self._domains.clear()
             listeners = list(self._listeners.values())
             self._listeners.clear()
+        for d in domains:  # every prepare stops first, then each is waited for
+            with d.cv:
+                d.stop = True
+                d.cv.notify_all()
         for d in domains:
             self._stop(d, drop_entities=False)  # the instance's finalize drops every entity
         for lst in listeners:
