@@ -389,3 +389,19 @@ def test_cache_manager_only_members_refuse_an_instance_in_legacy_mode(fake: Reco
         dd.kv_cache_manager
     assert fake.names() == ["initialize_v2"]
     dd._enable_cache_mgr = True
+
+
+def test_packed_int_ips_must_fit_the_engines_uint32(fake: RecordingWrapper) -> None:
+    dd = started()
+    for bad in (-1, 2**32):
+        info = cluster()
+        info.append_remote_ip_info(bad, 1)
+        with pytest.raises(TypeError):
+            dd.link_clusters([info])
+        with pytest.raises(TypeError):
+            dd.unlink_clusters([info])
+    info = cluster(local=False)
+    info.append_local_ip_info(2**32 - 1, 1)
+    dd.link_clusters([info])
+    assert fake.last("link_clusters_v2")[0][0][2] == [(2**32 - 1, 1)]
+    assert fake.names() == ["initialize_v2", "link_clusters_v2"]

@@ -16,6 +16,7 @@ from ..configs import LLMClusterInfo, LLMRole
 from ..status import LLMException, LLMStatusCode, code_2_status, handle_llm_status, raise_if_false
 from ..utils.log import logger
 from ..utils.utils import (
+    UINT32_MAX,
     check_dict,
     check_int32,
     check_isinstance,
@@ -42,6 +43,15 @@ def _legacy_missing(what: str) -> ModuleNotFoundError:
         f"{what} needs CANN's legacy package '{LEGACY_PACKAGE}' (KvCacheManager), which kvdd's "
         f"simulator does not provide; use cache-manager mode (LLMConfig.enable_cache_manager = True).",
         name=LEGACY_PACKAGE)
+
+
+def _native_ips(ips: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    # an int IP is taken as packed; one the engine's uint32 cannot hold is a TypeError, as the
+    # native binding raises
+    for ip, _port in ips:
+        if not 0 <= ip <= UINT32_MAX:
+            raise TypeError(f"ip {ip} cannot be passed to the engine as a packed IPv4 (uint32).")
+    return ips
 
 
 class LLMDataDist:
@@ -272,7 +282,8 @@ class LLMDataDist:
                            "local_ip_info_list must not be empty without a non-empty llm.LocalCommRes.")
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             assert cluster.remote_cluster_id is not None
-            tuples.append((cluster.remote_cluster_id, 0, cluster.local_ip_info_list, cluster.remote_ip_info_list))
+            tuples.append((cluster.remote_cluster_id, 0, _native_ips(cluster.local_ip_info_list),
+                           _native_ips(cluster.remote_ip_info_list)))
         status, rets = wrapper.link_clusters_v2(tuples, timeout)
         return code_2_status(status), [code_2_status(r) for r in rets]
 
@@ -286,7 +297,7 @@ class LLMDataDist:
         for cluster in clusters:
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             assert cluster.remote_cluster_id is not None
-            tuples.append((cluster.remote_cluster_id, 0, [], cluster.remote_ip_info_list))
+            tuples.append((cluster.remote_cluster_id, 0, [], _native_ips(cluster.remote_ip_info_list)))
         status, rets = wrapper.unlink_clusters_v2(tuples, timeout, force)
         return code_2_status(status), [code_2_status(r) for r in rets]
 
