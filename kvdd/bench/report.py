@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from .harness import fmt, print_table
+from .package import print_package
 from .xproc import print_cross_process
 
 __all__ = ["OVERHEAD_COLUMNS", "TARGET_COLUMNS", "TRANSFER_COLUMNS", "print_report", "print_targets"]
@@ -55,6 +56,9 @@ def print_report(doc: Mapping[str, Any], file: IO[str] | None = None) -> None:
     cross = doc.get("cross_process")
     if cross is not None:
         print_cross_process(cross, out)
+    package = doc.get("package")
+    if package is not None:
+        print_package(package, out)
     out.flush()
 
 

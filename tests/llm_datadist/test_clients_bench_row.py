@@ -1,0 +1,40 @@
+"""``kvdd bench --package``: the façade's ``pull_blocks`` against kvdd's ``pull_kv_blocks`` of the
+same request from the same peer process, both checked against the peer's bytes before timing.
+Speed is reported, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvdd
+
+
+def test_the_package_rows() -> None:
+    env = dict(os.environ)
+    root = str(Path(kvdd.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("KVDD_SIM_FAULTS", None)
+    r = subprocess.run([sys.executable, "-m", "kvdd", "bench", "--package", "--quick", "--json", "--tokens", "256",
+                        "--repeats", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc: dict[str, Any] = json.loads(r.stdout)
+    assert doc["command"] == "kvdd bench --quick --json --package --tokens 256 --repeats 1"
+    assert doc["overhead"] == [] and doc["transfers"] == [] and doc["cross_process"] is None
+    section = doc["package"]
+    assert section["errors"] == {}
+    assert (section["tokens"], section["blocks"], section["goal"]) == (256, 2, 1.1)
+    rows = {(row["path"], row["kind"]): row for row in section["rows"]}
+    assert set(rows) == {(p, k) for p in ("process_vm", "tcp") for k in ("pull_blocks", "pull_blocks per layer")}
+    for (path, kind), row in rows.items():
+        assert row["verified"] is True  # both APIs moved exactly the peer's blocks, nothing else
+        assert row["bytes"] == 56 * 2 * 128 * 1024  # 56 tensors x 2 blocks x 128 KiB
+        assert row["calls"] == (1 if kind == "pull_blocks" else 28)
+        assert row["ratio"] == pytest.approx(row["package_ms"] / row["kvdd_ms"])
+        assert row["met"] is (row["ratio"] <= 1.1)
