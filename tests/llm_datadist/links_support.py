@@ -98,7 +98,7 @@ def pending(cluster_id: int) -> bool:
     return engine.link_pending(cluster_id)
 
 
-def wait_status(comm_id: int, timeout_s: float = 10.0) -> tuple[int, int]:
+def wait_status(comm_id: int, timeout_s: float = 30.0) -> tuple[int, int]:
     """``query_register_mem_status`` until it is not PREPARING (or the time is up)."""
     end = time.monotonic() + timeout_s
     while True:

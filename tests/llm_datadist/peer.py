@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["Peer", "Pending", "PeerError"]
 
-_TIMEOUT_S = 30.0
+_TIMEOUT_S = 60.0
 
 
 class PeerError(RuntimeError):

@@ -241,9 +241,9 @@ def test_preparing_ends_failed_after_the_link_total_time(rendezvous_dir: str) ->
         engine_ = lifecycle.current()
         assert engine_ is not None and engine_.link_pending(2) and not engine_.link_pending(3)
         while links.query_register_mem_status(1) == (S_OK, PREPARING):
-            assert time.monotonic() - t0 < 5.0
+            assert time.monotonic() - t0 < 15.0
             time.sleep(0.02)
-        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert 0.9 < time.monotonic() - t0 < 10.0
         assert links.query_register_mem_status(1) == (S_OK, FAILED_STATE)  # sticky
         assert not engine_.link_pending(2)
 

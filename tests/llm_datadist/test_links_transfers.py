@@ -33,7 +33,7 @@ def fresh(trio: tuple[Peer, Peer, Peer]) -> Iterator[tuple[Peer, Peer, Peer]]:
         peer.call(E + "stop")
 
 
-def _wait(peer: Peer, comm_id: int, timeout_s: float = 10.0) -> str:
+def _wait(peer: Peer, comm_id: int, timeout_s: float = 30.0) -> str:
     end = time.monotonic() + timeout_s
     while (state := peer.call(E + "query", comm_id)) == "PREPARING" and time.monotonic() < end:
         time.sleep(0.02)

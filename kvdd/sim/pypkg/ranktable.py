@@ -43,6 +43,19 @@ _RETRY_S = 0.05
 _ATTEMPT_MS = 2000  # one link attempt's time limit within the link total time
 
 
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(limit: str, msg: str, *args: object) -> None:
+    """Log a hardware limit the simulator does not enforce, once per process (PYPKG.md §9.5)."""
+    with _warned_lock:
+        if limit in _warned:
+            return
+        _warned.add(limit)
+    logger.warning(msg, *args)
+
+
 class Domain:
     """One comm id: its members, status and the entities it made."""
 
@@ -92,7 +105,6 @@ class Domains:
         self._next_id = 1
         self._domains: dict[int, Domain] = {}
         self._listeners: dict[tuple[str, int], fabric.Listener] = {}
-        self._warned = False
         self._closed = False
 
     # -- what transfers and the handshake ask ------------------------------------------------
@@ -130,12 +142,18 @@ class Domains:
     def joined(self, claim: Claim) -> None:
         assert claim.comm_name is not None
         d = self._preparing(claim.comm_name)
-        if d is None:
-            return
-        with d.cv:
-            d.joined.add(claim.cluster_id)
-            d.entities[claim.cluster_id] = self.instance.entities.get(claim.cluster_id)
-            d.cv.notify_all()
+        entity = self.instance.entities.get(claim.cluster_id)
+        if d is not None:
+            with d.cv:
+                if d.status == PREPARING:
+                    d.joined.add(claim.cluster_id)
+                    d.entities[claim.cluster_id] = entity
+                    d.cv.notify_all()
+                    return
+        # the domain ended (failed or unlinked) while this link was being made: undo it
+        if entity is not None and self.instance.entities.get(claim.cluster_id) is entity:
+            self.instance.unlink_llm_clusters([ClusterInfo(remote_cluster_id=claim.cluster_id)],
+                                              1000, True)
 
     # -- link / query / unlink -----------------------------------------------------------------
     def link(self, comm_name: str, cluster_rank_info: Sequence[tuple[int, int]],
@@ -185,16 +203,21 @@ class Domains:
                        time.monotonic() + self.link_total_s, snapshot)
             self._domains[comm_id] = d
             busy = sum(1 for x in self._domains.values() if x.status == PREPARING)
-            if busy > _DOC_MAX_CONCURRENT and not self._warned:
-                self._warned = True
-                logger.warning("kvdd: %d rank-table links are being built at once; the hardware "
-                               "builds at most %d concurrently (not enforced by the simulator)",
-                               busy, _DOC_MAX_CONCURRENT)
+        if busy > _DOC_MAX_CONCURRENT:
+            _warn_once("concurrent", "kvdd: %d rank-table links are being built at once; the "
+                       "hardware builds at most %d concurrently (not enforced by the simulator)",
+                       busy, _DOC_MAX_CONCURRENT)
         if len(members) > 4:
-            logger.warning("kvdd: comm domain %r has %d members; the hardware allows at most 4 per "
-                           "domain (not enforced by the simulator)", comm_name, len(members))
+            _warn_once("members", "kvdd: comm domain %r has %d members; the hardware allows at "
+                       "most 4 per domain (not enforced by the simulator)", comm_name, len(members))
         if directory is not None and listen is None:
-            d.entry = rendezvous.publish(directory, comm_name, inst.cluster_id, ip, port)
+            try:
+                d.entry = rendezvous.publish(directory, comm_name, inst.cluster_id, ip, port)
+            except OSError as exc:
+                with self._lock:
+                    self._domains.pop(comm_id, None)
+                return (Status.LLM_LINK_FAILED, 0, f"cannot publish this member's address in "
+                        f"the rendezvous directory {directory}: {exc.strerror}")
         d.thread = threading.Thread(target=self._prepare, args=(d, directory, targets), daemon=True,
                                     name=f"kvdd-rank-link {comm_name[:32]}#{comm_id}")
         d.thread.start()
