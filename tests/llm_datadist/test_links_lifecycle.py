@@ -49,6 +49,12 @@ def test_transfer_backend(value: str, expected: int) -> None:
         assert engine.transfer_backend == "hixl"
 
 
+@pytest.mark.parametrize("ra", ["0", None])
+def test_hixl_needs_remote_accessible(ra: str | None) -> None:
+    assert _init(options(port=free_port(), ra=ra, llm_TransferBackend="hixl")) == PARAM_INVALID
+    assert lifecycle.current() is None
+
+
 def test_hixl_needs_the_internal_listen_keys() -> None:
     opts = options(llm_TransferBackend="hixl")
     opts["llm.listenIpInfo"] = "127.0.0.1:26000"  # the raw key is read by nobody natively

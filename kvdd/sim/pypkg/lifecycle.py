@@ -109,13 +109,15 @@ def _check_options(options: Mapping[str, str]) -> tuple[int, bool, int]:
     if OPTION_ROLE not in options:  # llm_datadist_v2.cc:60-61
         raise OptionError(f"option {OPTION_ROLE} is required")
     role = ROLES.get(options[OPTION_ROLE], 3)  # its value is only logged upstream
-    parse_option("factory", OPTION_TRANSFER_BACKEND, options)  # absent, "hixl", else invalid
+    hixl = parse_option("factory", OPTION_TRANSFER_BACKEND, options)  # absent, "hixl", else invalid
     ra = options.get(OPTION_REMOTE_CACHE_ACCESSIBLE, "0")
     if ra not in ("0", "1"):  # llm_utils.cc:65-80
         raise OptionError(f"option {OPTION_REMOTE_CACHE_ACCESSIBLE} must be \"0\" or \"1\", "
                           f"not {ra!r}")
     device = parse_option("factory", OPTION_EXEC_DEVICE_ID, options)  # one int32, absent -> 0
     assert device is None or isinstance(device, int)
+    if hixl and ra != "1":  # the hixl engine works one-sided only (PYPKG.md §0 item 6)
+        raise OptionError(f"the hixl transfer backend needs {OPTION_REMOTE_CACHE_ACCESSIBLE}=1")
     return role, ra == "1", 0 if device is None else device
 
 
