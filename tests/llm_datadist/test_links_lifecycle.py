@@ -225,9 +225,13 @@ def test_rank_link_checks_and_comm_ids(rendezvous_dir: str) -> None:
     # NOT_YET_LINK for query and unlink
     with engine(1, options()):
         assert links.link("c", [(2, 0), (3, 1)], rank_table()) == (PARAM_INVALID, 0)
+        # the native name checks (the Python layer checks first; the engine checks again)
+        assert links.link("", [(1, 0), (2, 1)], rank_table()) == (PARAM_INVALID, 0)
+        assert links.link("n" * 128, [(1, 0), (2, 1)], rank_table()) == (PARAM_INVALID, 0)
+        assert links.link("\u00e9" * 64, [(1, 0), (2, 1)], rank_table()) == (PARAM_INVALID, 0)
         assert links.link("c", [(1, 0), (2, 1)], "not json") == (LINK_FAILED, 0)
         assert links.link("c", [(1, 0), (2, 1)], "[]") == (LINK_FAILED, 0)
-        assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (S_OK, 1)
+        assert links.link("c" * 127, [(1, 0), (2, 1)], rank_table()) == (S_OK, 1)
         assert links.link("d", [(1, 0), (3, 1)], rank_table()) == (S_OK, 2)
         assert links.query_register_mem_status(1) == (S_OK, PREPARING)
         assert links.query_register_mem_status(3) == (NOT_YET_LINK, 0)

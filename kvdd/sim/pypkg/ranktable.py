@@ -32,12 +32,14 @@ from ..fabric.registry import norm_ip
 from . import rendezvous
 from .instance import Claim, PkgInstance, Snapshot, stating
 
-__all__ = ["Domains", "Domain", "OK", "PREPARING", "FAILED_STATE", "MAX_DOMAINS"]
+__all__ = ["Domains", "Domain", "OK", "PREPARING", "FAILED_STATE", "MAX_DOMAINS",
+           "COMM_NAME_MAX_LENGTH"]
 
 logger = logging.getLogger(__name__)
 
 OK, PREPARING, FAILED_STATE = 0, 1, 2  # RegisterMemStatus values
 MAX_DOMAINS = 512  # comm_link_manager.cc: comm domains per engine
+COMM_NAME_MAX_LENGTH = 128  # bytes, with the terminating NUL (HCCL's communicator name)
 _DOC_MAX_CONCURRENT = 16  # docs only: concurrent link builds (logged once, not enforced)
 _RETRY_S = 0.05
 _ATTEMPT_MS = 2000  # one link attempt's time limit within the link total time
@@ -163,6 +165,11 @@ class Domains:
         if inst.transfer_backend == "hixl":  # hixl_transfer_engine.cc:226-234
             return (Status.LLM_FEATURE_NOT_ENABLED, 0, "the hixl transfer backend does not support "
                     "rank-table links (use link_clusters)")
+        if not comm_name:
+            return PARAM_INVALID, 0, "comm_name must not be empty"
+        if len(comm_name.encode("utf-8", "surrogatepass")) >= COMM_NAME_MAX_LENGTH:
+            return (PARAM_INVALID, 0, f"comm_name must be shorter than {COMM_NAME_MAX_LENGTH} "
+                    "bytes")
         members = [(int(c), int(r)) for c, r in cluster_rank_info]
         if inst.cluster_id not in {c for c, _ in members}:
             return (PARAM_INVALID, 0, f"this engine's cluster id {inst.cluster_id} is not in "
