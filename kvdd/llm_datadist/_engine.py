@@ -37,3 +37,11 @@ def use_wrapper(engine: Wrapper) -> Iterator[Wrapper]:
         yield engine
     finally:
         _override = previous
+
+
+def with_detail(engine: object, info: str) -> str:
+    """``info`` plus the engine's explanation of its last failure on this thread, if it gives one
+    (an upstream-shaped module or a test double may have no ``last_error_detail``)."""
+    getter = getattr(engine, "last_error_detail", None)
+    detail = getter() if callable(getter) else None
+    return f"{info}; {detail}" if isinstance(detail, str) and detail else info

@@ -360,7 +360,7 @@ def test_switch_role(fake: RecordingWrapper) -> None:
 def test_atexit_hook_finalizes_and_swallows_llm_exception(fake: RecordingWrapper,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     dd = started()
-    dd_module._finalize_at_exit()
+    dd_module._shutdown_handler()
     assert fake.names()[-1] == "finalize_v2" and LLMDataDist.llm_engine_instance is None
     dd.init(dict(CM_OPTIONS))
 
@@ -368,7 +368,7 @@ def test_atexit_hook_finalizes_and_swallows_llm_exception(fake: RecordingWrapper
         raise LLMException("boom", status_code=LLMStatusCode.LLM_FAILED)
 
     monkeypatch.setattr(dd, "finalize", failing)
-    dd_module._finalize_at_exit()  # swallowed
+    dd_module._shutdown_handler()  # swallowed
     monkeypatch.undo()
 
 
@@ -405,3 +405,83 @@ def test_packed_int_ips_must_fit_the_engines_uint32(fake: RecordingWrapper) -> N
     dd.link_clusters([info])
     assert fake.last("link_clusters_v2")[0][0][2] == [(2**32 - 1, 1)]
     assert fake.names() == ["initialize_v2", "link_clusters_v2"]
+
+
+def test_role_names_and_shutdown_handler_without_an_instance() -> None:
+    assert [LLMDataDist._role_to_str(r) for r in LLMRole] == ["Prompt", "Decoder", "Mix"]
+    assert LLMDataDist.llm_engine_instance is None
+    dd_module._shutdown_handler()  # nothing to do
+
+
+def test_shutdown_handler_swallows_llm_exception_of_any_instance() -> None:
+    from unittest import mock
+
+    instance = mock.Mock()
+    instance.finalize.side_effect = LLMException("boom", status_code=LLMStatusCode.LLM_FAILED)
+    with mock.patch.object(LLMDataDist, "llm_engine_instance", instance):
+        dd_module._shutdown_handler()
+    instance.finalize.assert_called_once_with()
+
+
+def test_option_errors_name_the_keys(fake: RecordingWrapper) -> None:
+    for options, key in (({"llm.TransferBackend": "hixl", "llm.listenIpInfo": "1.2.3.4:1"}, "EnableCacheManager"),
+                         ({"llm.EnableCacheManager": "1", "llm.TransferBackend": "hixl"}, "listenIpInfo"),
+                         ({"llm.EnableCacheManager": "1", "llm.TransferBackend": "hixl",
+                           "llm.EnableRemoteCacheAccessible": "0", "llm.listenIpInfo": "1.2.3.4:1"},
+                          "EnableRemoteCacheAccessible")):
+        assert key in str(init_error(fake, options))
+
+
+def test_state_set_by_hand_reaches_the_python_checks_without_an_engine() -> None:
+    """Upstream-style tests build an instance's state by hand (PYPKG.md §3.0 names it)."""
+    dd = LLMDataDist(LLMRole.MIX, 100)
+    dd._is_initialized = True
+    dd._enable_cache_mgr = True
+    dd._enable_local_comm_res = False
+    dd._engine_options = {}
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 1
+    with pytest.raises(LLMException, match="local_ip_info_list is empty") as exc:
+        dd.link_clusters([info], 5000)
+    assert exc.value.status_code is PI
+
+
+def test_legacy_mode_python_rules_then_the_missing_package(fake: RecordingWrapper) -> None:
+    dd = started(role=LLMRole.MIX)
+    dd._enable_cache_mgr = False
+    with pytest.raises(LLMException) as exc:
+        dd.switch_role(LLMRole.MIX)  # must change
+    assert exc.value.status_code is PI
+    with pytest.raises(LLMException) as exc:
+        dd.switch_role(LLMRole.PROMPT, {})  # PROMPT needs a listen address
+    assert exc.value.status_code is PI
+    for call in (lambda: dd.switch_role(LLMRole.DECODER), lambda: dd.link_clusters([cluster()]),
+                 lambda: dd.unlink_clusters([cluster()]), lambda: dd.check_link_status(1),
+                 lambda: dd.kv_cache_manager):
+        with pytest.raises(ModuleNotFoundError, match="llm_datadist_v1"):
+            call()
+    dd._kv_cache_manager = manager = object()
+    assert dd.kv_cache_manager is manager
+    assert fake.names() == ["initialize_v2"]
+    dd._enable_cache_mgr = True
+
+
+def test_the_engine_name_can_be_replaced_by_a_double(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As upstream's tests patch llm_datadist.v2.llm_datadist.llm_datadist_wrapper."""
+    from unittest import mock
+
+    backend = mock.Mock()
+    backend.initialize_v2.return_value = 0
+    backend.register_cache.return_value = (PARAM_INVALID, (-1, []))
+    monkeypatch.setattr(dd_module, "llm_datadist_wrapper", backend)
+    monkeypatch.setattr(LLMDataDist, "llm_engine_instance", None)
+    dd = LLMDataDist(LLMRole.PROMPT, 0)
+    dd.init({"llm.EnableCacheManager": "1"})
+    assert backend.initialize_v2.call_args.args == (0, {"llm.EnableCacheManager": "1", "llm.Role": "Prompt"})
+    from kvdd.llm_datadist import CacheDesc, DataType
+
+    with pytest.raises(LLMException) as exc:  # a double without a usable last_error_detail
+        dd.cache_manager.register_cache(CacheDesc(1, [2], DataType.DT_INT8), [4096])
+    assert exc.value.status_code is PI
+    dd.finalize()
+    backend.finalize_v2.assert_called_once_with()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 __all__ = ["logger", "LOGGER_NAME", "level_from_env"]
 
@@ -47,6 +48,21 @@ def _make_logger() -> logging.Logger:
         handler.setFormatter(logging.Formatter("[%(levelname)s] %(name)s %(asctime)s %(message)s"))
         log.addHandler(handler)
     return log
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+def _find_caller() -> tuple[str, int, str]:
+    """``(file, line, function)`` of the nearest frame outside this package (the user's call that
+    led to a log record); ``("(unknown file)", 0, "(unknown function)")`` when there is none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not str(Path(filename).resolve()).startswith(_PACKAGE_DIR):
+            return filename, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back  # type: ignore[assignment]
+    return "(unknown file)", 0, "(unknown function)"
 
 
 logger = _make_logger()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._engine import with_detail
 from .._seam import TransferCfgTuple, Wrapper
 from ..status import LLMException, handle_llm_status, raise_if_false
 from ..utils.utils import (
@@ -79,13 +80,9 @@ class CacheManager(LocalCopies):
             nbytes = None
         self._limits.registered(cache_id, addrs, cache_desc.placement == Placement.DEVICE, nbytes)
 
-    def _detail(self) -> str:
-        return self._wrapper.last_error_detail() or ""
-
     def _check(self, status: int, func: str, info: object) -> None:
         if status != 0:
-            detail = self._detail()
-            handle_llm_status(status, func, f"{info}{'; ' + detail if detail else ''}")
+            handle_llm_status(status, func, with_detail(self._wrapper, str(info)))
 
     # -- registration (§4.1, §4.2) -------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import atexit
 from typing import Any, ClassVar
 
 from .. import _engine
+from .. import llm_datadist_wrapper as _native_module
 from .._seam import ClusterTuple, Wrapper
 from ..configs import LLMClusterInfo, LLMRole
 from ..status import LLMException, LLMStatusCode, code_2_status, handle_llm_status, raise_if_false
@@ -32,6 +33,11 @@ __all__ = ["LLMDataDist", "LEGACY_PACKAGE"]
 
 #: the legacy ("v1") package upstream imports for legacy mode
 LEGACY_PACKAGE = "llm_datadist_v1"
+
+#: The engine ``init`` starts, under upstream's name for its native module: kvdd's stand-in module,
+#: which forwards every call to :func:`kvdd.llm_datadist._engine.wrapper`.  Replaceable by a test
+#: double (as upstream's tests patch it).
+llm_datadist_wrapper: Wrapper = _native_module
 
 _ROLE_NAMES = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}
 _MAX_COMM_NAME = 128
@@ -83,6 +89,7 @@ class LLMDataDist:
         self._enable_local_comm_res = False
         self._engine_options: dict[str, str] = {}
         self._cache_manager: CacheManager | None = None
+        self._kv_cache_manager: Any = None  # legacy mode only; never set by kvdd
         self._wrapper: Wrapper | None = None
 
     # -- lifecycle (§3.1, §3.2) ----------------------------------------------------------------
@@ -113,11 +120,10 @@ class LLMDataDist:
         derived = self._derive_options(options)
         if not self._enable_cache_mgr:
             raise _legacy_missing("LLMDataDist.init in legacy mode")
-        wrapper = _engine.wrapper()
+        wrapper = llm_datadist_wrapper
         status = wrapper.initialize_v2(self._cluster_id, derived)
         if status != 0:
-            detail = wrapper.last_error_detail()
-            handle_llm_status(status, "init", f"options={options}{'; ' + detail if detail else ''}")
+            handle_llm_status(status, "init", _engine.with_detail(wrapper, f"options={options}"))
         self._wrapper = wrapper
         self._engine_options = derived
         self._cache_manager = CacheManager(wrapper, derived)
@@ -136,7 +142,7 @@ class LLMDataDist:
 
     def _derive_options(self, options: dict[str, str]) -> dict[str, str]:
         derived = options.copy()
-        derived["llm.Role"] = _ROLE_NAMES[self._role]  # KeyError for role=None, as upstream
+        derived["llm.Role"] = self._role_to_str(self._role)  # KeyError for role=None, as upstream
         if "llm.LocalCommRes" in derived:
             derived.setdefault("llm.EnableCacheManager", "1")
             derived.setdefault("llm.EnableRemoteCacheAccessible", "1")
@@ -145,7 +151,8 @@ class LLMDataDist:
         raise_if_false(not self._enable_local_comm_res or self._enable_cache_mgr,
                        "llm.LocalCommRes needs cache-manager mode (llm.EnableCacheManager=1).")
         if "llm.TransferBackend" in derived:
-            raise_if_false(self._enable_cache_mgr, "llm.TransferBackend needs cache-manager mode.")
+            raise_if_false(self._enable_cache_mgr,
+                           "llm.TransferBackend needs cache-manager mode (llm.EnableCacheManager=1).")
             if "llm.EnableRemoteCacheAccessible" not in options:
                 derived["llm.EnableRemoteCacheAccessible"] = "1"
             raise_if_false(derived["llm.EnableRemoteCacheAccessible"] == "1",
@@ -171,9 +178,14 @@ class LLMDataDist:
     # -- helpers -------------------------------------------------------------------------------
 
     def _check_initialized(self) -> Wrapper:
-        if not self._is_initialized or self._wrapper is None:
+        if not self._is_initialized:
             raise RuntimeError("llm datadist is not initialized")
-        return self._wrapper
+        return self._wrapper if self._wrapper is not None else llm_datadist_wrapper
+
+    @staticmethod
+    def _role_to_str(role: LLMRole) -> str:
+        """The engine's role name: "Prompt", "Decoder" or "Mix"."""
+        return _ROLE_NAMES[role]
 
     def _check_is_cache_mgr_mode(self, name: str) -> None:
         raise_if_false(self._enable_cache_mgr, f"{name} is only supported in cache-manager mode.")
@@ -183,8 +195,7 @@ class LLMDataDist:
 
     def _raise(self, wrapper: Wrapper, status: int, func: str, info: str) -> None:
         if status != 0:
-            detail = wrapper.last_error_detail()
-            handle_llm_status(status, func, f"{info}{'; ' + detail if detail else ''}")
+            handle_llm_status(status, func, _engine.with_detail(wrapper, info))
 
     def _check_comm_id(self, name: str, comm_id: Any) -> Wrapper:
         wrapper = self._check_initialized()
@@ -275,11 +286,13 @@ class LLMDataDist:
             ``llm.LocalCommRes`` is absent or empty.
         """
         wrapper = self._check_clusters(clusters, timeout)
+        if not self._enable_cache_mgr:
+            raise _legacy_missing("link_clusters in legacy mode")
         need_local_ip = not self._engine_options.get("llm.LocalCommRes")
         tuples: list[ClusterTuple] = []
         for cluster in clusters:
             raise_if_false(not (need_local_ip and not cluster.local_ip_info_list),
-                           "local_ip_info_list must not be empty without a non-empty llm.LocalCommRes.")
+                           "local_ip_info_list is empty; it is required without a non-empty llm.LocalCommRes.")
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             assert cluster.remote_cluster_id is not None
             tuples.append((cluster.remote_cluster_id, 0, _native_ips(cluster.local_ip_info_list),
@@ -293,6 +306,8 @@ class LLMDataDist:
         up without the peer. Returns ``(overall, [per cluster])`` like :meth:`link_clusters`."""
         wrapper = self._check_clusters(clusters, timeout)
         check_isinstance("force", force, bool, allow_none=False)
+        if not self._enable_cache_mgr:
+            raise _legacy_missing("unlink_clusters in legacy mode")
         tuples: list[ClusterTuple] = []
         for cluster in clusters:
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
@@ -313,9 +328,15 @@ class LLMDataDist:
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict)
         options = dict(switch_options or {})
+        if not self._enable_cache_mgr:  # legacy mode's Python rules (PYPKG.md §3.5)
+            raise_if_false(role != self._role, f"the role is already {role}.")
+            raise_if_false(role != LLMRole.PROMPT or "llm.listenIpInfo" in options,
+                           "switching to PROMPT needs llm.listenIpInfo.")
+            raise _legacy_missing("switch_role in legacy mode")
         if "llm.listenIpInfo" in options:
             options["llm.ListenIp"], options["llm.ListenPort"] = parse_listen_ip_info(options["llm.listenIpInfo"])
-        self._raise(wrapper, wrapper.switch_role_v2(_ROLE_NAMES[role], options), "switch_role", f"role={role}")
+        self._raise(wrapper, wrapper.switch_role_v2(self._role_to_str(role), options), "switch_role",
+                    f"role={role}")
         self._role = role
 
     # -- properties (§3.6) ---------------------------------------------------------------------
@@ -333,7 +354,9 @@ class LLMDataDist:
         """Legacy mode only: LLM_PARAM_INVALID in cache-manager mode (kvdd has no legacy mode)."""
         self._check_initialized()
         self._check_is_not_cache_mgr_mode("kv_cache_manager")
-        raise _legacy_missing("kv_cache_manager")
+        if self._kv_cache_manager is None:
+            raise _legacy_missing("kv_cache_manager")
+        return self._kv_cache_manager
 
     @property
     def cluster_id(self) -> int:
@@ -347,7 +370,8 @@ class LLMDataDist:
         raise _legacy_missing("check_link_status")
 
 
-def _finalize_at_exit() -> None:
+def _shutdown_handler() -> None:
+    """At interpreter exit: finalize the live instance; an LLMException is logged, not raised."""
     instance = LLMDataDist.llm_engine_instance
     if instance is not None:
         try:
@@ -356,4 +380,4 @@ def _finalize_at_exit() -> None:
             logger.warning("finalize at exit failed: %s", exc)
 
 
-atexit.register(_finalize_at_exit)
+atexit.register(_shutdown_handler)
