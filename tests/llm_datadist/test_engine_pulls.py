@@ -306,3 +306,24 @@ def test_request_size_limit(pair: tuple[Engine, Engine]) -> None:
     got = np.flatnonzero(dst.tensors[1])
     want = np.flatnonzero(src.tensors[1][: 2 * n] * (np.arange(2 * n) % 2 == 0))
     assert np.array_equal(got, want)
+
+
+def test_last_group_copies_the_remainder(pair: tuple[Engine, Engine]) -> None:
+    """Upstream's quirk (§4.6): when R.T is not a multiple of the local block size, the last
+    group copies only R.T mod L.S bytes (here 100 mod 32 = 4), whatever its length."""
+    p, d = pair
+    src = Mem(1, 4, 25, seed=3)  # R.T = 100
+    register(p, src, keys=[blocks_key(1, 0)])
+    dst = Mem(1, 6, 32)
+    did = register(d, dst)
+    link(d, p)
+    assert pull(d, did, blocks_key(1), pull_param([0, 1, 3], [0, 1, 5])) == S_OK
+    want = np.zeros(6 * 32, np.uint8)
+    want[0:64] = src.tensors[0][0:64]  # the first group: 2 whole blocks
+    want[160:164] = src.tensors[0][96:100]  # the last group: 4 bytes
+    assert (dst.tensors[0] == want).all()
+    dst.tensors[0][:] = 0
+    assert pull(d, did, blocks_key(1), pull_param([0, 1], [2, 3])) == S_OK
+    want = np.zeros(6 * 32, np.uint8)
+    want[64:68] = src.tensors[0][0:4]  # the only group is the last one
+    assert (dst.tensors[0] == want).all()
