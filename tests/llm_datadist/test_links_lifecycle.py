@@ -231,6 +231,7 @@ def test_rank_link_checks_and_comm_ids(rendezvous_dir: str) -> None:
         assert links.link("\u00e9" * 64, [(1, 0), (2, 1)], rank_table()) == (PARAM_INVALID, 0)
         assert links.link("c", [(1, 0), (2, 1)], "not json") == (LINK_FAILED, 0)
         assert links.link("c", [(1, 0), (2, 1)], "[]") == (LINK_FAILED, 0)
+        assert links.link("c", [(1, 0), (2, 2)], rank_table()) == (LINK_FAILED, 0)  # no rank 2
         assert links.link("c" * 127, [(1, 0), (2, 1)], rank_table()) == (S_OK, 1)
         assert links.link("d", [(1, 0), (3, 1)], rank_table()) == (S_OK, 2)
         assert links.query_register_mem_status(1) == (S_OK, PREPARING)

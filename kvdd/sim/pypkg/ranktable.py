@@ -181,6 +181,10 @@ class Domains:
         if devices is None:
             return (Status.LLM_LINK_FAILED, 0, "the rank table is not a JSON object with a "
                     "server_list (no communicator can be built from it)")
+        absent = sorted({r for _, r in members} - devices.keys())
+        if absent:
+            return (Status.LLM_LINK_FAILED, 0, f"ranks {absent} of cluster_rank_info are not "
+                    "rank_ids of the rank table (no communicator can be built from it)")
         others = [c for c, _ in members if c != inst.cluster_id]
         # kvdd.sim.faults: in place of building the communicator (kind "link")
         status = faults.on_call(inst, "link", others[0] if len(others) == 1 else None,
