@@ -9,7 +9,9 @@ package (docs/spec/PYPKG.md), instead of kvdd's own ``LlmDataDist``:
   and ``transfer_backend="hixl"``), ``LLMDataDist(role, cluster_id).init(cfg.generate_options())``;
 * paged caches: ``register_blocks_cache`` under ``BlocksCacheKey(own cluster, model_id=family)``;
   contiguous caches: ``register_cache``;
-* decode ``link_clusters`` to prefill; the paged pull is ``pull_blocks(BlocksCacheKey(prefill,
+* decode ``link_clusters`` to prefill (``--link rank-table``: both sides ``link`` a two-member
+  rank-table domain named after the prefill's port and poll ``query_register_mem_status`` until OK;
+  ``unlink`` of the comm id at the end); the paged pull is ``pull_blocks(BlocksCacheKey(prefill,
   model_id=family), ...)`` of all layers, the layer-by-layer pull one ``pull_blocks`` per layer with
   ``src_layer_range`` / ``dst_layer_range``; the row and prefix pulls are ``pull_cache`` with a
   ``CacheKeyByIdAndIndex`` (and ``size``); prefill pushes with ``push_blocks`` (hixl: over its own
@@ -23,6 +25,7 @@ sim``); on an Atlas node CANN's own package is the real thing.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import sys
@@ -54,6 +57,9 @@ def check_package_options(opts: DemoOptions, in_process: bool) -> None:
                           "(on an Atlas node, CANN's own llm_datadist package is the real one)")
     if in_process:
         raise ConfigError("--api llm_datadist needs two processes (the package has one engine per process)")
+    if opts.link == "rank-table" and opts.transfer_backend == "hixl":
+        raise ConfigError("--link rank-table needs the comm transfer backend (the package's rank-table link is "
+                          "LLM_FEATURE_NOT_ENABLED on hixl)")
     for addr in (opts.listen, opts.decode_listen):
         if addr is not None and ":" in addr[0]:
             raise ConfigError("--api llm_datadist takes IPv4 listen addresses (the package splits "
@@ -118,6 +124,37 @@ def _unlink(engine: ld.LLMDataDist, info: ld.LLMClusterInfo, what: str) -> None:
         raise DemoError(f"{what} failed: {ret.name} {[r.name for r in rets]}")
 
 
+#: How long a side polls ``query_register_mem_status`` (the engine ends PREPARING itself after
+#: ``llm.LinkTotalTime``, 30 s when unset; this only bounds the demo's own wait).
+RANK_TABLE_WAIT_S = 90.0
+
+
+def rank_table_domain(prefill_port: int) -> tuple[str, dict[int, int], str]:
+    """``(comm_name, cluster_rank_info, rank_table)`` of the demo's two-member domain: prefill rank 0,
+    decode rank 1, named after the prefill's listen port (unique per run on a host)."""
+    devices = [{"device_id": str(rank), "device_ip": f"192.0.2.{rank + 1}", "rank_id": str(rank)} for rank in (0, 1)]
+    table = {"version": "1.0", "server_count": "1", "status": "completed",
+             "server_list": [{"server_id": "127.0.0.1", "device": devices}]}
+    return f"kvdd_demo_{prefill_port}", {PREFILL_CLUSTER_ID: 0, DECODE_CLUSTER_ID: 1}, json.dumps(table)
+
+
+def rank_table_link(engine: ld.LLMDataDist, prefill_port: int, log: Progress) -> int:
+    """``link`` the demo's domain, then poll ``query_register_mem_status`` until OK; the comm id."""
+    comm_name, ranks, table = rank_table_domain(prefill_port)
+    with _errors(f"link({comm_name!r})"):
+        comm_id = engine.link(comm_name, ranks, table)
+    deadline = time.monotonic() + RANK_TABLE_WAIT_S
+    while True:
+        with _errors("query_register_mem_status"):
+            status = engine.query_register_mem_status(comm_id=comm_id)
+        if status == ld.RegisterMemStatus.OK:
+            log(f"rank-table link {comm_name!r} ready (comm id {comm_id})")
+            return comm_id
+        if status == ld.RegisterMemStatus.FAILED or time.monotonic() > deadline:
+            raise DemoError(f"the rank-table link {comm_name!r} ended {status.name}", transfer="link")
+        time.sleep(0.01)
+
+
 class _Side:
     """One side's engine and its caches (the package's ``Cache`` of every image, by name)."""
 
@@ -164,6 +201,19 @@ class _PackagePrefill(_Side):
     def __init__(self, opts: DemoOptions, engine: ld.LLMDataDist, listen_port: int) -> None:
         super().__init__(opts, engine, PREFILL_CLUSTER_ID)
         self.listen_port = listen_port
+        self.comm_id: int | None = None
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """With ``--link rank-table``: our half of the domain's ``link``, polled until OK."""
+        if self.opts.link == "rank-table":
+            self.comm_id = rank_table_link(self.engine, self.listen_port, log)
+
+    def close(self) -> None:
+        if self.comm_id is not None:
+            try:
+                self.engine.unlink(self.comm_id)
+            except ld.LLMException:
+                pass  # finalize tears it down as well
 
     def allocate(self, side: str = "prefill") -> tuple[list[CacheImage], list[CacheImage]]:
         return super().allocate(side)
@@ -284,11 +334,17 @@ class _PackageDecode(_Side):
         super().__init__(opts, engine, DECODE_CLUSTER_ID)
         self.listen_port = listen_port
         self.linked: ld.LLMClusterInfo | None = None
+        self.comm_id: int | None = None
+        self.log = Progress(False, "decode")
 
     def state(self, report: DemoReport, log: Progress) -> DecodeState:
+        self.log = log
         return PackageDecodeSide(self.opts, self, report, log)
 
     def link(self, prefill_id: int, local_ip: str, prefill: Address, mode: str) -> None:
+        if self.opts.link == "rank-table":
+            self.comm_id = rank_table_link(self.engine, prefill[1], self.log)
+            return
         self.linked = _cluster(prefill_id, local_ip, prefill)
         hint = " (is the prefill side still running, and is that port reachable from here?)" if mode == "decode" else ""
         try:
@@ -297,6 +353,11 @@ class _PackageDecode(_Side):
             raise DemoError(exc.message + hint, transfer="link") from exc
 
     def unlink(self) -> None:
+        if self.comm_id is not None:
+            with _errors(f"unlink({self.comm_id})"):
+                self.engine.unlink(self.comm_id)
+            self.comm_id = None
+            return
         assert self.linked is not None
         _unlink(self.engine, self.linked, "unlink_clusters")
 
@@ -331,9 +392,11 @@ def package_prefill(opts: DemoOptions) -> Iterator[_PackagePrefill]:
     port = port or _free_port(host)
     with _package_log_on_stderr():
         engine = _engine(ld.LLMRole.PROMPT, PREFILL_CLUSTER_ID, _options((host, port), opts.transfer_backend, 0))
+        calls = _PackagePrefill(opts, engine, port)
         try:
-            yield _PackagePrefill(opts, engine, port)
+            yield calls
         finally:
+            calls.close()
             engine.finalize()
 
 

@@ -115,6 +115,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                       "caches": {img.fam.name: {"paged": paged[k].cache_id, "contiguous": contig[k].cache_id}
                                  for k, img in enumerate(paged)},
                       "block_tables": block_tables})
+            calls.decode_connected(decode_id, log)
             while True:
                 msg = ctl.recv("push", "done")
                 if msg["type"] == "done":
@@ -166,6 +167,10 @@ class PrefillCalls(Protocol):
 
     def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None: ...
 
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """The decode side has the welcome (a rank-table link is made by both sides now)."""
+        ...
+
     def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
                    msg: Mapping[str, Any], log: Progress) -> Json: ...
 
@@ -185,6 +190,9 @@ class _KvddPrefill:
 
     def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None:
         fill_and_register(self.dd, images, pattern, log)
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """Nothing: decode links to us with LinkLlmClusters."""
 
     def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
                    msg: Mapping[str, Any], log: Progress) -> Json:

@@ -33,8 +33,8 @@ def _doc(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize("extra", [[], ["--model", "deepseek-v3", "--transfer-backend", "hixl"]],
-                         ids=["qwen-comm", "mla-hixl"])
+@pytest.mark.parametrize("extra", [[], ["--transfer-backend", "hixl"], ["--model", "deepseek-v3", "--link", "rank-table"]],
+                         ids=["link_clusters", "hixl", "mla-rank-table"])
 def test_the_demo_through_the_package(extra: list[str]) -> None:
     r = _kvdd("demo", "--quick", "--api", "llm_datadist", "--json", *extra)
     assert r.returncode == 0, r.stderr
@@ -75,8 +75,15 @@ def test_a_failing_pull_is_reported_with_its_status_and_transfer() -> None:
 @pytest.mark.parametrize("args, says", [
     (["--in-process"], "needs two processes"),
     (["--backend", "native"], "use --backend sim"),
+    (["--link", "rank-table", "--transfer-backend", "hixl"], "needs the comm transfer backend"),
 ])
 def test_what_the_package_api_cannot_do_is_refused(args: list[str], says: str) -> None:
     r = _kvdd("demo", "--quick", "--api", "llm_datadist", *args)
     assert r.returncode == 2
     assert says in r.stderr
+
+
+def test_a_rank_table_link_needs_the_package_api() -> None:
+    r = _kvdd("demo", "--quick", "--link", "rank-table")
+    assert r.returncode == 2
+    assert "add --api llm_datadist" in r.stderr
