@@ -74,8 +74,11 @@ def check_isinstance(name: str, value: Any, types: type | tuple[type, ...] | lis
 def check_inner(name: str, values: Any, item_types: type | tuple[type, ...] | list[type],
                 extra_fmt: str = "") -> None:
     """``TypeError`` unless every item of ``values`` is an instance of ``item_types``."""
+    types = _as_types(item_types)
+    if all(isinstance(item, types) for item in values):
+        return
     for i, item in enumerate(values):
-        if not isinstance(item, _as_types(item_types)):
+        if not isinstance(item, types):
             raise TypeError(f"{extra_fmt}{name}[{i}] must be {_type_names(item_types)}, "
                             f"but got {type(item).__name__}.")
 

@@ -81,8 +81,10 @@ class CacheManager(LocalCopies):
         self._limits.registered(cache_id, addrs, cache_desc.placement == Placement.DEVICE, nbytes)
 
     def _check(self, status: int, func: str, info: object) -> None:
+        # ``info`` may be a zero-argument callable, so hot paths format nothing on success
         if status != 0:
-            handle_llm_status(status, func, with_detail(self._wrapper, str(info)))
+            text = info() if callable(info) else info
+            handle_llm_status(status, func, with_detail(self._wrapper, str(text)))
 
     # -- registration (§4.1, §4.2) -------------------------------------------------------------
 
@@ -288,7 +290,7 @@ class CacheManager(LocalCopies):
         src_idx, dst_idx = layer_range_to_tensor_indices(src_range, dst_range, t)
         status = self._wrapper.pull_cache_v2(
             cache.cache_id, pack_cache_key(cache_key), (size, batch_index, [], [], src_idx, dst_idx, -1, -1, t))
-        self._check(status, "pull_cache", f"cache_key={cache_key!r}, cache_id={cache.cache_id}")
+        self._check(status, "pull_cache", lambda: f"cache_key={cache_key!r}, cache_id={cache.cache_id}")
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
                     dst_cache: Cache, src_blocks: list[int] | tuple[int, ...] = (),
@@ -330,7 +332,7 @@ class CacheManager(LocalCopies):
         param = (-1, 0, pack_uint64_list("src_blocks", src_blocks),
                  pack_uint64_list("dst_blocks", dst_blocks), src_idx, dst_idx, -1, -1, t)
         status = self._wrapper.pull_cache_v2(dst_cache.cache_id, pack_cache_key(src_cache_key), param)
-        self._check(status, "pull_blocks", f"cache_key={src_cache_key!r}, cache_id={dst_cache.cache_id}")
+        self._check(status, "pull_blocks", lambda: f"cache_key={src_cache_key!r}, cache_id={dst_cache.cache_id}")
 
     # -- pushes (§4.8) -------------------------------------------------------------------------
 

@@ -34,7 +34,11 @@ def _native_uint64(name: str, value: int) -> int:
 def pack_uint64_list(name: str, values: Sequence[int]) -> list[int]:
     """A list of uint64 for the engine (``TypeError`` for a value out of range, as the native
     binding does)."""
-    return [_native_uint64(name, v) for v in values]
+    packed = list(values)
+    if packed and (min(packed) < 0 or max(packed) > UINT64_MAX):
+        bad = next(v for v in packed if not 0 <= v <= UINT64_MAX)
+        raise TypeError(f"{name} holds {bad}, which cannot be passed to the engine as uint64.")
+    return packed
 
 
 def pack_cache_desc(desc: CacheDesc) -> CacheDescTuple:
