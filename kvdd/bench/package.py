@@ -9,7 +9,7 @@ kvdd's ``register_kv_cache``.  This process links to both (the façade's ``link_
 ``link_llm_clusters``) with one destination pool registered on each side, and times, interleaved:
 a 1024-token request's blocks (random distinct ids into random ids) in one call of all layers,
 and layer by layer (one call per layer: the façade's ``src_layer_range`` / ``dst_layer_range``,
-kvdd's ``KvCacheExtParam``, prebuilt).  ``ratio`` = façade time / kvdd time (min over repeats;
+kvdd's ``KvCacheExtParam``, prebuilt), and one block of one layer (the fixed cost of a call).  ``ratio`` = façade time / kvdd time (min over repeats;
 ``ratio_median`` from medians); the goal is at most :data:`GOAL`.  Both pulls are checked once
 against the pattern (every byte of the destination pool) before timing.
 
@@ -187,13 +187,14 @@ def _env(path: str) -> Iterator[None]:
                 os.environ[ENV_XPROC] = old
 
 
-def _expected(geom: BenchGeometry, pool: int, src: list[int], dst: list[int]) -> npt.NDArray[np.uint64]:
-    """The destination pool (as 8-byte words) after the pull: zeros but the pulled blocks, which
-    hold the peer's pattern (every word its index in the peer's arena)."""
+def _expected(geom: BenchGeometry, pool: int, src: list[int], dst: list[int],
+              tensors: range | None = None) -> npt.NDArray[np.uint64]:
+    """The destination pool (as 8-byte words) after a pull of ``tensors`` (all by default): zeros
+    but the pulled blocks, which hold the peer's pattern (every word its index in the peer's arena)."""
     words_per_block = geom.block_bytes // 8
     out = np.zeros(geom.tensors * pool * words_per_block, np.uint64)
     tensor_words = pool * words_per_block
-    for t in range(geom.tensors):
+    for t in (range(geom.tensors) if tensors is None else tensors):
         for s, d in zip(src, dst):
             start = t * tensor_words + s * words_per_block
             at = t * tensor_words + d * words_per_block
@@ -268,19 +269,33 @@ def _measure_path(path: str, geom: BenchGeometry, blocks: int, repeats: int, see
                     for e in exts:
                         pull_kv_blocks(idx, own_cache, src, dst, e)
 
-                want = _expected(geom, pool, src, dst)
+                # The fixed cost of a call: one block of the last layer.
+                last = layers - 1
+                small_ext = KvCacheExtParam((last, last), (last, last), t)
+
+                def pkg_small() -> None:
+                    pull_blocks(key, cache, src_blocks=src[:1], dst_blocks=dst[:1], src_layer_range=ranges[last],
+                                dst_layer_range=ranges[last], tensor_num_per_layer=t)
+
+                def own_small() -> None:
+                    pull_kv_blocks(idx, own_cache, src[:1], dst[:1], small_ext)
+
+                full = _expected(geom, pool, src, dst)
+                small = _expected(geom, pool, src[:1], dst[:1], range(last * t, layers * t))
                 words = dst_mem.view(np.uint64)
 
-                def check(fn: Callable[[], None]) -> bool:
+                def check(fn: Callable[[], None], want: npt.NDArray[np.uint64]) -> bool:
                     words[:] = 0
                     fn()
                     return bool(np.array_equal(words, want))
 
-                for kind, pkg_fn, own_fn, calls in (("pull_blocks", pkg_all, own_all, 1),
-                                                    ("pull_blocks per layer", pkg_layers, own_layers, layers)):
-                    verified = check(pkg_fn) and check(own_fn)
+                for kind, pkg_fn, own_fn, calls, want, moved in (
+                        ("pull_blocks", pkg_all, own_all, 1, full, nbytes),
+                        ("pull_blocks per layer", pkg_layers, own_layers, layers, full, nbytes),
+                        ("pull_blocks 1 block 1 layer", pkg_small, own_small, 1, small, t * geom.block_bytes)):
+                    verified = check(pkg_fn, want) and check(own_fn, want)
                     res = interleaved({"package": pkg_fn, "kvdd": own_fn}, repeats, own_warm=True)
-                    rows.append(_row(path, kind, calls, geom, nbytes, res, verified))
+                    rows.append(_row(path, kind, calls, geom, moved, res, verified))
         finally:
             engine.finalize()
     return rows
