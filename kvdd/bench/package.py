@@ -203,15 +203,17 @@ def _expected(geom: BenchGeometry, pool: int, src: list[int], dst: list[int],
 
 
 def _row(path: str, kind: str, calls: int, geom: BenchGeometry, nbytes: int, res: dict[str, Timing],
-         verified: bool) -> Row:
+         verified: bool, judged: bool = True) -> Row:
+    """One row; ``judged``: the :data:`GOAL` applies (the 1024-token request), else the row only
+    reports (the fixed cost of one small call)."""
     pkg, own = res["package"], res["kvdd"]
     ratio = pkg["min_s"] / own["min_s"]
     return {"path": path, "kind": kind, "calls": calls, "tensors": geom.tensors, "bytes": nbytes,
             "package_ms": pkg["min_s"] * 1e3, "package_median_ms": pkg["median_s"] * 1e3,
             "kvdd_ms": own["min_s"] * 1e3, "kvdd_median_ms": own["median_s"] * 1e3,
             "package_gbps": gbps(nbytes, pkg["min_s"]), "kvdd_gbps": gbps(nbytes, own["min_s"]),
-            "ratio": ratio, "ratio_median": pkg["median_s"] / own["median_s"], "goal": GOAL,
-            "met": ratio <= GOAL, "samples": pkg["samples"], "verified": verified}
+            "ratio": ratio, "ratio_median": pkg["median_s"] / own["median_s"], "goal": GOAL if judged else None,
+            "met": ratio <= GOAL if judged else None, "samples": pkg["samples"], "verified": verified}
 
 
 def _measure_path(path: str, geom: BenchGeometry, blocks: int, repeats: int, seed: int) -> list[Row]:
@@ -295,7 +297,7 @@ def _measure_path(path: str, geom: BenchGeometry, blocks: int, repeats: int, see
                         ("pull_blocks 1 block 1 layer", pkg_small, own_small, 1, small, t * geom.block_bytes)):
                     verified = check(pkg_fn, want) and check(own_fn, want)
                     res = interleaved({"package": pkg_fn, "kvdd": own_fn}, repeats, own_warm=True)
-                    rows.append(_row(path, kind, calls, geom, moved, res, verified))
+                    rows.append(_row(path, kind, calls, geom, moved, res, verified, judged=moved == nbytes))
         finally:
             engine.finalize()
     return rows
@@ -317,9 +319,10 @@ def measure_package(tokens: int | None, repeats: int | None, seed: int, quick: b
             rows += _measure_path(path, geom, blocks, reps, seed)
         except Exception as exc:  # reported in the document
             errors[path] = f"{type(exc).__name__}: {exc}"
-    worst = max((r["ratio"] for r in rows), default=None)
+    judged = [r for r in rows if r["goal"] is not None]
+    worst = max((r["ratio"] for r in judged), default=None)
     return {"geometry": geom.model, "tokens": blocks * BLOCK_TOKENS, "blocks": blocks, "goal": GOAL,
-            "rows": rows, "worst_ratio": worst, "met": bool(rows) and all(r["met"] for r in rows) and not errors,
+            "rows": rows, "worst_ratio": worst, "met": bool(judged) and all(r["met"] for r in judged) and not errors,
             "errors": errors}
 
 
@@ -329,11 +332,12 @@ def print_package(section: dict[str, Any], out: Any) -> None:
     print(file=out)
     print(f"CANN's Python package on the simulator ({section['geometry']}, a {section['tokens']}-token request = "
           f"{section['blocks']} blocks; package = kvdd.llm_datadist pull_blocks, kvdd = LlmDataDist.pull_kv_blocks, "
-          f"same peer process, same memory; ratio = package time / kvdd time, goal <= {section['goal']}x):",
+          f"same peer process, same memory; ratio = package time / kvdd time, goal <= {section['goal']}x for "
+          f"the request; the 1-block row shows the fixed cost of a call):",
           file=out)
     print_table(section["rows"], PKG_COLUMNS, out)
     for path, err in section["errors"].items():
         print(f"# package section, {path}: {err}", file=out)
     if section["worst_ratio"] is not None:
-        print(f"# package vs kvdd: worst {section['worst_ratio']:.3f}x, {'met' if section['met'] else 'NOT met'}",
-              file=out)
+        print(f"# package vs kvdd, {section['tokens']}-token request: worst {section['worst_ratio']:.3f}x, "
+              f"{'met' if section['met'] else 'NOT met'}", file=out)
