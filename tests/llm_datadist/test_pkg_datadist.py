@@ -483,5 +483,7 @@ def test_the_engine_name_can_be_replaced_by_a_double(monkeypatch: pytest.MonkeyP
     with pytest.raises(LLMException) as exc:  # a double without a usable last_error_detail
         dd.cache_manager.register_cache(CacheDesc(1, [2], DataType.DT_INT8), [4096])
     assert exc.value.status_code is PI
+    assert str(exc.value) == ("register_cache failed, error code is LLMStatusCode.LLM_PARAM_INVALID, "
+                              f"cache_desc={CacheDesc(1, [2], DataType.DT_INT8)!r}.")
     dd.finalize()
     backend.finalize_v2.assert_called_once_with()
