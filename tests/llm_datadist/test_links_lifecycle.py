@@ -304,3 +304,24 @@ def test_link_total_time_in_seconds_30_when_0(value: str | None, seconds: int) -
     assert _init(opts) == S_OK
     engine_ = lifecycle.current_engine()
     assert engine_ is not None and engine_.link_total_s == seconds
+
+
+def test_a_member_without_listen_address_is_reachable_until_finalize(rendezvous_dir: str) -> None:
+    # the rank-table link starts a fabric listener on demand and publishes it (0600, ours);
+    # finalize stops it and withdraws the entry
+    import json
+    import os
+    import stat
+    with engine(1, options()):
+        engine_ = lifecycle.current()
+        assert engine_ is not None and engine_.instance.listen_port is None
+        assert links.link("c", [(1, 0), (2, 1)], rank_table()) == (S_OK, 1)
+        (name,) = os.listdir(rendezvous_dir)
+        path = os.path.join(rendezvous_dir, name)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with open(path) as f:
+            entry = json.load(f)
+        assert entry["cluster_id"] == 1 and entry["comm_name"] == "c" and entry["ip"] == "127.0.0.1"
+        assert listening(entry["port"])
+    assert not listening(entry["port"])
+    assert os.listdir(rendezvous_dir) == []
