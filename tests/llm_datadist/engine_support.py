@@ -216,3 +216,8 @@ def link_to(cluster_id: int, port: int) -> int:
 def finalize() -> None:
     lifecycle.finalize_v2()
     _held.clear()
+
+
+def addresses(index: int) -> list[int]:
+    """In a peer: the tensor addresses of the ``index``-th cache it registered."""
+    return list(_held["mems"][index].addrs)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_support import (FEATURE_NOT_ENABLED, NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK,
+from engine_support import (NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK,
                             Mem, blocks_key, engine, expect_blocks, link, push, register)
 from kvdd.sim.pypkg import pushes
 from kvdd.sim.pypkg.lifecycle import Engine
@@ -127,18 +127,42 @@ def test_remote_or_local_not_remote_accessible(pair: tuple[Engine, Engine]) -> N
 
 
 def test_two_sided_raw_addresses() -> None:
-    """A two-sided engine writes raw addresses upstream; the simulator refuses with
-    FEATURE_NOT_ENABLED after the layer checks (never touching unregistered memory)."""
+    """transfer_cache_async with TransferConfig on a two-sided engine: each tensor of the layer to
+    its raw destination address, which must lie inside a tensor the peer serves over the link
+    (upstream writes anywhere; the simulator refuses what it cannot map, PYPKG.md §9.8)."""
     p, d = engine(1, ra=False), engine(2, ra=False)
     try:
-        sid = register(p, Mem(2, 4, 16, seed=1), blocks=False)
-        register(d, Mem(2, 4, 16), blocks=False)
+        src = Mem(4, 4, 16, seed=1)
+        sid = register(p, src, blocks=False)
+        dst = Mem(2, 4, 16)
+        register(d, dst, blocks=False)
         link(p, d)
-        raw = (sid, 0, 0, [4096, 8192], 2, 0, 0, 0, 0, 2)
-        assert push(p, raw) == FEATURE_NOT_ENABLED
-        assert push(p, (sid, 0, 0, [4096], 2, 0, 0, 0, 0, 2)) == PARAM_INVALID  # 1 addr for t=2
-        assert push(p, (sid, 0, 1, [4096, 8192], 2, 0, 0, 0, 0, 2)) == PARAM_INVALID  # ls
-        assert push(p, cache_cfg(sid, 0, 0, 1)) == PARAM_INVALID  # no addresses at all
+        before = dst.copy()
+        raw = (sid, 3, 1, [dst.addrs[1] + 16, dst.addrs[0] + 48], 2, 0, 0, 0, 0, 2)
+        assert push(p, raw) == S_OK  # layer 1 = tensors 2, 3; source row 3
+        want = [b.copy() for b in before]
+        want[1][16:32] = src.tensors[2][48:64]
+        want[0][48:64] = src.tensors[3][48:64]
+        assert all((g == w).all() for g, w in zip(dst.tensors, want))
+        before = dst.copy()
+        # C2B: the source row in 8-byte chunks to blocks 5 and 1 of an 8-byte-block view
+        assert push(p, (sid, 0, 0, [dst.addrs[0], dst.addrs[1]], 2, 0, 0, 0, 0, 2),
+                    (8, [], [5, 1])) == S_OK
+        want = [b.copy() for b in before]
+        for k in range(2):
+            want[k][40:48] = src.tensors[k][0:8]
+            want[k][8:16] = src.tensors[k][8:16]
+        assert all((g == w).all() for g, w in zip(dst.tensors, want))
+        before = dst.copy()
+        for bad in ([4096, 8192], [dst.addrs[0] + 56, dst.addrs[1]]):  # unmapped; past the end
+            assert push(p, (sid, 0, 0, bad, 2, 0, 0, 0, 0, 2)) == PARAM_INVALID
+        assert push(p, (sid, 0, 0, [dst.addrs[0]], 2, 0, 0, 0, 0, 2)) == PARAM_INVALID  # 1 for t=2
+        assert push(p, (sid, 0, 2, dst.addrs, 2, 0, 0, 0, 0, 2)) == PARAM_INVALID  # ls
+        assert push(p, cache_cfg(sid, 0, 0, 1)) == PARAM_INVALID  # a key config: no addresses
+        assert push(p, (sid, 0, 0, dst.addrs, 2, 0, 0, 0, 0, 2), (8, [], list(range(9)))) == PARAM_INVALID
+        # row 3 + 3 chunks runs past the source tensor (unchecked upstream): refused
+        assert push(p, (sid, 3, 0, dst.addrs, 2, 0, 0, 0, 0, 2), (8, [], [0, 1, 2])) == PARAM_INVALID
+        assert all((g == w).all() for g, w in zip(dst.tensors, before))
     finally:
         d.instance.finalize()
         p.instance.finalize()

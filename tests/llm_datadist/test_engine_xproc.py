@@ -34,17 +34,19 @@ CACHES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[Peer, int]]:
+@pytest.fixture(scope="module", params=["process_vm", "tcp"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[Peer, int, str]]:
+    """The serving peer; both data paths (same-host one-sided reads/writes, and TCP)."""
     port = free_port()
-    with Peer() as p:
+    env = {"KVDD_SIM_XPROC": "tcp"} if request.param == "tcp" else None
+    with Peer(env=env) as p:
         assert p.call("engine_support.serve", 1, port, CACHES) == [1, 2, 3, 4]
-        yield p, port
+        yield p, port, request.param
         p.call("engine_support.finalize")
 
 
 @pytest.fixture
-def w(server: tuple[Peer, int]) -> Iterator[SimWrapper]:
+def w(server: tuple[Peer, int, str]) -> Iterator[SimWrapper]:
     wrapper = process_wrapper()
     wrapper.finalize_v2()
     assert wrapper.initialize_v2(2, process_options(None)) == S_OK
@@ -59,11 +61,13 @@ def snapshot() -> dict[int, object]:
     return engine.instance.entities[1].peer.snapshot()  # type: ignore[return-value]
 
 
-def remote(server: tuple[Peer, int], index: int) -> list[np.ndarray]:
+def remote(server: tuple[Peer, int, str], index: int) -> list[np.ndarray]:
     return [np.frombuffer(b, np.uint8) for b in server[0].call("engine_support.tensors", index)]
 
 
-def test_table_published_across_processes(w: SimWrapper) -> None:
+def test_table_published_across_processes(w: SimWrapper, server: tuple[Peer, int, str]) -> None:
+    engine = lifecycle.current()
+    assert engine is not None and engine.instance.link_data_path(1) == server[2]
     snap = snapshot()
     b1, b2, c3, h4 = (snap[i] for i in (1, 2, 3, 4))
     assert (b1.kind, b1.blocks, b1.batch_size, b1.stride_nbytes, b1.keys) == (KIND_BLOCKS, 6, 1, 32, ())  # type: ignore[attr-defined]
@@ -73,7 +77,7 @@ def test_table_published_across_processes(w: SimWrapper) -> None:
     assert all(snap[i].remote_accessible for i in (1, 2, 3))  # type: ignore[attr-defined]
 
 
-def test_blocks_last_wins_and_runs_bytes(w: SimWrapper, server: tuple[Peer, int]) -> None:
+def test_blocks_last_wins_and_runs_bytes(w: SimWrapper, server: tuple[Peer, int, str]) -> None:
     """§7.5-14 and -18 across processes: the second cache with model 0; exact runs and bytes."""
     mem = Mem(2, 12, 32)
     did = w.register_cache(mem.desc(True), mem.addrs, [], True)[1][0]
@@ -90,7 +94,7 @@ def test_blocks_last_wins_and_runs_bytes(w: SimWrapper, server: tuple[Peer, int]
     expect_blocks(mem.tensors, before, src, pairs, 32)
 
 
-def test_cache_key_c2b_and_pull_cache_rows(w: SimWrapper, server: tuple[Peer, int]) -> None:
+def test_cache_key_c2b_and_pull_cache_rows(w: SimWrapper, server: tuple[Peer, int, str]) -> None:
     """C2B by CacheKey (req 11, model 2); §7.5-22 across processes: row b of every remote tensor."""
     src = remote(server, 2)
     blocks = Mem(2, 8, 32)
@@ -109,7 +113,7 @@ def test_cache_key_c2b_and_pull_cache_rows(w: SimWrapper, server: tuple[Peer, in
     assert w.pull_cache_v2(rid, id_key(1, 3, batch=2), pull_param(batch=1, size=33)) == PARAM_INVALID
 
 
-def test_push_blocks_across_processes(w: SimWrapper, server: tuple[Peer, int]) -> None:
+def test_push_blocks_across_processes(w: SimWrapper, server: tuple[Peer, int, str]) -> None:
     mem = Mem(2, 6, 32, seed=8)
     sid = w.register_cache(mem.desc(True), mem.addrs, [], True)[1][0]
     before = remote(server, 1)  # cache 2 holds model 0 now: its bytes are index 1
@@ -120,7 +124,7 @@ def test_push_blocks_across_processes(w: SimWrapper, server: tuple[Peer, int]) -
                   [(5, 2), (0, 3), (1, 4)], 32)
 
 
-def test_snapshot_rule_across_processes(w: SimWrapper, server: tuple[Peer, int]) -> None:
+def test_snapshot_rule_across_processes(w: SimWrapper, server: tuple[Peer, int, str]) -> None:
     """§7.5-21: a cache the peer registers after our link is invisible until we relink."""
     mem = Mem(2, 6, 32)
     did = w.register_cache(mem.desc(True), mem.addrs, [], True)[1][0]
@@ -138,7 +142,7 @@ def test_snapshot_rule_across_processes(w: SimWrapper, server: tuple[Peer, int])
 
 
 def test_hostile_peer_cannot_lease_a_cache_that_is_not_remote_accessible(
-        server: tuple[Peer, int]) -> None:
+        server: tuple[Peer, int, str]) -> None:
     """A peer that ignores the flag asks the owner for a lease on cache 4 directly: refused."""
     s, snap = rawpeer.link(server[1], 77)
     try:
@@ -178,3 +182,36 @@ def test_peer_vanishing_mid_transfer_times_out() -> None:
     finally:
         w.finalize_v2()
         p.close()
+
+
+def test_two_sided_engines_across_processes() -> None:
+    """Two-sided engines: a pull needs the peer's device-side handler (FEATURE_NOT_ENABLED after
+    the request is built); transfer_cache_async's raw-address write lands in the peer's tensor
+    (mapped onto a cache it serves) and is refused outside one."""
+    w = process_wrapper()
+    w.finalize_v2()
+    port = free_port()
+    with Peer() as p:
+        spec = {"n": 2, "rows": 4, "row_bytes": 16, "keys": [blocks_key(0, 0)]}
+        assert p.call("engine_support.serve", 1, port, [spec], ra=False) == [1]
+        try:
+            assert w.initialize_v2(2, process_options(None, ra=False)) == S_OK
+            assert link_to(1, port) == S_OK
+            mem = Mem(2, 4, 16, seed=5)
+            sid = w.register_cache(mem.desc(False), mem.addrs, [], True)[1][0]
+            assert w.pull_cache_v2(sid, id_key(1, 1), pull_param()) == 0x5010B019
+            assert (mem.tensors[0] != 0).any()
+            remote_addrs = p.call("engine_support.addresses", 0)
+            cfg = (sid, 2, 0, [remote_addrs[1] + 48, remote_addrs[0]], 1, 0, 0, 0, 0, 2)
+            assert w.transfer_cache_v2(0, cfg, (0, [], [])) == S_OK
+            got = remote((p, port, ""), 0)
+            want = [np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
+            want[1][48:64] = mem.tensors[0][32:48]
+            want[0][0:16] = mem.tensors[1][32:48]
+            assert all((g == x).all() for g, x in zip(got, want))
+            bad = (sid, 2, 0, [remote_addrs[1] + 49, remote_addrs[0]], 1, 0, 0, 0, 0, 2)
+            assert w.transfer_cache_v2(0, bad, (0, [], [])) == PARAM_INVALID
+            assert all((g == x).all() for g, x in zip(remote((p, port, ""), 0), want))
+        finally:
+            w.finalize_v2()
+            p.call("engine_support.finalize")

@@ -110,6 +110,12 @@ class PeerHandle(Protocol):
         """The peer's caches registered before this link was created (visibility rule)."""
         ...
 
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        """The tensor addresses of the peer's served cache ``cache_id`` as its snapshot announced
+        them (empty when not served): for writes to raw destination addresses, which the simulator
+        maps onto a served tensor (CANN's Python package, PYPKG.md §4.10)."""
+        ...
+
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         """Check the cache is still registered and take a lease on it: ``(status, lease)``.
 

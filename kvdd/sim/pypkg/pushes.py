@@ -31,7 +31,7 @@ from .pulls import link_entity, require_live_link
 
 if TYPE_CHECKING:
     from ...llm_datadist._seam import BlockCfgTuple, TransferCfgTuple
-    from ..entries import CacheEntry
+    from ..entries import CacheEntry, Entity
     from ..fabric import RemoteCache
     from .protocols import PkgEngine
 
@@ -74,21 +74,21 @@ def _transfer(engine: PkgEngine, cfg: TransferCfgTuple, block_cfg: BlockCfgTuple
     entity = link_entity(engine, cluster)
     with entity.lock:
         require_live_link(engine, cluster, entity)
+        bms, src_blocks, dst_blocks = block_cfg
         if not engine.remote_accessible:
             # two-sided engine: upstream writes the config's raw destination addresses without a
             # table lookup; a cache-key config has none and fails the address-count check
             _layer_checks(local, t, ls, len(dst_addrs), t)
-            reject(Status.LLM_FEATURE_NOT_ENABLED, "a transfer to raw destination addresses "
-                   "(transfer_cache_async with TransferConfig) writes device memory the simulator "
-                   "cannot map to a registered region; use remote-cache-accessible mode and "
-                   "TransferWithCacheKeyConfig")
+            plan = _prepare(local, 0, None, src_batch, src_blocks, dst_blocks, bms)
+            return _raw_write(engine, entity, local, t, ls, dst_addrs, plan, cluster)
         if not local.remote_accessible:
             reject(PARAM_INVALID, f"local cache {local.cache_id} is not remote accessible")
         rc = _find(entity.peer.snapshot(), push_type, model_or_id)
-        bms, src_blocks, dst_blocks = block_cfg
         _validate_remote(rc, t, ld, dst_batch, dst_blocks, bms)
         _layer_checks(local, t, ls, len(dst_addrs) + t, t)
-        plan = _prepare(local, rc, t, src_batch, dst_batch, src_blocks, dst_blocks, bms)
+        require_not_ragged(local, rc)  # kvdd rule 10
+        plan = _prepare(local, dst_batch * rc.stride_nbytes, rc.tensor_nbytes, src_batch,
+                        src_blocks, dst_blocks, bms)
         local_off, remote_off, length = plan
         nbytes = int(np.asarray(length).sum()) * t
         status = faults.on_transfer(instance, _KINDS.get(push_type, "push_cache"), cluster, entity,
@@ -97,6 +97,38 @@ def _transfer(engine: PkgEngine, cfg: TransferCfgTuple, block_cfg: BlockCfgTuple
             return status
         return run(entity, local, rc, False, engine.sync_wait_ms, range(ls * t, (ls + 1) * t),
                    range(ld * t, (ld + 1) * t), local_off, remote_off, length)
+
+
+def _raw_write(engine: PkgEngine, entity: Entity, local: CacheEntry, t: int, ls: int,
+               dst_addrs: Sequence[int], plan: tuple[np.ndarray, np.ndarray, np.ndarray],
+               cluster: int) -> int:
+    """Type 0 (``transfer_cache_async`` with ``TransferConfig``): the layer's tensor ``i`` goes to
+    the raw address ``dst_addrs[i]``.  Upstream writes there unchecked; the simulator writes only
+    when every byte lands inside one tensor of a cache the peer serves over this link (registered
+    before the link, remote-accessible), else LLM_PARAM_INVALID (PYPKG.md §9.8)."""
+    local_off, remote_off, length = plan
+    lo = int(np.min(remote_off))
+    hi = int(np.max(remote_off + length))
+    peer = entity.peer
+    served = [(rc, peer.addresses(cid)) for cid, rc in peer.snapshot().items()
+              if rc.remote_accessible]
+    targets: list[tuple[RemoteCache, int, int]] = []
+    for i, addr in enumerate(dst_addrs):
+        found = next(((rc, k, base) for rc, addrs in served for k, base in enumerate(addrs)
+                      if base <= addr + lo and addr + hi <= base + rc.tensor_nbytes), None)
+        if found is None:
+            reject(PARAM_INVALID, f"destination address {i} (0x{addr:x}) + [{lo}, {hi}) is not "
+                   f"inside a tensor cluster {cluster} registered before this link; unchecked on "
+                   "hardware (undefined there); the simulator refuses it")
+        targets.append(found)
+    status = faults.on_transfer(engine.instance, "transfer_cache_async", cluster, entity,
+                                t * int(np.asarray(length).sum()))
+    if status != S_OK:
+        return status
+    for i, (rc, k, base) in enumerate(targets):
+        run(entity, local, rc, False, engine.sync_wait_ms, range(ls * t + i, ls * t + i + 1),
+            range(k, k + 1), local_off, remote_off + (dst_addrs[i] - base), length)
+    return S_OK
 
 
 def _find(snapshot: dict[int, RemoteCache], push_type: int, model_or_id: int) -> RemoteCache:
@@ -149,17 +181,19 @@ def _layer_checks(local: CacheEntry, t: int, ls: int, dst_addrs: int, layer: int
         reject(PARAM_INVALID, f"{dst_addrs} destination addresses for a layer of {layer} tensors")
 
 
-def _prepare(local: CacheEntry, rc: RemoteCache, t: int, src_batch: int, dst_batch: int,
+def _prepare(local: CacheEntry, row: int, remote_T: int | None, src_batch: int,
              src_blocks: Sequence[int], dst_blocks: Sequence[int], bms: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``Prepare``'s task generators: the byte runs ``(local_off, remote_off, length)``."""
-    require_not_ragged(local, rc)  # kvdd rule 10
-    row = dst_batch * rc.stride_nbytes  # the destination addresses start at the remote row
+    """``Prepare``'s task generators: the byte runs ``(local_off, remote_off, length)``, the
+    remote offsets from each destination tensor's address (which starts at byte ``row`` of the
+    remote tensor); with ``remote_T`` (the remote tensor's size) every run must end inside it
+    (kvdd's refusal where upstream would write past it; raw addresses are mapped later)."""
     S = local.S
     if not dst_blocks:  # C2C: L.S bytes of the source row (no L.S <= R.S check upstream)
         if src_batch >= local.B:
             reject(PARAM_INVALID, f"src batch index {src_batch} is out of range [0, {local.B})")
-        require_inside_remote(row + S > rc.tensor_nbytes, f"the {S}-byte row would be written")
+        if remote_T is not None:
+            require_inside_remote(row + S > remote_T, f"the {S}-byte row would be written")
         return row_run(src_batch * S, row, S)
     if not src_blocks:  # C2B: the source row split into bms-byte chunks
         if not 0 < bms < local.T:
@@ -180,8 +214,9 @@ def _prepare(local: CacheEntry, rc: RemoteCache, t: int, src_batch: int, dst_bat
         if int((local_off + length).max()) > local.T:
             reject(PARAM_INVALID, f"the source chunks run past the {local.T}-byte local tensor; "
                    "unchecked on hardware (undefined there); the simulator refuses it")
-        require_inside_remote(int((remote_off + length).max()) > rc.tensor_nbytes,
-                              "a block would be written")
+        if remote_T is not None:
+            require_inside_remote(int((remote_off + length).max()) > remote_T,
+                                  "a block would be written")
         return local_off, remote_off, length
     # B2B
     if local.N <= 0:
@@ -193,7 +228,8 @@ def _prepare(local: CacheEntry, rc: RemoteCache, t: int, src_batch: int, dst_bat
         reject(PARAM_INVALID, f"dst_block_memory_size {bms} differs from the local stride {S}")
     runs.require_below(runs.s0, runs.s_last, local.N, "src block", "local block count")
     src_off, dst_off, length, _total, _src_end, dst_end = runs.byte_plan(S)
-    require_inside_remote(row + dst_end > rc.tensor_nbytes, "a block run would be written")
+    if remote_T is not None:
+        require_inside_remote(row + dst_end > remote_T, "a block run would be written")
     if row:
         dst_off = dst_off + row
     return src_off, dst_off, length
