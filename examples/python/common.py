@@ -37,7 +37,7 @@ PREFILL_CLUSTER = 1
 DECODE_CLUSTER = 2
 HOST = "127.0.0.1"
 CONTROL_OFFSET = 9  # the control socket's port is PORT_BASE + 9
-LINK_TIMEOUT_MS = 5000
+LINK_TIMEOUT_MS = 20000
 SYNC_KV_TIMEOUT_MS = 20000
 UNTOUCHED = 0xEEEE  # what destination memory holds before any transfer (as uint16 words)
 

@@ -105,7 +105,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port-base", type=int, help="first loopback port (10 per example; default: a free range)")
     ap.add_argument("--only", help=f"comma-separated subset of: {', '.join(PAIRS)}")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per example (default 60)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per example (default 120)")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--sim", action="store_true", help="import kvdd's simulator as llm_datadist")
     which.add_argument("--installed", action="store_true", help="import the llm_datadist that is installed")

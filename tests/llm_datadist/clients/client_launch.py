@@ -79,7 +79,7 @@ def child_env(faults: str | None) -> dict[str, str]:
 
 
 def run(script: str, roles: Sequence[tuple[str, Sequence[str]]], faults: Mapping[str, str] | None = None,
-        timeout: float = 60.0) -> dict[str, Proc]:
+        timeout: float = 120.0) -> dict[str, Proc]:
     """Run ``script`` once per ``(role, extra args)``, all at once, on one free port range.
 
     ``faults`` maps a role to its ``KVDD_SIM_FAULTS``.  Returns the processes by role; raises

@@ -48,7 +48,7 @@ NUM_BLOCKS = {PREFILL_CLUSTER: 10, DECODE_CLUSTER: 14}
 # group -> (tensors per layer, one block's shape after num_blocks, bytes per element)
 GROUPS = {"attention": (2, [8, 2, 16], 2), "mamba_conv": (1, [4, 32], 2), "mamba_ssm": (1, [2, 16, 16], 4)}
 DTYPES = {2: DataType.DT_BF16, 4: DataType.DT_FLOAT}
-TIMEOUT_MS = 5000
+TIMEOUT_MS = 20000
 
 
 class HixlDataDist:
