@@ -191,27 +191,29 @@ def test_two_sided_engines_across_processes() -> None:
     w = process_wrapper()
     w.finalize_v2()
     port = free_port()
-    with Peer() as p:
+    # KVDD_SIM_FAULTS reaches the peer's façade calls by name: its first registration fails
+    env = {"KVDD_SIM_FAULTS": "register_blocks_cache:status=LLM_DEVICE_OUT_OF_MEMORY:count=1"}
+    with Peer(env=env) as p:
         spec = {"n": 2, "rows": 4, "row_bytes": 16, "keys": [blocks_key(0, 0)]}
-        assert p.call("engine_support.serve", 1, port, [spec], ra=False) == [1]
+        assert p.call("engine_support.serve", 1, port, [spec, spec], ra=False) == [-0x5010B00E, 2]
         try:
             assert w.initialize_v2(2, process_options(None, ra=False)) == S_OK
             assert link_to(1, port) == S_OK
             mem = Mem(2, 4, 16, seed=5)
             sid = w.register_cache(mem.desc(False), mem.addrs, [], True)[1][0]
-            assert w.pull_cache_v2(sid, id_key(1, 1), pull_param()) == 0x5010B019
+            assert w.pull_cache_v2(sid, id_key(1, 2), pull_param()) == 0x5010B019
             assert (mem.tensors[0] != 0).any()
-            remote_addrs = p.call("engine_support.addresses", 0)
+            remote_addrs = p.call("engine_support.addresses", 1)
             cfg = (sid, 2, 0, [remote_addrs[1] + 48, remote_addrs[0]], 1, 0, 0, 0, 0, 2)
             assert w.transfer_cache_v2(0, cfg, (0, [], [])) == S_OK
-            got = remote((p, port, ""), 0)
+            got = remote((p, port, ""), 1)
             want = [np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
             want[1][48:64] = mem.tensors[0][32:48]
             want[0][0:16] = mem.tensors[1][32:48]
             assert all((g == x).all() for g, x in zip(got, want))
             bad = (sid, 2, 0, [remote_addrs[1] + 49, remote_addrs[0]], 1, 0, 0, 0, 0, 2)
             assert w.transfer_cache_v2(0, bad, (0, [], [])) == PARAM_INVALID
-            assert all((g == x).all() for g, x in zip(remote((p, port, ""), 0), want))
+            assert all((g == x).all() for g, x in zip(remote((p, port, ""), 1), want))
         finally:
             w.finalize_v2()
             p.call("engine_support.finalize")
