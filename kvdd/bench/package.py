@@ -335,7 +335,8 @@ def print_package(section: dict[str, Any], out: Any) -> None:
           f"same peer process, same memory; ratio = package time / kvdd time, goal <= {section['goal']}x for "
           f"the request; the 1-block row shows the fixed cost of a call):",
           file=out)
-    print_table(section["rows"], PKG_COLUMNS, out)
+    shown = [{k: ("-" if v is None else v) for k, v in row.items()} for row in section["rows"]]
+    print_table(shown, PKG_COLUMNS, out)
     for path, err in section["errors"].items():
         print(f"# package section, {path}: {err}", file=out)
     if section["worst_ratio"] is not None:
