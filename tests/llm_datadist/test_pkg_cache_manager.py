@@ -412,7 +412,8 @@ def test_swap_blocks(fake: RecordingWrapper) -> None:
     assert outcome(fake, lambda: mgr.swap_blocks(host, dev, [(0, 0)])) is TypeError  # type: ignore[arg-type]
     assert outcome(fake, lambda: mgr.swap_blocks(dev, dev, {0: 1})) is PI  # both DEVICE
     mgr.swap_blocks(host, dev, {0: 7, 3: 1})
-    assert fake.last("swap_blocks_v2") == ((-1, [[0x10, 0x20]]), (dev.cache_id, [[0x1000, 0x2000]]), 256, 0,
+    # the package sends both sides as address-only views (id -1), even a registered cache
+    assert fake.last("swap_blocks_v2") == ((-1, [[0x10, 0x20]]), (-1, [[0x1000, 0x2000]]), 256, 0,
                                            [(0, 7), (3, 1)])
     mgr.swap_blocks(dev, host, {7: 0})
     assert fake.last("swap_blocks_v2")[2:4] == (256, 1)  # swap out

@@ -12,6 +12,7 @@ from .llm_types import Cache, MemInfo, Memtype, Placement
 __all__ = ["LocalCopies"]
 
 _SWAP_IN, _SWAP_OUT = 0, 1  # swap_blocks_v2 swap_type: host -> device, device -> host
+_ADDRESS_ONLY = -1  # swap_blocks_v2 cache id of an address-only view (the package never sends a real id)
 
 
 class LocalCopies:
@@ -75,8 +76,10 @@ class LocalCopies:
         raise_if_false(placements == {Placement.HOST, Placement.DEVICE},
                        "swap_blocks needs one HOST and one DEVICE cache.")
         swap_type = _SWAP_IN if sd.placement == Placement.HOST else _SWAP_OUT
+        # Both sides go to the engine as address-only views (cache id -1), registered or not:
+        # the engine refuses a registered cache paired with a view such as create_cpu_cache's.
         status = self._wrapper.swap_blocks_v2(
-            (src_cache.cache_id, [src_cache.tensor_addrs]), (dst_cache.cache_id, [dst_cache.tensor_addrs]),
+            (_ADDRESS_ONLY, [src_cache.tensor_addrs]), (_ADDRESS_ONLY, [dst_cache.tensor_addrs]),
             block_size, swap_type, list(src_to_dst.items()))
         self._check(status, "swap_blocks", f"src={src_cache.cache_id}, dst={dst_cache.cache_id}")
 
