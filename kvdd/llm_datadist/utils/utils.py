@@ -65,7 +65,7 @@ def check_isinstance(name: str, value: Any, types: type | tuple[type, ...] | lis
     if value is None and allow_none:
         return value
     if not isinstance(value, _as_types(types)):
-        raise TypeError(f"{extra_fmt}{name} must be {_type_names(types)}, but got {type(value).__name__}.")
+        raise TypeError(f"{extra_fmt}{name} only supports {_type_names(types)}, but got {type(value).__name__}.")
     if inner_class is not None:
         check_inner(name, value, inner_class, extra_fmt)
     return value
@@ -79,7 +79,7 @@ def check_inner(name: str, values: Any, item_types: type | tuple[type, ...] | li
         return
     for i, item in enumerate(values):
         if not isinstance(item, types):
-            raise TypeError(f"{extra_fmt}{name}[{i}] must be {_type_names(item_types)}, "
+            raise TypeError(f"{extra_fmt}{name}[{i}] only supports {_type_names(item_types)}, "
                             f"but got {type(item).__name__}.")
 
 
@@ -136,9 +136,9 @@ def check_dict(name: str, value: Any, key_types: type | tuple[type, ...] | list[
         return
     for k, v in value.items():
         if not isinstance(k, _as_types(key_types)):
-            raise TypeError(f"{name} key {k!r} must be {_type_names(key_types)}, but got {type(k).__name__}.")
+            raise TypeError(f"{name} key {k!r} only supports {_type_names(key_types)}, but got {type(k).__name__}.")
         if not isinstance(v, _as_types(value_types)):
-            raise TypeError(f"{name} value of {k!r} must be {_type_names(value_types)}, "
+            raise TypeError(f"{name} value of {k!r} only supports {_type_names(value_types)}, "
                             f"but got {type(v).__name__}.")
         if inner_types is not None:
             check_inner(f"{name} dict value of {k!r}", v, inner_types)

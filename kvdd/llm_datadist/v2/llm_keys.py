@@ -28,14 +28,14 @@ def _collect(cls_name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     given: dict[str, Any] = dict(zip(positional, args))
     allowed = set(positional) | {"prompt_cluster_id"}
     for key, value in kwargs.items():
-        raise_if_false(key in allowed, f"{cls_name} got an unexpected keyword argument '{key}'.")
+        raise_if_false(key in allowed, f"Unsupported param '{key}' for {cls_name}.")
         given[key] = value
     return given
 
 
 def _check_int(cls_name: str, index: int, name: str, value: Any) -> None:
     if not isinstance(value, int):
-        raise TypeError(f"The {_ORDINALS[index]} param {name} of {cls_name} must be int, "
+        raise TypeError(f"The {_ORDINALS[index]} param {name} of {cls_name} only supports int, "
                         f"but got {type(value).__name__}.")
 
 
@@ -56,7 +56,7 @@ class BlocksCacheKey:
         elif "prompt_cluster_id" in given:
             spelling, cluster_id = "prompt_cluster_id", given["prompt_cluster_id"]
         else:
-            raise_if_false(False, "BlocksCacheKey needs cluster_id (or prompt_cluster_id).")
+            raise_if_false(False, "BlocksCacheKey: cluster_id is required (prompt_cluster_id is its alias).")
         model_id = given.get("model_id", 0)
         _check_int("BlocksCacheKey", 0, spelling, cluster_id)
         _check_int("BlocksCacheKey", 1, "model_id", model_id)
@@ -99,8 +99,8 @@ class CacheKey:
         elif "prompt_cluster_id" in given:
             spelling, cluster_id = "prompt_cluster_id", given["prompt_cluster_id"]
         else:
-            raise_if_false(False, "CacheKey needs cluster_id (or prompt_cluster_id).")
-        raise_if_false("req_id" in given, "CacheKey needs req_id.")
+            raise_if_false(False, "CacheKey: cluster_id is required (prompt_cluster_id is its alias).")
+        raise_if_false("req_id" in given, "CacheKey: req_id is required.")
         req_id = given["req_id"]
         model_id = given.get("model_id", 0)
         prefix_id = given.get("prefix_id", INVALID_ID)
