@@ -401,7 +401,7 @@ def test_switch_role(dd: LLMDataDist) -> None:
     dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"127.0.0.1:{free_port()}"})
     dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"127.0.0.1:{free_port()}"})
     dd.switch_role(LLMRole.DECODER)  # no same-role check, and without a port: stop listening
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="role only support"):  # the package's wording for a wrong type
         dd.switch_role("not_a_role")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         dd.switch_role(LLMRole.DECODER, "not_dict")  # type: ignore[arg-type]
