@@ -47,3 +47,13 @@ def test_a_status_outside_the_retry_set_is_not_retried() -> None:
     d = procs["decode"].result
     assert d["tries"] == [1]
     assert d["status"] == "LLM_KV_CACHE_NOT_EXIST"
+
+
+def test_a_lost_prefill_times_out_every_try_and_the_pull_is_given_up() -> None:
+    # the prefill (cluster 10) is lost once the link is up: every pull over the link times out
+    faults = {"decode": "peer_loss:peer=10:after=1"}
+    procs = run("omni_infer.py", [("prefill0", ["0"]), ("decode", ["1", "expect-failure"])], faults)
+    d = procs["decode"].result
+    assert d["tries"] == [3]  # LLM_TIMEOUT is in the retry set; three tries, then the manager gives up
+    assert d["status"] == "LLM_TIMEOUT"
+    assert d["checked"] == DECODE_BYTES  # nothing moved
