@@ -12,7 +12,7 @@ from engine_support import (FEATURE_NOT_ENABLED, NO, NOT_EXIST, NOT_YET_LINK, PA
                             S_OK, Mem, blocks_key, cache_key, engine, expect_blocks, id_key, link,
                             pull, pull_param, register, unlink)
 from kvdd.sim.fabric import RemoteCache
-from kvdd.sim.pypkg import keys, pulls
+from kvdd.sim.pypkg import keys, registry
 from kvdd.sim.pypkg.lifecycle import Engine
 from kvdd.sim.runs import Runs
 
@@ -51,7 +51,6 @@ def test_item16_host_blocks_check_lengths_locally() -> None:
     try:
         dst = Mem(2, 4, 16)
         desc = (2, 4, -1, [4, 16], 0, True)  # HOST
-        from kvdd.sim.pypkg import registry
         did = registry.register(d, desc, dst.addrs, [], True)
         assert pull(d, did, blocks_key(1), pull_param([0, 1], [0])) == PARAM_INVALID
         assert pull(d, did, blocks_key(1), pull_param([0], [4])) == PARAM_INVALID
@@ -283,7 +282,6 @@ def test_unregistered_remote_after_snapshot(pair: tuple[Engine, Engine]) -> None
     (KV_CACHE_NOT_EXIST) and moves nothing."""
     p, d = pair
     src, dst, did = setup_blocks(p, d)
-    from kvdd.sim.pypkg import registry
     registry.unregister(p, 1)
     assert pull(d, did, blocks_key(1), pull_param([0], [0])) == NOT_EXIST
     assert all((t == 0).all() for t in dst.tensors)

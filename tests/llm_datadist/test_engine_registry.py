@@ -13,7 +13,7 @@ from engine_support import (FAILED, NO, NOT_EXIST, PARAM_INVALID, S_OK, UINT8, M
                             register, status_of)
 from kvdd.sim.checks import Rejected
 from kvdd.sim.fabric import KIND_BLOCKS, KIND_CACHE
-from kvdd.sim.pypkg import registry
+from kvdd.sim.pypkg import pulls, registry
 from kvdd.sim.pypkg.lifecycle import Engine
 
 
@@ -159,7 +159,6 @@ def test_local_not_remote_accessible_refused_before_remote(pair: tuple[Engine, E
     did = register(d, dst, ra=False)
     link(d, p)
     with pytest.raises(Rejected, match="local cache"):
-        from kvdd.sim.pypkg import pulls
         pulls.pull_cache_v2(d, did, blocks_key(1, 0), pull_param([0], [0]))
     assert all((t == 0).all() for t in dst.tensors)
 

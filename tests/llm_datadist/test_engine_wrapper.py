@@ -9,10 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from engine_support import (FAILED, LINK_BUSY, NOT_EXIST, PARAM_INVALID, S_OK, TIMEOUT, Mem,
-                            blocks_key, free_port, process_options, pull_param)
+                            blocks_key, free_port, link_to, process_options, pull_param)
 from kvdd.sim import faults
 from kvdd.sim.pypkg import process_wrapper
 from kvdd.sim.pypkg.wrapper import SimWrapper
+from peer import Peer
 
 NO = (1 << 64) - 1
 
@@ -109,9 +110,6 @@ def test_faults_reach_pull_blocks_and_registration(w: SimWrapper) -> None:
 def test_injected_pull_faults_in_order(w: SimWrapper) -> None:
     """Over a link (to an engine in a peer process): after=1, count=2 → success, LINK_BUSY twice,
     success; TIMEOUT then breaks the link until it is relinked."""
-    from engine_support import link_to
-    from peer import Peer
-
     port = free_port()
     with Peer() as p:
         ids = p.call("engine_support.serve", 1, port,

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from engine_support import (NO, NOT_EXIST, PARAM_INVALID, S_OK, TIMEOUT, Mem, blocks_key,
-                            cache_key, free_port, id_key, link_to, process_options, pull_param)
+                            cache_key, expect_blocks, free_port, id_key, link_to, process_options,
+                            pull_param)
 from kvdd.sim.fabric import KIND_BLOCKS, KIND_CACHE
 from kvdd.sim.pypkg import lifecycle, process_wrapper
 from kvdd.sim.pypkg.wrapper import SimWrapper
@@ -86,7 +87,6 @@ def test_blocks_last_wins_and_runs_bytes(w: SimWrapper, server: tuple[Peer, int,
     pairs = list(zip([0, 1, 4, 5, 3], [1, 2, 4, 6, 9]))
     assert w.pull_cache_v2(did, blocks_key(1, 0), pull_param([s for s, _ in pairs],
                                                              [d for _, d in pairs])) == S_OK
-    from engine_support import expect_blocks
     expect_blocks(mem.tensors, before, src, pairs, 32)
     assert w.pull_cache_v2(did, blocks_key(1, 7), pull_param([0], [0])) == PARAM_INVALID
     assert w.pull_cache_v2(did, id_key(1, 4), pull_param((), [0])) == PARAM_INVALID
@@ -101,7 +101,6 @@ def test_cache_key_c2b_and_pull_cache_rows(w: SimWrapper, server: tuple[Peer, in
     bid = w.register_cache(blocks.desc(True), blocks.addrs, [], True)[1][0]
     before = blocks.copy()
     assert w.pull_cache_v2(bid, cache_key(1, 11, 2), pull_param((), [6, 3])) == S_OK
-    from engine_support import expect_blocks
     expect_blocks(blocks.tensors, before, src, [(0, 6), (1, 3)], 32)
     assert w.pull_cache_v2(bid, cache_key(1, 11, 9), pull_param((), [0])) == NOT_EXIST
     assert w.pull_cache_v2(bid, cache_key(1, 9, 2), pull_param((), [0])) == NOT_EXIST  # prefix unpublished
@@ -119,7 +118,6 @@ def test_push_blocks_across_processes(w: SimWrapper, server: tuple[Peer, int, st
     before = remote(server, 1)  # cache 2 holds model 0 now: its bytes are index 1
     cfg: tuple[int, int, int, list[int], int, int, int, int, int, int] = (sid, 0, 0, [], 1, 0, 0, 1, 0, 2)
     assert w.transfer_cache_v2(0, cfg, (0, [5, 0, 1], [2, 3, 4])) == S_OK
-    from engine_support import expect_blocks
     expect_blocks(remote(server, 1), [b.copy() for b in before], mem.tensors,
                   [(5, 2), (0, 3), (1, 4)], 32)
 
