@@ -447,6 +447,15 @@ def test_cache_desc_range_checks() -> None:
     assert CacheDesc(1, [2, 4], DataType.DT_INT8, Placement.DEVICE).size == 8
 
 
+def test_enum_names_in_text() -> None:
+    # what the samples' log lines and error messages show
+    assert str(Placement.DEVICE) == f"{Placement.HOST}".replace("HOST", "DEVICE") == "Placement.DEVICE"
+    assert int(Placement.DEVICE) == 1
+    assert "placement=Placement.HOST" in repr(CacheDesc(1, [2], DataType.DT_INT8, Placement.HOST))
+    assert str(LLMRole.PROMPT) == "LLMRole.PROMPT"
+    assert str(LLMStatusCode.LLM_SUCCESS) == "LLMStatusCode.LLM_SUCCESS"
+
+
 # ---------------------------------------------------------------- CacheManager (§4)
 
 def test_registration_ids_count_from_one(dd: LLMDataDist, memory: list[np.ndarray]) -> None:

@@ -66,10 +66,14 @@ class Memtype(Enum):
 
 
 class Placement(IntEnum):
-    """Where a cache's tensors live."""
+    """Where a cache's tensors live; ``str()`` (and so ``CacheDesc``'s repr) gives
+    ``Placement.DEVICE``, not the int."""
 
     HOST = 0
     DEVICE = 1
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}.{self.name}"
 
 
 class MemInfo:
