@@ -592,3 +592,62 @@ def test_swap_blocks_between_device_and_host_views(dd: LLMDataDist) -> None:
     with pytest.raises(LLMException) as exc:  # both on one side
         mgr.swap_blocks(cache, cache, {0: 1})
     assert code(exc) == PI
+
+
+def test_copy_blocks_and_copy_cache_on_registered_memory(dd: LLMDataDist) -> None:
+    # upstream's copy cases allocate from a pool; the copies themselves need none (§4.11)
+    mgr = dd.cache_manager
+    blk = np.arange(8, dtype=np.int8)  # 2 blocks of 4 bytes
+    blocks = mgr.register_blocks_cache(CacheDesc(1, [2, 4], DataType.DT_INT8, Placement.DEVICE), [addr(blk)])
+    mgr.copy_blocks(blocks, {0: [1]})
+    assert blk.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    with pytest.raises(LLMException) as exc:
+        mgr.copy_blocks(blocks, {0: [2]})  # one past the last block
+    assert code(exc) == PI
+    assert blk.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+
+    src = np.arange(8, dtype=np.int8)
+    dst = np.full(8, -1, dtype=np.int8)
+    desc = CacheDesc(1, [2, 4], DataType.DT_INT8, Placement.DEVICE)
+    src_cache = mgr.register_cache(desc, [addr(src)])
+    dst_cache = mgr.register_cache(desc, [addr(dst)])
+    mgr.copy_cache(dst_cache, src_cache, dst_batch_index=1, src_batch_index=0)
+    assert dst.tolist() == [-1, -1, -1, -1, 0, 1, 2, 3]
+    mgr.copy_cache(dst_cache, src_cache)
+    assert dst.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_local_comm_res_engine_links_to_its_own_listener() -> None:
+    _finalize_leftover()
+    port = free_port()
+    cfg = LlmConfig()
+    cfg.device_id = 0
+    cfg.rdma_service_level = 100
+    cfg.rdma_traffic_class = 100
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    cfg.local_comm_res = ('{"server_count": "1", "server_list": [{"device": [{"device_id": "0", '
+                          '"device_ip": "1.1.1.1"}], "server_id": "127.0.0.1"}], "status": "completed", '
+                          '"version": "1.0"}')
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    dd.init(cfg.generate_options())
+    try:
+        cluster = _cluster(port)
+        ok = LLMStatusCode.LLM_SUCCESS
+        assert dd.unlink_clusters([cluster], 5000) == (ok, [ok])  # never linked: success
+        assert dd.link_clusters([cluster], 5000) == (ok, [ok])
+        # linked now, so the (documented as reserved) remap has a link to act on
+        dd.cache_manager.remap_registered_memory(MemInfo(Memtype.MEM_TYPE_DEVICE, 1234, 1))
+        dd.cache_manager.remap_registered_memory([MemInfo(Memtype.MEM_TYPE_DEVICE, 1234, 1)])
+        assert dd.unlink_clusters([cluster], 5000) == (ok, [ok])
+        mem = np.zeros(8, dtype=np.int8)
+        cache = dd.cache_manager.register_cache(CacheDesc(1, [2, 4], DataType.DT_INT8, Placement.DEVICE),
+                                                [addr(mem)])
+        assert cache.cache_id == 1
+        dd.cache_manager.unregister_cache(1)
+        dd.switch_role(LLMRole.DECODER)
+        dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"127.0.0.1:{port}"})
+        dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": f"127.0.0.1:{free_port()}"})
+    finally:
+        dd.finalize()
+    with pytest.raises(RuntimeError):
+        LLMDataDist(LLMRole.PROMPT, 2).link_clusters([_cluster(port)], 5000)
