@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
+
+import numpy as np
 
 import pytest
 
 from engine_support import (FEATURE_NOT_ENABLED, NO, NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK,
-                            Mem, engine, expect_blocks, link, register, status_of)
-from kvdd.sim.pypkg import copies
+                            Mem, blocks_key, cache_key, engine, expect_blocks, id_key, link, pull,
+                            pull_param, register, status_of)
+from kvdd.sim.pypkg import copies, pools
 from kvdd.sim.pypkg.lifecycle import Engine
 
 
@@ -112,11 +116,7 @@ def test_swap_blocks_checks(one: Engine) -> None:
     expect_blocks(dev.tensors, before, host.tensors, [(3, 7)], 16)
 
 
-def test_pools_and_remap(one: Engine) -> None:
-    assert status_of(copies.deallocate, one, 1) == FEATURE_NOT_ENABLED
-    assert status_of(copies.remove_cache_key, one, (0, -1, 0, 1, NO, 0, False)) == FEATURE_NOT_ENABLED
-    assert status_of(copies.check_capacity, one, 1) == FEATURE_NOT_ENABLED
-    assert status_of(copies.allocate, one, (1, 4, -1, [4], 1, False)) == FEATURE_NOT_ENABLED
+def test_remap(one: Engine) -> None:
     assert status_of(copies.remap_registered_memory, one, []) == PARAM_INVALID
     assert status_of(copies.remap_registered_memory, one, [(0, 4096, 64)]) == NOT_YET_LINK
     other = engine(2)
@@ -125,6 +125,67 @@ def test_pools_and_remap(one: Engine) -> None:
         assert status_of(copies.remap_registered_memory, one, [(0, 4096, 64)]) == S_OK
     finally:
         other.instance.finalize()
-    one.mem_pool_config = '{"memory_size": 1024}'
-    assert status_of(copies.deallocate, one, 1) == S_OK
-    assert status_of(copies.allocate, one, (1, 4, -1, [4], 1, False)) == FEATURE_NOT_ENABLED
+
+
+def test_no_pool(one: Engine) -> None:
+    assert status_of(pools.deallocate, one, 1) == FEATURE_NOT_ENABLED
+    assert status_of(pools.remove_cache_key, one, cache_key(0, 1)) == FEATURE_NOT_ENABLED
+    assert status_of(copies.check_capacity, one, 1) == FEATURE_NOT_ENABLED
+    assert status_of(pools.allocate, one, (1, 4, -1, [4], 1, False), []) == FEATURE_NOT_ENABLED
+
+
+def desc(n: int, rows: int, row_bytes: int, blocks: bool = False,
+         placement: int = 1) -> tuple[int, int, int, list[int], int, bool]:
+    return (n, 4, -1, [rows, row_bytes], placement, blocks)
+
+
+def test_pool_allocation_keys_and_references(one: Engine) -> None:
+    """§4.3: ids consumed by failed allocations, CheckCacheKeys, OUT_OF_MEMORY, an owned cache
+    freed with its last reference (id and keys), registered caches untouched."""
+    one.mem_pool_config = '{"memory_size": 65536, "page_shift": 12}'
+    k0, k1 = cache_key(0, 100), cache_key(0, 101)
+    cid, addrs = pools.allocate(one, desc(2, 4, 1024), [k0, k1])
+    assert cid == 1 and len(addrs) == 2 and all(a % 4096 == 0 for a in addrs)
+    entry = one.instance.caches[cid]
+    assert (entry.B, entry.S, entry.remote_accessible) == (4, 1024, True)
+    assert one.instance.cache_table.req_keys == {(100, 0): (1, 0), (101, 0): (1, 1)}
+    for bad_keys in ([k0], [cache_key(0, NO, 3), cache_key(0, NO, 3)], [cache_key(0, 5 + i) for i in range(5)]):
+        assert status_of(pools.allocate, one, desc(1, 4, 1024), bad_keys) == PARAM_INVALID
+    assert status_of(pools.allocate, one, desc(1, 4, 1024, placement=0), []) == PARAM_INVALID  # no host pool
+    assert status_of(pools.allocate, one, desc(16, 4, 1024), []) == 0x5010B01C  # 16 x 4 KiB > 56 KiB
+    cid2, addrs2 = pools.allocate(one, desc(14, 1, 4096, blocks=True), [blocks_key(0, 3)])
+    assert cid2 == 6  # ids 2-5 consumed by the key and memory failures (placement: before the id)
+    pools.deallocate(one, cid)
+    assert cid in one.instance.caches  # two keys still hold it
+    pools.remove_cache_key(one, k0)
+    pools.remove_cache_key(one, k0)  # unknown now: success
+    assert cid in one.instance.caches
+    pools.remove_cache_key(one, k1)
+    assert cid not in one.instance.caches and one.instance.cache_table.req_keys == {(NO, 3): (6, 0)}
+    # its pages are free again: the same two tensors fit where they were
+    assert pools.allocate(one, desc(2, 4, 1024), [])[1] == addrs
+    reg = register(one, Mem(1, 4, 16))
+    pools.deallocate(one, reg)
+    assert reg in one.instance.caches
+    pools.deallocate(one, cid2)  # its BlocksCacheKey still holds it
+    pools.remove_cache_key(one, blocks_key(0, 3))
+    assert cid2 not in one.instance.caches
+
+
+def test_pulled_from_an_allocated_cache(one: Engine) -> None:
+    """An allocated cache is remote-accessible: a peer pulls its rows by id."""
+    one.mem_pool_config = '{"memory_size": 65536}'
+    cid, addrs = pools.allocate(one, desc(1, 4, 64), [])
+    src = np.ctypeslib.as_array((ctypes.c_uint8 * 256).from_address(addrs[0]))
+    src[:] = np.arange(256, dtype=np.uint8)
+    d = engine(2)
+    try:
+        dst = Mem(1, 2, 64)
+        did = register(d, dst, blocks=False)
+        link(d, one)
+        assert pull(d, did, id_key(1, cid, batch=3), pull_param(batch=1)) == S_OK
+        want = np.zeros(128, np.uint8)
+        want[64:128] = np.arange(192, 256, dtype=np.uint8)
+        assert (dst.tensors[0] == want).all()
+    finally:
+        d.instance.finalize()

@@ -1,12 +1,10 @@
-"""Local copies and the memory-pool calls of CANN's Python package.
+"""Local copies of CANN's Python package (the pool calls: :mod:`.pools`).
 
 docs/spec/PYPKG.md §4.11 (``copy_cache``, ``copy_blocks``, ``swap_blocks``,
 ``remap_registered_memory``) and §4.3 (pool-backed ``allocate_*`` / ``deallocate_*`` /
 ``remove_cache_key``).  Copies run between registered regions with leases held on both caches
 (an unregister waits for them); everything is checked before the first byte moves (upstream
 queues its copies while it checks: kvdd never writes part of a request it then refuses).
-Memory pools are not simulated: the pool calls return ``LLM_FEATURE_NOT_ENABLED`` (the status
-upstream gives without a pool option; with one, the detail says the simulator has none).
 """
 
 from __future__ import annotations
@@ -22,17 +20,14 @@ from ..memory import Region, copy_runs, first_inaccessible
 from ..runs import Runs
 
 if TYPE_CHECKING:
-    from ...llm_datadist._seam import (CacheDescTuple, CacheKeyTuple, CopyParamTuple,
-                                       MemInfoTuple)
+    from ...llm_datadist._seam import CopyParamTuple, MemInfoTuple
     from ..entries import CacheEntry
     from .protocols import PkgEngine
 
-__all__ = ["copy_cache", "copy_blocks", "swap_blocks", "remap_registered_memory", "allocate",
-           "deallocate", "remove_cache_key", "check_capacity"]
+__all__ = ["copy_cache", "copy_blocks", "swap_blocks", "remap_registered_memory",
+           "check_capacity"]
 
 _I64 = np.int64
-NO_POOL = "memory pool is not enabled (llm.MemPoolConfig / llm.HostMemPoolConfig)"
-NO_POOL_SIM = "memory pools are not simulated by kvdd; register your own memory instead"
 
 
 def _entry(engine: PkgEngine, cache_id: int, what: str) -> CacheEntry:
@@ -182,31 +177,9 @@ def remap_registered_memory(engine: PkgEngine, mem_infos: Sequence[MemInfoTuple]
     return S_OK
 
 
-def _pools(engine: PkgEngine) -> bool:
-    return bool(engine.mem_pool_config or engine.host_mem_pool_config)
-
-
-def allocate(engine: PkgEngine, cache_desc: CacheDescTuple) -> None:
-    """``allocate_cache_v2``: always LLM_FEATURE_NOT_ENABLED (no pool, or pools not simulated)."""
-    reject(Status.LLM_FEATURE_NOT_ENABLED, NO_POOL_SIM if _pools(engine) else NO_POOL)
-
-
-def deallocate(engine: PkgEngine, cache_id: int) -> int:
-    """No pool -> FEATURE_NOT_ENABLED; else success (unknown ids and registered caches: nothing
-    happens, PYPKG.md §4.3; nothing is ever allocated here)."""
-    if not _pools(engine):
-        reject(Status.LLM_FEATURE_NOT_ENABLED, NO_POOL)
-    return S_OK
-
-
-def remove_cache_key(engine: PkgEngine, cache_key: CacheKeyTuple) -> int:
-    """No pool -> FEATURE_NOT_ENABLED; else success (an unknown key, or a registered cache's key:
-    no-op, PYPKG.md §4.3)."""
-    if not _pools(engine):
-        reject(Status.LLM_FEATURE_NOT_ENABLED, NO_POOL)
-    return S_OK
-
-
 def check_capacity(engine: PkgEngine, size: int) -> int:
-    """``CheckCapacity`` needs a device pool: FEATURE_NOT_ENABLED."""
-    reject(Status.LLM_FEATURE_NOT_ENABLED, NO_POOL_SIM if engine.mem_pool_config else NO_POOL)
+    """``CheckCapacity`` needs a device pool: FEATURE_NOT_ENABLED without one."""
+    if not engine.mem_pool_config:
+        reject(Status.LLM_FEATURE_NOT_ENABLED, "the device memory pool is not enabled "
+               "(llm.MemPoolConfig)")
+    return S_OK

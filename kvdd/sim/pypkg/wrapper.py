@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ...status import FAILED, PARAM_INVALID, S_OK
 from ..checks import Rejected
-from . import copies, lifecycle, links, pulls, pushes, registry
+from . import copies, lifecycle, links, pools, pulls, pushes, registry
 
 if TYPE_CHECKING:
     from ...llm_datadist._seam import (BlockCfgTuple, CacheDescTuple, CacheKeyTuple, ClusterTuple,
@@ -128,16 +128,16 @@ class SimWrapper:
         if engine is None:
             return self._fail(FAILED, NO_ENGINE), (-1, [])
         try:
-            copies.allocate(engine, cache_desc)
+            cache_id, addrs = pools.allocate(engine, cache_desc, cache_keys)
         except Rejected as exc:
             return self._fail(exc.status, exc.detail), (-1, [])
-        return self._fail(FAILED, "unreachable"), (-1, [])  # pragma: no cover
+        return S_OK, (cache_id, [addrs])
 
     def deallocate_cache_v2(self, cache_id: int) -> int:
-        return self._run(PARAM_INVALID, lambda e: copies.deallocate(e, cache_id))
+        return self._run(PARAM_INVALID, lambda e: pools.deallocate(e, cache_id))
 
     def remove_cache_key_v2(self, cache_key: CacheKeyTuple) -> int:
-        return self._run(PARAM_INVALID, lambda e: copies.remove_cache_key(e, cache_key))
+        return self._run(PARAM_INVALID, lambda e: pools.remove_cache_key(e, cache_key))
 
     def check_capacity_v2(self, size: int) -> int:
         return self._run(PARAM_INVALID, lambda e: copies.check_capacity(e, size))
