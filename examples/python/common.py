@@ -5,10 +5,11 @@ Each example is one program run as two (or more) processes on one host: ``prefil
 files run against CANN's package on an Atlas node and against kvdd's simulator after
 ``source DEST/set_env.sh`` of a root made by ``kvdd cann-root DEST``.
 
-* Memory: every cache is numpy memory (addresses from ``ndarray.ctypes.data``) registered as
-  ``Placement.DEVICE``, which is what the simulator moves.  On an Atlas node the registered memory
-  must be NPU memory: replace :func:`allocate` (e.g. ``torch.empty(..., device="npu")`` and
-  ``tensor.data_ptr()``) and read it back with ``.cpu()`` in :meth:`Tensors.read`.
+* Memory: every cache is registered as ``Placement.DEVICE``.  Off hardware it is numpy memory
+  (addresses from ``ndarray.ctypes.data``), which is what the simulator moves.  Where ``torch`` and
+  ``torch_npu`` import (an Atlas node) it is NPU memory (``torch.empty(..., device="npu")``,
+  ``data_ptr()``), written and read back through host copies; ``EXAMPLE_MEMORY=numpy`` forces numpy.
+  (The NPU branch is written for Atlas nodes and has not been run off them.)
 * Synchronisation: the processes exchange small JSON lines over a loopback TCP control socket
   (prefill or decode listens on ``PORT_BASE + 9``); the LLM-DataDist listener is ``PORT_BASE``
   (and ``PORT_BASE + i`` for the i-th of several prefills).  Lines are bounded and the socket is
@@ -21,7 +22,9 @@ files run against CANN's package on an Atlas node and against kvdd's simulator a
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import socket
 import sys
 import time
@@ -51,6 +54,22 @@ DTYPE = np.float16
 MAX_LINE = 1 << 16
 
 
+def _npu_torch() -> Any:
+    """``torch`` when ``torch_npu`` imports too (an Atlas node), else None."""
+    if os.environ.get("EXAMPLE_MEMORY", "auto") == "numpy":
+        return None
+    try:
+        torch = importlib.import_module("torch")
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+    return torch
+
+
+#: torch on an Atlas node (the caches are NPU memory), None elsewhere (numpy memory).
+NPU_TORCH = _npu_torch()
+
+
 def fail(message: str) -> NoReturn:
     """Print ``FAILED: message`` and exit 1."""
     print(f"FAILED: {message}", file=sys.stderr, flush=True)
@@ -74,7 +93,10 @@ def parse_args(prog: str, roles: Sequence[str] = ("prefill", "decode"),
 
 
 def config(device_id: int, listen_port: int | None = None) -> dict[str, str]:
-    """``init`` options: cache-manager mode with remote-accessible caches, a listener when asked."""
+    """``init`` options: cache-manager mode with remote-accessible caches, a listener when asked.
+    On an Atlas node this process's NPU is ``device_id`` from here on."""
+    if NPU_TORCH is not None:
+        NPU_TORCH.npu.set_device(device_id)
     cfg = LLMConfig()
     cfg.device_id = device_id
     cfg.enable_cache_manager = True
@@ -125,29 +147,43 @@ def pattern(tag: int, tensor: int, count: int, start: int = 0) -> np.ndarray[Any
 
 
 class Tensors:
-    """``n`` tensors of ``shape`` float16, each its own numpy allocation (one address per tensor)."""
+    """``n`` tensors of ``shape`` float16, each its own allocation (one address per tensor), and the
+    uint16 words every one must hold."""
 
     def __init__(self, n: int, shape: Sequence[int]) -> None:
         self.shape = tuple(shape)
-        self.arrays = [allocate(self.shape) for _ in range(n)]
         self.words_per_tensor = int(np.prod(self.shape)) * np.dtype(DTYPE).itemsize // 2
+        self.arrays = [allocate(self.shape) for _ in range(n)]
         # What every tensor must hold: one uint16 array per tensor, updated as transfers land.
         self.expected = [np.full(self.words_per_tensor, UNTOUCHED, np.uint16) for _ in range(n)]
-        for a in self.arrays:
-            a.view(np.uint16).reshape(-1)[:] = UNTOUCHED
+        for t in range(n):
+            self.write(t, self.expected[t])
 
     @property
     def addrs(self) -> list[int]:
+        if NPU_TORCH is not None:
+            return [int(a.data_ptr()) for a in self.arrays]
         return [int(a.ctypes.data) for a in self.arrays]
+
+    def write(self, t: int, words: np.ndarray[Any, np.dtype[np.uint16]]) -> None:
+        """Tensor ``t`` := ``words`` (host to device on an Atlas node)."""
+        if NPU_TORCH is not None:
+            self.arrays[t].copy_(NPU_TORCH.from_numpy(words.view(np.int16).copy()))
+        else:
+            self.arrays[t].view(np.uint16).reshape(-1)[:] = words
 
     def fill(self, tag: int) -> None:
         """Source data: tensor ``t`` holds ``pattern(tag, t, ...)``."""
-        for t, a in enumerate(self.arrays):
+        for t in range(len(self.arrays)):
             words = pattern(tag, t, self.words_per_tensor)
-            a.view(np.uint16).reshape(-1)[:] = words
+            self.write(t, words)
             self.expected[t] = words.copy()
 
     def read(self, t: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
+        """Tensor ``t`` as uint16 words (device to host on an Atlas node)."""
+        if NPU_TORCH is not None:
+            host: np.ndarray[Any, np.dtype[np.uint16]] = self.arrays[t].cpu().numpy().view(np.uint16)
+            return host
         return np.asarray(self.arrays[t].view(np.uint16).reshape(-1))
 
     def verify(self, what: str) -> None:
@@ -163,8 +199,11 @@ class Tensors:
         print(f"{what:<52} ok ({len(self.arrays) * self.words_per_tensor * 2} bytes checked)", flush=True)
 
 
-def allocate(shape: Sequence[int]) -> np.ndarray[Any, np.dtype[np.float16]]:
-    """The memory of one tensor (numpy here; NPU memory on an Atlas node, see the module docstring)."""
+def allocate(shape: Sequence[int]) -> Any:
+    """The memory of one tensor: NPU memory on an Atlas node (a flat int16 tensor), else numpy."""
+    if NPU_TORCH is not None:
+        words = int(np.prod(tuple(shape))) * np.dtype(DTYPE).itemsize // 2
+        return NPU_TORCH.empty(words, dtype=NPU_TORCH.int16, device="npu")
     return np.zeros(tuple(shape), DTYPE)
 
 
