@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine_support import (NOT_EXIST, NOT_YET_LINK, PARAM_INVALID, S_OK,
-                            Mem, blocks_key, engine, expect_blocks, link, push, register)
+                            Mem, blocks_key, cache_key, engine, expect_blocks, link, push, register)
 from kvdd.sim.pypkg import pushes
 from kvdd.sim.pypkg.lifecycle import Engine
 
@@ -84,7 +84,19 @@ def test_push_cache_rows(pair: tuple[Engine, Engine]) -> None:
     assert all((g == w).all() for g, w in zip(dst.tensors, want))
     assert push(p, cache_cfg(sid, 0, 0, did, dst_batch=3, t=1)) == PARAM_INVALID  # bd >= R.B
     assert push(p, cache_cfg(sid, 0, 0, did, src_batch=4, t=1)) == PARAM_INVALID  # bs >= L.B
-    assert push(p, cache_cfg(sid, 0, 0, 0, t=1)) == NOT_EXIST  # cache id 0 names nothing
+    assert push(p, cache_cfg(sid, 0, 0, 0, t=1)) == NOT_EXIST  # no CacheKey(req 0, model 0)
+
+
+def test_push_cache_id_zero_resolves_the_key_req0_model0(pair: tuple[Engine, Engine]) -> None:
+    """Upstream's request defaults: a cache id <= 0 looks up the identity (0, 0)."""
+    p, d = pair
+    src = Mem(1, 2, 16, seed=2)
+    sid = register(p, src, blocks=False)
+    dst = Mem(1, 2, 16)
+    register(d, dst, blocks=False, keys=[cache_key(0, 0, 0)])
+    link(p, d)
+    assert push(p, cache_cfg(sid, 0, 0, -5, src_batch=1, dst_batch=0, t=1)) == S_OK
+    assert (dst.tensors[0][:16] == src.tensors[0][16:]).all() and (dst.tensors[0][16:] == 0).all()
 
 
 def test_push_cache_row_past_the_remote_is_refused(pair: tuple[Engine, Engine]) -> None:

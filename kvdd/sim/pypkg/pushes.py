@@ -132,15 +132,20 @@ def _raw_write(engine: PkgEngine, entity: Entity, local: CacheEntry, t: int, ls:
 
 
 def _find(snapshot: dict[int, RemoteCache], push_type: int, model_or_id: int) -> RemoteCache:
-    """``FillRemoteLayerAddrs``' lookup: type 1 by the identity ``(2**64-1, model_id)``, type 2
-    by cache id (an id <= 0 names no cache: the simulator's choice where upstream would look up
-    an uninitialised key)."""
+    """``FillRemoteLayerAddrs``' lookup in the link's snapshot with upstream's request defaults
+    (``cache_id = -1``, ``req_id = 0``, ``model_id = 0``): type 1 by the identity
+    ``(2**64-1, model_id)``; type 2 by cache id when it is > 0, else (upstream's quirk) by the
+    identity ``(0, 0)``, i.e. a ``CacheKey(req_id=0, model_id=0)`` cache; type 0 likewise."""
     if push_type == PUSH_BLOCKS:
-        rc = find_remote(snapshot, (0, -1, 0, NO_ID, NO_ID, model_or_id, True))
+        key = (0, -1, 0, NO_ID, NO_ID, model_or_id, True)
         what = f"blocks key model_id={model_or_id}"
-    else:
-        rc = snapshot.get(model_or_id) if model_or_id > 0 else None
+    elif push_type == PUSH_CACHE and model_or_id > 0:
+        key = (0, model_or_id, 0, NO_ID, NO_ID, 0, False)
         what = f"cache id {model_or_id}"
+    else:
+        key = (0, -1, 0, 0, NO_ID, 0, False)
+        what = f"cache id {model_or_id} (looked up as the key req_id=0, model_id=0)"
+    rc = find_remote(snapshot, key)
     if rc is None:
         reject(NOT_EXIST, f"{what} is not in the peer's cache table as this link saw it")
     return rc
