@@ -29,3 +29,10 @@ def test_mla_two_caches_with_one_tensor_per_layer_and_the_default_t() -> None:
     d = procs["decode"].result
     assert d["cache_ids"] == [1, 2]
     assert d["checked"] == 3 * 20 * 16 * 2 * (32 + 8)
+
+
+def test_sparse_attention_three_caches_with_model_ids_0_1_2() -> None:
+    procs = run("vllm_cmgr.py", [("prefill", ["sparse"]), ("decode", ["sparse"])])
+    d = procs["decode"].result
+    assert d["cache_ids"] == [1, 2, 3]
+    assert d["checked"] == 3 * 20 * 16 * 2 * (32 + 8 + 16)

@@ -1,13 +1,14 @@
 """Harness shaped like vllm-ascend's ``LLMDataDistCMgrConnector`` (PYPKG.md §7.1 (a)).
 
-    vllm_cmgr.py prefill|decode PORT_BASE mha|mla
+    vllm_cmgr.py prefill|decode PORT_BASE mha|mla|sparse
 
 What it keeps of the client: ``LLMConfig`` with ``device_id`` = local rank, ``sync_kv_timeout``,
 ``enable_switch_role``, ``enable_cache_manager`` and ``enable_remote_cache_accessible`` all set;
 ``init(generate_options())``; MHA: one blocks cache ``CacheDesc(2 * layers, [*kv.shape], dtype)``
 (positional) over K0, V0, K1, V1, ... with 2 MiB-aligned addresses and ``BlocksCacheKey(cluster_id=
 local)``; MLA: two caches of ``layers`` tensors each, ``model_id`` 0 and 1; ``(TypeError,
-ValueError)`` from registration become RuntimeError; a version "1.2" rank table, ``comm_name =
+ValueError)`` from registration become RuntimeError; sparse attention (DeepSeek V3.2): three such
+caches, ``model_id`` 0, 1, 2; a version "1.2" rank table, ``comm_name =
 "pd_comm_<P device ip>_<D device ip>"``, ``cluster_rank_info = {P: 0, D: 1}``, ``link`` by both
 sides and ``query_register_mem_status(comm_id=...)`` polled with no deadline until OK (FAILED ->
 RuntimeError); pulls from a thread pool with ``pull_blocks(BlocksCacheKey(cluster_id=remote,
@@ -43,11 +44,12 @@ TORCH_DTYPE_TO_DATADIST = {
 }
 PREFILL_CLUSTER, DECODE_CLUSTER = 1, 2
 DEVICE_IPS = {PREFILL_CLUSTER: "192.0.2.1", DECODE_CLUSTER: "192.0.2.2"}
-LAYERS = {"mha": 4, "mla": 3}  # MLA with an odd layer count: no ranges, default t = 2
+LAYERS = {"mha": 4, "mla": 3, "sparse": 3}  # MLA with an odd layer count: no ranges, default t = 2
 BLOCK_SIZE = 16
 PREFILL_BLOCKS, DECODE_BLOCKS = 12, 20
 # Per cache family: the token's shape (heads, dim) in float16.
-FAMILIES = {"mha": [(2, 8)], "mla": [(1, 32), (1, 8)]}
+# "sparse" (DeepSeek V3.2): the two MLA caches and the indexer's keys, model ids 0, 1, 2.
+FAMILIES = {"mha": [(2, 8)], "mla": [(1, 32), (1, 8)], "sparse": [(1, 32), (1, 8), (1, 16)]}
 # Two requests: the second has its first two blocks cached on decode already (prefix hit), so its
 # remote list is longer than its local one and the connector keeps the last len(local) ids.
 REQUESTS = {"r0": ([7, 2, 9], [4, 5, 6]), "r1": ([0, 11, 3, 8, 1], [13, 17, 12])}
@@ -163,7 +165,7 @@ def main() -> None:
                         0 if prefill else 1, 20000)
     worker.poll_interval_s = 0.02  # the connector polls once a second; the harness need not wait
     mems, shapes = memories(kind, PREFILL_BLOCKS if prefill else DECODE_BLOCKS, 1 if prefill else None)
-    worker.register_kv_caches([m.addrs for m in mems], shapes, "float16", use_mla=kind == "mla")
+    worker.register_kv_caches([m.addrs for m in mems], shapes, "float16", use_mla=kind != "mha")
     if prefill:
         ctl = cs.Control.listen(port)[0]
         ctl.recv("link")
