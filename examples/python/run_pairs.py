@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PAIRS = ("pull_blocks", "pull_cache", "push", "switch_role", "many_prefills", "rank_table")
+PAIRS = ("pull_blocks", "pull_cache", "push", "layerwise_push", "switch_role", "many_prefills", "rank_table")
 PORTS_PER_PAIR = 10  # PORT_BASE .. PORT_BASE + 9 (the control socket is PORT_BASE + 9)
 MANY_PREFILLS = 3
 SHIM = "from kvdd.llm_datadist.toplevel import install\ninstall()\n"

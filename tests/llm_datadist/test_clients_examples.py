@@ -11,7 +11,7 @@ from pathlib import Path
 import kvdd
 
 RUNNER = Path(__file__).resolve().parents[2] / "examples" / "python" / "run_pairs.py"
-PAIRS = ("pull_blocks", "pull_cache", "push", "switch_role", "many_prefills", "rank_table")
+PAIRS = ("pull_blocks", "pull_cache", "push", "layerwise_push", "switch_role", "many_prefills", "rank_table")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
