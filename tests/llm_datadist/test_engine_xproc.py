@@ -215,3 +215,31 @@ def test_two_sided_engines_across_processes() -> None:
         finally:
             w.finalize_v2()
             p.call("engine_support.finalize")
+
+
+def test_table_extras_wire_round_trip_and_malformed() -> None:
+    """The table extras after a hello's extensions: absent for a C++-face table (no byte added),
+    decoded into the views; a peer's malformed extras close the connection (ProtocolError)."""
+    from kvdd.sim.fabric import RemoteCache, wire
+
+    plain = {1: RemoteCache(1, 2, 64, 4, 16, False, 1)}
+    w = wire.Writer()
+    wire.encode_table_extras(w, {1: object()}, plain)  # type: ignore[dict-item]
+    assert bytes(w.buf) == b""
+    views = {1: RemoteCache(1, 2, 64, 1, 16, False, 1, KIND_BLOCKS, 4, True, ((NO, 3, 0),)),
+             2: RemoteCache(2, 1, 32, 2, 16, False, 2, KIND_CACHE, 0, False, ((7, 1, 1),))}
+    w = wire.Writer()
+    wire.encode_table_extras(w, {1: object()}, views)  # type: ignore[dict-item]
+    snap = {1: RemoteCache(1, 2, 64, 1, 16, False, 1)}
+    wire.decode_table_extras(wire.Reader(bytes(w.buf)), snap)
+    assert snap[1] == views[1] and snap[2] == views[2]
+    good = bytes(w.buf)
+    for bad_snap in ({}, {1: RemoteCache(1, 2, 64, 2, 32, False, 1)}):  # 1 not served / differs
+        with pytest.raises(wire.ProtocolError):
+            wire.decode_table_extras(wire.Reader(good), dict(bad_snap))
+    with pytest.raises(wire.ProtocolError):  # a key count past the payload
+        wire.decode_table_extras(wire.Reader(good[:-4]), {1: RemoteCache(1, 2, 64, 1, 16, False, 1)})
+    twice = bytearray(good)
+    twice[0:4] = (3).to_bytes(4, "little")
+    with pytest.raises(wire.ProtocolError):  # three records announced, two present
+        wire.decode_table_extras(wire.Reader(bytes(twice)), {1: RemoteCache(1, 2, 64, 1, 16, False, 1)})
