@@ -30,7 +30,7 @@ XP_TINY = ["--cross-process-bytes", str(1024 * KiB), "--cross-process-blocks", "
 # The targets section shrunk to 1 MiB single-tensor rows and 128-token requests.
 TG_TINY = ["--scales", "1", "--target-tokens", "128"]
 TINY = ["--geometries", "qwen2.5-7b,synthetic-4096x16k", "--tokens", "128", "--blocks", "8",
-        "--repeats", "2", "--overhead-calls", "100", *XP_TINY, *TG_TINY]
+        "--repeats", "2", "--overhead-calls", "100", "--no-package", *XP_TINY, *TG_TINY]
 
 # From MODELS.md: Qwen2.5-7B has 28 layers x (K, V) = 56 tensors of 1 KiB per token (4 KV heads x
 # head_dim 128, bf16), so a 128-token block or row is 128 KiB per tensor.  The synthetic case is one

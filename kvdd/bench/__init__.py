@@ -54,6 +54,7 @@ from ..models import BLOCK_TOKENS
 from .baselines import LIMIT_NAMES, STREAM_THRESHOLD, StreamingMemcpy
 from .harness import LoadMonitor, Row, environment
 from .overhead import measure_overhead
+from .package import measure_package
 from .report import print_footer, print_machine, print_section
 from .targets import DEFAULT_SCALES, PER_LAYER_TOKENS, QUICK_SCALES, judge, measure_targets
 from .transfers import DEFAULT_GEOMETRIES, GEOMETRIES, KINDS, BenchGeometry, measure_transfers
@@ -76,6 +77,7 @@ __all__ = [
     "main",
     "measure_cross_process",
     "measure_overhead",
+    "measure_package",
     "measure_targets",
     "measure_transfers",
     "run",
@@ -123,6 +125,12 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
                          "paths against process_vm_readv, memcpy and a raw loopback socket); a plain run "
                          "includes it")
     xp.add_argument("--no-cross-process", action="store_true", help="leave the cross-process section out")
+    pk = ap.add_mutually_exclusive_group()
+    pk.add_argument("--package", action="store_true",
+                    help="measure only the package section (pull_blocks of a 1024-token Qwen2.5-7B request through "
+                         "kvdd.llm_datadist, CANN's Python package on the simulator, against kvdd's own "
+                         "LlmDataDist.pull_kv_blocks, same peer process); a plain run includes it")
+    pk.add_argument("--no-package", action="store_true", help="leave the package section out")
     ap.add_argument("--cross-process-bytes", type=int,
                     help=f"bytes of the cross-process row, a multiple of 64 KiB (default {XP_ROW_BYTES // MiB} MiB, "
                          f"--quick {XP_QUICK_ROW_BYTES // MiB} MiB)")
@@ -168,7 +176,8 @@ def geometry_names(text: str) -> list[str]:
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["kvdd bench"]
-    for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process"):
+    for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process", "package",
+                "no_package"):
         if getattr(args, opt, False):
             parts.append(f"--{opt.replace('_', '-')}")
     defaults = {"geometries": ",".join(DEFAULT_GEOMETRIES), "kinds": ",".join(KINDS), "seed": 0,
@@ -186,8 +195,8 @@ def run(args: argparse.Namespace,
     """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`).
 
     ``on_section(name, doc)`` is called as each part is known, with the document so far:
-    ``"machine"`` before measuring, then ``"main"`` (overhead and transfers), ``"targets"`` and
-    ``"cross_process"`` as each section finishes (so an interrupted run keeps what it measured).
+    ``"machine"`` before measuring, then ``"main"`` (overhead and transfers), ``"targets"``,
+    ``"cross_process"`` and ``"package"`` as each section finishes (so an interrupted run keeps what it measured).
     """
     def section(name: str, part: dict[str, Any]) -> None:
         if on_section is not None:
@@ -208,9 +217,11 @@ def run(args: argparse.Namespace,
         raise ValueError("--overhead-calls must be at least 1")
     only_xp = bool(getattr(args, "cross_process", False))
     only_tg = bool(getattr(args, "targets", False))
-    with_main = not (only_xp or only_tg)
-    with_tg = only_tg or (not only_xp and not getattr(args, "no_targets", False))
-    with_xp = only_xp or (not only_tg and not getattr(args, "no_cross_process", False))
+    only_pk = bool(getattr(args, "package", False))
+    with_main = not (only_xp or only_tg or only_pk)
+    with_tg = only_tg or (not (only_xp or only_pk) and not getattr(args, "no_targets", False))
+    with_xp = only_xp or (not (only_tg or only_pk) and not getattr(args, "no_cross_process", False))
+    with_pk = only_pk or (not (only_xp or only_tg) and not getattr(args, "no_package", False))
     scales_text = getattr(args, "scales", None)
     scales = list(QUICK_SCALES if args.quick else DEFAULT_SCALES)
     if scales_text is not None:
@@ -235,7 +246,8 @@ def run(args: argparse.Namespace,
             raise ValueError("--cross-process-blocks must lie in [1, --cross-process-bytes / 64 KiB]")
     progress = None if args.json else (lambda msg: print(f"# measuring {msg}", file=sys.stderr, flush=True))
     partial: dict[str, Any] = {"environment": environment(), "config": _kernel_config(),
-                               "overhead": [], "transfers": [], "targets": None, "cross_process": None}
+                               "overhead": [], "transfers": [], "targets": None, "cross_process": None,
+                               "package": None}
     section("machine", partial)
 
     t0 = time.perf_counter()
@@ -244,6 +256,7 @@ def run(args: argparse.Namespace,
     transfers: list[Row] = []
     targets: dict[str, Any] | None = None
     cross: dict[str, Any] | None = None
+    package: dict[str, Any] | None = None
     children: list[float] = []  # CPU time of the streaming-limit processes: this run, not other load
     with LoadMonitor() as load:
         if with_main:
@@ -273,6 +286,10 @@ def run(args: argparse.Namespace,
             load.add_own(float(cross["peer_cpu_s"]))  # the peers are this run, not other load
             partial["cross_process"] = cross
             section("cross_process", partial)
+        if with_pk:
+            package = measure_package(args.tokens, args.repeats, args.seed, bool(args.quick), progress)
+            partial["package"] = package
+            section("package", partial)
     stats1 = _copy.thread_stats()
     env = environment()
     env.update(load.result())
@@ -296,6 +313,7 @@ def run(args: argparse.Namespace,
         "transfers": transfers,
         "targets": targets,
         "cross_process": cross,
+        "package": package,
         "two_thread_kernel_calls": {k: stats1[k] - stats0[k] for k in stats1},
         "elapsed_s": time.perf_counter() - t0,
     }

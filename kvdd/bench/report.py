@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from .harness import fmt, print_table, say
+from .package import print_package
 from .xproc import print_cross_process
 
 __all__ = ["OVERHEAD_COLUMNS", "TARGET_COLUMNS", "TRANSFER_COLUMNS", "print_footer", "print_machine", "print_report",
@@ -36,6 +37,7 @@ def print_report(doc: Mapping[str, Any], file: IO[str] | None = None) -> None:
     print_section(doc, "main", out)
     print_section(doc, "targets", out)
     print_section(doc, "cross_process", out)
+    print_section(doc, "package", out)
     print_footer(doc, out)
 
 
@@ -49,7 +51,7 @@ def print_machine(env: Mapping[str, Any], cfg: Mapping[str, Any], file: IO[str] 
 
 def print_section(doc: Mapping[str, Any], name: str, file: IO[str] | None = None) -> None:
     """One measured section of the document (``main``: overhead and transfers, ``targets``,
-    ``cross_process``); nothing when it was not measured."""
+    ``cross_process``, ``package``); nothing when it was not measured."""
     out = file if file is not None else sys.stdout
     if name == "main" and (doc.get("overhead") or doc.get("transfers")):
         print(file=out)
@@ -62,6 +64,8 @@ def print_section(doc: Mapping[str, Any], name: str, file: IO[str] | None = None
         print_targets(doc["targets"], out)
     elif name == "cross_process" and doc.get("cross_process") is not None:
         print_cross_process(doc["cross_process"], out)
+    elif name == "package" and doc.get("package") is not None:
+        print_package(doc["package"], out)
     out.flush()
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from .options import LINK_TIMEOUT_MS, PREFILL_CLUSTER_ID, PROTOCOL, DemoOptions,
 from .pattern import Pattern
 from .text import Progress, mib
 
-__all__ = ["run_prefill"]
+__all__ = ["PrefillCalls", "prefill_calls", "run_prefill"]
 
 def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None = None,
                 log: Progress | None = None, cancel: threading.Event | None = None) -> Json:
@@ -60,12 +61,9 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
     result: Json = {"role": "prefill", "cluster_id": PREFILL_CLUSTER_ID}
     secret = control_secret()  # a missing or unusable secret fails before any setup
     try:
-        with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
-            dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
-            port = dd.listen_port
-            assert port is not None
-            listen = (opts.listen[0], port)
-            paged, contig = allocate("prefill", dd, geom)
+        with prefill_calls(opts) as calls:
+            listen = (opts.listen[0], calls.listen_port)
+            paged, contig = calls.allocate()
             # Each request's block table: random, non-contiguous physical blocks of the pool.
             tables = rng.permutation(geom.prefill_blocks).reshape(geom.requests, geom.blocks_per_request)
             block_tables = [[int(b) for b in row] for row in tables]
@@ -80,7 +78,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                         img.expect[i][r] = UnitExpect(prefill_row_expect(geom, img.fam_index, i, r, img.token_words),
                                                       f"prefill row {r} (request {r})")
             t0 = time.perf_counter()
-            fill_and_register(dd, [*paged, *contig], pattern, log)
+            calls.register([*paged, *contig], pattern, log)
             result["setup_seconds"] = time.perf_counter() - t0
 
             family = socket.AF_INET6 if ":" in opts.listen[0] else socket.AF_INET
@@ -135,11 +133,12 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                       "caches": {img.fam.name: {"paged": paged[k].cache_id, "contiguous": contig[k].cache_id}
                                  for k, img in enumerate(paged)},
                       "block_tables": block_tables})
+            calls.decode_connected(decode_id, log)
             while True:
                 msg = ctl.recv("push", "done")
                 if msg["type"] == "done":
                     break
-                result["push"] = _serve_push(dd, opts, paged, block_tables, msg, log)
+                result["push"] = calls.serve_push(paged, block_tables, msg, log)
                 ctl.send({"type": "pushed", **result["push"]})
             result["decode_ok"] = bool(msg.get("ok"))
             result["decode_error"] = msg.get("error")
@@ -174,6 +173,62 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
             server.close()
         if ctl is not None:
             ctl.close()
+
+
+
+class PrefillCalls(Protocol):
+    """The prefill side's LLM-DataDist calls, through one API."""
+
+    listen_port: int
+
+    def allocate(self) -> tuple[list[CacheImage], list[CacheImage]]: ...
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None: ...
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """The decode side has the welcome (a rank-table link is made by both sides now)."""
+        ...
+
+    def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
+                   msg: Mapping[str, Any], log: Progress) -> Json: ...
+
+
+class _KvddPrefill:
+    """:class:`PrefillCalls` through kvdd's own ``LlmDataDist``."""
+
+    def __init__(self, opts: DemoOptions, dd: LlmDataDist) -> None:
+        self.opts = opts
+        self.dd = dd
+        port = dd.listen_port
+        assert port is not None
+        self.listen_port = port
+
+    def allocate(self) -> tuple[list[CacheImage], list[CacheImage]]:
+        return allocate("prefill", self.dd, self.opts.geometry)
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None:
+        fill_and_register(self.dd, images, pattern, log)
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """Nothing: decode links to us with LinkLlmClusters."""
+
+    def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
+                   msg: Mapping[str, Any], log: Progress) -> Json:
+        return _serve_push(self.dd, self.opts, paged, block_tables, msg, log)
+
+
+@contextmanager
+def prefill_calls(opts: DemoOptions) -> Iterator[PrefillCalls]:
+    """The prefill side's engine through ``opts.api``, initialized and listening, finalized on exit."""
+    if opts.api == "llm_datadist":
+        from .package import package_prefill  # the package's one engine per process
+
+        with package_prefill(opts) as calls:
+            yield calls
+        return
+    with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
+        dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
+        yield _KvddPrefill(opts, dd)
 
 
 def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],

@@ -34,7 +34,8 @@ from .watchdog import WATCHDOG
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_AUTH_REFUSED,
                    F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, HANDSHAKE_TIMEOUT_S,
                    MAX_HELLO, ProtocolError, Reader, VersionMismatch, Writer, decode_extensions,
-                   decode_offer, decode_snapshot, encode_extensions, encode_offer, encode_snapshot,
+                   decode_offer, decode_snapshot, decode_table_extras, encode_extensions,
+                   encode_offer, encode_snapshot, encode_table_extras,
                    frame, read_header, recv_exact)
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ class RemoteConnection:
         w.text(BOOT_ID)
         encode_snapshot(w, entries)
         encode_extensions(w, offer_extensions(session, local))
+        encode_table_extras(w, entries, snap)
         if len(w.buf) > MAX_HELLO:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")
@@ -232,6 +234,7 @@ class RemoteConnection:
             boot_id = r.text() or ""
             peer_snap, addrs = decode_snapshot(r)
             exts = decode_extensions(r)
+            decode_table_extras(r, peer_snap)
             r.end()
         except (ProtocolError, struct.error) as exc:
             return LinkResult(Status.LLM_LINK_FAILED, f"malformed handshake reply: {exc}")
@@ -360,6 +363,7 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
     boot_id = r.text() or ""
     snap, addrs = decode_snapshot(r)
     exts = decode_extensions(r)
+    decode_table_extras(r, snap)
     r.end()
     session = replace(session, local_cluster_id=owner.cluster_id, peer_cluster_id=offer.cluster_id,
                       peer_boot_id=boot_id)
@@ -386,6 +390,7 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
             w.text(BOOT_ID)
             encode_snapshot(w, mine[1])
             encode_extensions(w, offer_extensions(session, owner))
+            encode_table_extras(w, mine[1], mine[0])
             if len(w.buf) > MAX_HELLO:
                 w = Writer().pack("I", Status.LLM_FAILED).text(
                     f"the peer's cache table is too large to link (over {MAX_HELLO} bytes)")

@@ -46,6 +46,10 @@ class InProcessPeer:
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
 
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        entry = self._entries.get(cache_id)
+        return () if entry is None else entry.addrs
+
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         if self.closed:  # a local unlink won the race for the link (§10 rule 5)
             return NOT_YET_LINK, None
@@ -141,6 +145,9 @@ class RemotePeer:
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
+
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        return self._addrs.get(cache_id, ())
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         if self._closed:  # a local unlink won the race for the link (§10 rule 5)

@@ -117,9 +117,9 @@ the decision of a call), :mod:`.making` (:func:`inject`, :func:`lose_peer`), :mo
 from __future__ import annotations
 
 from .envspec import ENV_VAR, FaultSpecError, check_env, env_value, load, load_env, parse
-from .hooks import on_link, on_register, on_serve, on_transfer, on_unlink
+from .hooks import on_call, on_link, on_register, on_serve, on_transfer, on_unlink
 from .injections import Injection, active, clear, paused
-from .kinds import CALL_KINDS, KIND_GROUPS, TRANSFER_KINDS, CallKind
+from .kinds import CALL_KINDS, KIND_GROUPS, PACKAGE_KINDS, PACKAGE_TRANSFER_KINDS, TRANSFER_KINDS, CallKind
 from .making import inject, lose_peer
 
 __all__ = [
@@ -129,6 +129,8 @@ __all__ = [
     "load_env",
     "CALL_KINDS",
     "TRANSFER_KINDS",
+    "PACKAGE_KINDS",
+    "PACKAGE_TRANSFER_KINDS",
     "KIND_GROUPS",
     "CallKind",
     "Injection",
@@ -145,5 +147,6 @@ __all__ = [
     "on_register",
     "on_transfer",
     "on_serve",
+    "on_call",
 ]
 
