@@ -327,18 +327,18 @@ def measure_package(tokens: int | None, repeats: int | None, seed: int, quick: b
 
 
 def print_package(section: dict[str, Any], out: Any) -> None:
-    from .harness import print_table
+    from .harness import print_table, say
 
     print(file=out)
-    print(f"CANN's Python package on the simulator ({section['geometry']}, a {section['tokens']}-token request = "
-          f"{section['blocks']} blocks; package = kvdd.llm_datadist pull_blocks, kvdd = LlmDataDist.pull_kv_blocks, "
-          f"same peer process, same memory; ratio = package time / kvdd time, goal <= {section['goal']}x for "
-          f"the request; the 1-block row shows the fixed cost of a call):",
-          file=out)
+    say(f"CANN's Python package on the simulator ({section['geometry']}, a {section['tokens']}-token request = "
+        f"{section['blocks']} blocks):", out)
+    say("# package = kvdd.llm_datadist pull_blocks, kvdd = LlmDataDist.pull_kv_blocks, same peer process, same "
+        f"memory; ratio = package time / kvdd time, goal <= {section['goal']}x for the request; the 1-block "
+        "row shows the fixed cost of a call", out)
     shown = [{k: ("-" if v is None else v) for k, v in row.items()} for row in section["rows"]]
     print_table(shown, PKG_COLUMNS, out)
     for path, err in section["errors"].items():
-        print(f"# package section, {path}: {err}", file=out)
+        say(f"# package section, {path}: {err}", out)
     if section["worst_ratio"] is not None:
-        print(f"# package vs kvdd, {section['tokens']}-token request: worst {section['worst_ratio']:.3f}x, "
-              f"{'met' if section['met'] else 'NOT met'}", file=out)
+        say(f"# package vs kvdd, {section['tokens']}-token request: worst {section['worst_ratio']:.3f}x, "
+            f"{'met' if section['met'] else 'NOT met'}", out)
