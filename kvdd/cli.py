@@ -120,6 +120,12 @@ def _doctor_cann_root() -> str | list[str]:
     return simulated_root_status() or "none in use"
 
 
+def _doctor_llm_datadist() -> str:
+    from .cann import llm_datadist_status
+
+    return llm_datadist_status()
+
+
 def _doctor_fabric_secret() -> str:
     try:
         from .sim.fabric.auth import describe_secret
@@ -144,6 +150,7 @@ DOCTOR_LINES: list[tuple[str, DoctorLine]] = [
     ("backend native", _doctor_backend("native")),
     ("looks like an Ascend node", _doctor_ascend_node),
     ("simulated CANN root", _doctor_cann_root),
+    ("import llm_datadist loads", _doctor_llm_datadist),
     ("backend=None selects", _doctor_default_backend),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
