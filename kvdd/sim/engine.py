@@ -12,6 +12,7 @@ status once.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,7 @@ class SimBackend:
         # §3.2 step 10: the listener of an Initialize that failed after it started listening
         self._failed_listener: fabric.Listener | None = None
         self.dropped = False  # unreachable, waiting for the reaper: refuses links (§3.1)
+        self._pid = os.getpid()  # a forked child never tears down its parent's instances
         self._reset()
         reaper.start()
         #: the compiled path of common in-process transfers (kvdd.backend.FastTransfers)
@@ -69,8 +71,8 @@ class SimBackend:
     def __del__(self) -> None:
         # §3.1: the last reference is gone (or a collected cycle).  Only lock-free steps here;
         # the reaper thread runs destroy() and then lets the object go (kvdd.sim.reaper).
-        if sys.is_finalizing() or "_lock" not in self.__dict__:
-            return
+        if sys.is_finalizing() or self.__dict__.get("_pid") != os.getpid():
+            return  # exiting, half constructed, or the parent's instance in a forked child
         listeners = [lst for lst in (self.__dict__.get("listener"),
                                      self.__dict__.get("_failed_listener")) if lst is not None]
         if not listeners and not self.__dict__.get("initialized"):

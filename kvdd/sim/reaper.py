@@ -17,6 +17,7 @@ and peer handles), so nothing but the user's own references keeps an instance al
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from typing import Protocol
@@ -63,7 +64,21 @@ def start() -> None:
             _thread = thread
 
 
+def _after_fork_in_child() -> None:
+    # the thread did not survive the fork: the child starts its own (and drops the parent's queue,
+    # whose instances belong to the parent)
+    global _pending, _start_lock, _thread
+    _pending = queue.SimpleQueue()
+    _start_lock = threading.Lock()
+    _thread = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def submit(instance: Destroyable) -> None:
     """Queue ``instance`` for :meth:`Destroyable.destroy` on the reaper thread (lock-free; safe in
     ``__del__``)."""
+    if _thread is None:  # a forked child that has not constructed an instance yet
+        return
     _pending.put(instance)
