@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvdd import CacheDesc, DataType, RegisterCfg, Status
@@ -30,14 +31,15 @@ def test_a_value_that_is_no_enumerator_reaches_the_library_as_dt_undefined(
         recorders: list[Any], value: int) -> None:
     nb = NativeBackend(3, 1)
     assert nb.initialize({"llm.DeviceId": "0"}) == Status.LLM_SUCCESS
+    mem = np.zeros(32, np.uint8)
     desc = CacheDesc(num_tensors=1, data_type=value, shape=(4, 8))
-    status, cache_id = nb.register_kv_cache(desc, [4096], RegisterCfg())
+    status, cache_id = nb.register_kv_cache(desc, [mem.ctypes.data], RegisterCfg())
     assert (status, cache_id) == (Status.LLM_PARAM_INVALID, -1)
     seen = recorders[-1].last("register_kv_cache").args[0]
     assert seen.data_type == DataType.DT_UNDEFINED
     # the id was consumed at step 7, as for the value itself
     ok = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(4, 8))
-    assert nb.register_kv_cache(ok, [4096], RegisterCfg()) == (Status.LLM_SUCCESS, 2)
+    assert nb.register_kv_cache(ok, [mem.ctypes.data], RegisterCfg()) == (Status.LLM_SUCCESS, 2)
     nb.finalize()
 
 
