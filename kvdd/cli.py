@@ -124,6 +124,12 @@ def _doctor_cann_root() -> str | list[str]:
     return simulated_root_status() or "none in use"
 
 
+def _doctor_llm_datadist() -> str:
+    from .cann import llm_datadist_status
+
+    return llm_datadist_status()
+
+
 def _doctor_fabric_secret() -> str:
     try:
         from .secret import describe_secret
@@ -149,6 +155,7 @@ DOCTOR_LINES: list[tuple[str, DoctorLine]] = [
     ("looks like an Ascend node", _doctor_ascend_node),
     ("simulated CANN root", _doctor_cann_root),
     ("default backend (backend=None, --backend auto)", _doctor_default_backend),
+    ("import llm_datadist loads", _doctor_llm_datadist),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
     ("same-host links", _doctor_samehost),

@@ -67,7 +67,10 @@ class LlmDataDist(UnsupportedCalls):
     -----
     Every method raises the :class:`LLMError` subclass of the status the C++ call returns
     (docs/spec/SEMANTICS.md §3), ``TypeError``/``ValueError`` for arguments that do not fit the C++
-    types.  Use as a context manager: leaving the block calls :meth:`finalize`.
+    types.  Use as a context manager: leaving the block calls :meth:`finalize`.  An instance that
+    becomes unreachable without :meth:`finalize` is torn down as Finalize does, as upstream's
+    destructor does (docs/spec/SEMANTICS.md §3.1): its listen port closes at once (for a reference
+    cycle, when it is collected), its links and registrations are dropped soon after.
     """
 
     def __init__(self, cluster_id: int, role: int, *, backend: str | None = None) -> None:

@@ -105,7 +105,9 @@ cdef bint _int(object v, int64_t lo, int64_t hi, int64_t *out) except -1:
     return True
 
 
-cdef int64_t I32_MIN = -(1 << 31), I32_MAX = (1 << 31) - 1, I64_MIN = -(1 << 63), I64_MAX = (1 << 63) - 1
+cdef int64_t I32_MIN = -(1 << 31), I32_MAX = (1 << 31) - 1, I64_MAX = (1 << 63) - 1
+# not the literal -(1 << 63): C reads 9223372036854775808 as an unsigned constant (a warning)
+cdef int64_t I64_MIN = -I64_MAX - 1
 
 
 cdef bint _index(object idx, int64_t *cache_id, int64_t *row) except -1:

@@ -2,7 +2,8 @@
 
 * :func:`connect` — "dial" a peer address and get a :class:`~.protocol.Connection` whose ``link`` /
   ``notify_unlink`` work identically for a peer in this process (:class:`InProcessConnection`) and
-  one elsewhere (:class:`RemoteConnection`); refused → LINK_FAILED at once, silence → TIMEOUT;
+  one elsewhere (:class:`RemoteConnection`); refused → LINK_FAILED at once, silence → TIMEOUT,
+  accepted then closed without an answer → LLM_FAILED (SEMANTICS.md §3.5 g, §3.6);
 * :func:`serve_link` / :func:`serve_unlink` — the acceptor's side, run by the listener on the first
   frame of an accepted connection.
 """
@@ -157,9 +158,12 @@ class RemoteConnection:
         except VersionMismatch as exc:
             raise _Failed(Status.LLM_LINK_FAILED, str(exc)) from None
         except ConnectionError:
-            raise _Failed(Status.LLM_LINK_FAILED,
-                          "the peer closed the connection during the handshake (is it a kvdd "
-                          "speaking another fabric protocol version?)") from None
+            # accepted, then closed without answering: upstream's RecvMsg fails -> ge::FAILED
+            # (SEMANTICS.md §3.5 g, §3.6); LINK_FAILED is for connect failures and refusals
+            raise _Failed(Status.LLM_FAILED,
+                          "the peer accepted the connection and closed it without answering "
+                          "(a kvdd of another fabric protocol version, or one that is shutting "
+                          "down?)") from None
         except (OSError, ProtocolError, struct.error) as exc:
             raise _Failed(Status.LLM_LINK_FAILED, f"the handshake failed: {exc}") from None
 
@@ -266,6 +270,8 @@ class RemoteConnection:
             return self._guarded(run)
         except _Failed as exc:
             logger.info("kvdd fabric: unlink of cluster %d: %s", local.cluster_id, exc.detail)
+            # kvdd's own refusals (authentication) keep their documented UNLINK_FAILED; a peer
+            # that hung up gives LLM_FAILED (SEMANTICS.md §3.6)
             return Status.LLM_UNLINK_FAILED if exc.status == Status.LLM_LINK_FAILED else exc.status
 
     def close(self) -> None:

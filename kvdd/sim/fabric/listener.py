@@ -20,6 +20,7 @@ import selectors
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 from ...status import Status
@@ -79,7 +80,8 @@ class Listener:
         self.sock = sock
         self.ip = norm_ip(ip)
         self.port: int = sock.getsockname()[1]
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # never keeps the instance alive (SEMANTICS.md §3.1)
+        self.cluster_id = owner.cluster_id
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -94,15 +96,26 @@ class Listener:
                                         name=f"kvdd-sim-listen {self.ip}:{self.port}")
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop accepting (links already made stay until unlink / finalize)."""
-        unregister(self.ip, self.port, self.owner)
+    @property
+    def owner(self) -> LinkOwner | None:
+        """The instance this listener serves, None once it is gone."""
+        return self._owner()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and stop the loop without taking any lock (safe in a
+        finalizer, :mod:`kvdd.sim.reaper`): a new connection is refused from now on."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def close(self) -> None:
+        """Stop accepting (links already made stay until unlink / finalize)."""
+        unregister(self.ip, self.port, self._owner())
+        self.stop_accepting()
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
@@ -277,7 +290,7 @@ class Listener:
             raise ProtocolError("the peer does not read")
         transcript = hashlib.sha256(t1 + answer).digest()
         session = Session(session_key(state.key, state.nonce_i, state.nonce_a, transcript),
-                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off,
+                          transcript, False, self.cluster_id, 0, "", state.auth_off,
                           channel_binding(state.sock, initiator=False))
         conn = state.sock
         self._pre.pop(conn, None)
@@ -298,7 +311,10 @@ class Listener:
     def _serve(self, conn: socket.socket, session: Session) -> None:
         keep = False
         try:
-            keep = serve_session(self.owner, conn, session)
+            owner = self._owner()
+            if owner is not None:  # else the instance was dropped: the connection closes
+                keep = serve_session(owner, conn, session)
+            del owner
         except (OSError, ProtocolError) as exc:  # malformed, truncated, too slow
             logger.debug("kvdd fabric: handshake ended: %s", exc)
         except Exception:  # a bug: log it; the connection closes

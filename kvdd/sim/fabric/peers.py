@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,12 +37,17 @@ class InProcessPeer:
 
     def __init__(self, peer: LinkOwner, snapshot: dict[int, RemoteCache],
                  entries: Mapping[int, ServedCache]) -> None:
-        self.peer = peer
+        self._peer = weakref.ref(peer)  # a link never keeps the peer alive (SEMANTICS.md §3.1)
         self.peer_cluster_id = peer.cluster_id
         self.transfer_backend = peer.transfer_backend
         self._snapshot = snapshot
         self._entries = entries  # token -> live entry objects at snapshot time
         self.closed = False  # unlinked here (read by the compiled path: kvdd.sim._fastpath)
+
+    @property
+    def peer(self) -> LinkOwner | None:
+        """The peer instance, None once it is gone (its caches were retired by its teardown)."""
+        return self._peer()
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
