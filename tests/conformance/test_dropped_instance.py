@@ -109,7 +109,7 @@ def test_dropped_instance_is_torn_down(backend: str, world: World, cycle: bool) 
         buf.free()
 
 
-@pytest.mark.sim_only(reason="SimBackend itself, without the facade")
+@pytest.mark.kvdd_sim_only(reason="SimBackend itself, without the facade")
 def test_dropped_sim_backend_is_collected(world: World) -> None:
     from kvdd.sim import SimBackend
 
@@ -128,7 +128,7 @@ def test_dropped_sim_backend_is_collected(world: World) -> None:
     assert eventually(lambda: (gc.collect(), gone() is None)[1])
 
 
-@pytest.mark.sim_only(reason="several instances of the backend under test")
+@pytest.mark.kvdd_sim_only(reason="several instances of the backend under test")
 def test_dropped_peer_in_this_process_is_collected(world: World) -> None:
     # a link in both directions between two instances of this process: neither keeps the other
     from kvdd.sim import SimBackend
