@@ -13,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if not (ROOT / "docs").is_dir():  # pragma: no cover - the tests ship with the clone
     pytest.skip("no docs/ next to the tests", allow_module_level=True)
 
-#: Pages the README links that come with their features' branches; empty once they are merged.
-PAGES_OF_OTHER_BRANCHES = {"llm_datadist.md", "testing.md"}
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # Citations of our own history (built from pieces so that this file does not match itself).
@@ -42,10 +40,7 @@ def test_relative_links_lead_to_files(page: Path) -> None:
         path = target.split("#", 1)[0]
         if not (page.parent / path).exists():
             missing.append(target)
-    pending = [t for t in missing if Path(t).name in PAGES_OF_OTHER_BRANCHES]
-    assert missing == pending, f"{page.relative_to(ROOT)} links to missing files: {missing}"
-    if pending:
-        pytest.xfail(f"{pending}: written with their features (merge them, then empty PAGES_OF_OTHER_BRANCHES)")
+    assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
 
 
 def test_no_text_cites_our_history() -> None:
