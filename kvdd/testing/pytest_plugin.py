@@ -357,8 +357,9 @@ def _leaks(threads: set[threading.Thread], listeners: set[str], children: set[in
     return found
 
 
-#: Threads kvdd starts once per process and keeps (not a leak of one test).
-_PROCESS_WIDE = frozenset({"kvdd-sim-watchdog"})
+#: Threads kvdd starts once per process and keeps (not a leak of one test): the timer of leases
+#: and deadlines, the finalizer of dropped instances, the same-host endpoint of the process.
+_PROCESS_WIDE = frozenset({"kvdd-sim-watchdog", "kvdd-sim-reaper", "kvdd-samehost-endpoint"})
 
 
 @pytest.fixture
