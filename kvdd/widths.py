@@ -56,7 +56,8 @@ def check_int(name: str, value: object, width: tuple[int, int]) -> int:
     ValueError
         ``value`` does not fit the C++ field; the message names the C++ type and its range.
     """
-    if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
+    # fast path (bool is not int here); the checks below give the same answers
+    if type(value) is int and width[0] <= value <= width[1]:  # mutation: equivalent
         return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not bool")

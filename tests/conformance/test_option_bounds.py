@@ -36,3 +36,37 @@ def test_hixl_max_channel_bounds(world: World, max_channel: int, ok: bool) -> No
             d.initialize_raw(opts)
         with raises(FAILED):  # stays uninitialized
             d.register()
+
+
+def _grc(extra: str) -> dict[str, str]:
+    return {**HIXL_LISTEN, OPTION_GLOBAL_RESOURCE_CONFIG: "{" + extra + "}"}
+
+
+def _accepted(world: World, opts: dict[str, str], ok: bool) -> None:
+    d: Node = world.dut()
+    if ok:
+        d.initialize_raw(opts)
+        assert d.register().cache_id >= 1
+    else:
+        with raises(PARAM_INVALID):
+            d.initialize_raw(opts)
+
+
+@pytest.mark.parametrize("port,ok", [("0", False), ("1", True), ("65535", True), ("65536", False),
+                                     ('"http"', False), ("-1", False)])
+def test_hixl_comm_resource_listen_port_bounds(world: World, port: str, ok: bool) -> None:
+    # comm_resource_config.listen_port: an integer in [1, 65535]
+    _accepted(world, _grc(f'"comm_resource_config.listen_port": {port}'), ok)
+
+
+@pytest.mark.parametrize("value,ok", [('"abc"', False), ("2147483648", False), ("-2147483649", False),
+                                      ("8", True)])
+def test_hixl_max_channel_must_be_an_int32(world: World, value: str, ok: bool) -> None:
+    _accepted(world, _grc(f'"channel_pool.max_channel": {value}, "channel_pool.high_waterline": 0.9, '
+                          '"channel_pool.low_waterline": 0.1'), ok)
+
+
+@pytest.mark.parametrize("low,ok", [("0", False), ("0.0", False), ("0.01", True)])
+def test_hixl_waterline_is_above_zero(world: World, low: str, ok: bool) -> None:
+    # a waterline in (0, 1): exactly 0 is refused
+    _accepted(world, _grc(f'"channel_pool.high_waterline": 0.9, "channel_pool.low_waterline": {low}'), ok)

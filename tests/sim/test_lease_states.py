@@ -4,7 +4,12 @@ its cache entry exactly once (after the last copy in progress), and schedules no
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 import pytest
+
+from kvdd import Status
 
 from kvdd.sim.fabric import leases, watchdog
 from kvdd.sim.fabric.leases import Lease
@@ -83,3 +88,39 @@ def test_revoke_forgets_the_lease_as_revoked_and_drops_it() -> None:
     lease, entry, chan = _lease()
     lease.revoke()
     assert chan.forgotten == [(7, True)] and entry.releases == 1 and not lease.use()
+
+
+class Owner:
+    initialized = True
+
+
+class Served(Entry):
+    """A served cache that counts acquisitions too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquired = 0
+
+    def acquire(self) -> bool:
+        self.acquired += 1
+        return True
+
+    def add_drain(self, fn: object) -> bool:
+        return True
+
+    def remove_drain(self, fn: object) -> None:
+        pass
+
+
+def test_a_closed_connection_grants_no_lease() -> None:
+    table = leases.LeaseTable(Chan())
+    served = Served()
+    owner: Any = Owner()
+    entries: Any = {3: served}
+    payload = struct.pack("<Q", 3)
+    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000))
+    assert status == Status.LLM_SUCCESS and lease_id > 0
+    table.take_all(close=True)  # the connection died
+    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000))
+    assert (status, lease_id) == (Status.LLM_TIMEOUT, 0)
+    assert served.acquired == 2 and served.releases == 1  # the refused lease released its entry
