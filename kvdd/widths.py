@@ -99,9 +99,9 @@ def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int
     """
     if type(value) is list:  # one snapshot: the items checked are the items returned, even
         value = tuple(value)  # when another thread changes the list meanwhile
-    if ints_within(value, width[0], width[1]):
-        # fast path, one pass in C: a list or tuple of plain ints within the width (e.g. the
-        # 1024 block ids of a block-table pull)
+    # fast path, one pass in C: a list or tuple of plain ints within the width (e.g. the 1024
+    # block ids of a block-table pull); the checks below give the same answers
+    if ints_within(value, width[0], width[1]):  # mutation: equivalent
         return value  # type: ignore[return-value]
     if isinstance(value, np.ndarray):
         if value.ndim != 1:

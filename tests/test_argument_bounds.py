@@ -57,3 +57,31 @@ def test_pull_kv_cache_batch_index_is_a_uint32(backend: str) -> None:
             dd.pull_kv_cache(CacheIndex(2, 1), cache, batch_index=2**32 - 1)
         assert info.value.status == Status.LLM_PARAM_INVALID  # §3.11: batch_index >= B
     assert not mem.any()
+
+
+@pytest.mark.parametrize("value,ok", [(np.uint32(0), True), (np.uint64(2**32 - 1), True),
+                                      (np.int64(-1), False), (np.uint64(2**32), False)])
+def test_numpy_integers_at_the_uint32_bounds(value: object, ok: bool) -> None:
+    # numpy integers take the general path (not the plain-int fast one): the same inclusive bounds
+    from kvdd.widths import check_int
+    if ok:
+        assert check_int("batch_index", value, UINT32) == int(value)  # type: ignore[call-overload]
+    else:
+        with pytest.raises(ValueError, match="does not fit the C\\+\\+ field"):
+            check_int("batch_index", value, UINT32)
+
+
+@pytest.mark.parametrize("value,message", [
+    (np.array([1.0, 2.0]), "must hold integers, got dtype float64"),
+    ("01", "must be a sequence of integers, not str"),
+    (b"\x00\x01", "must be a sequence of integers, not bytes"),
+    ({0, 1}, "must be a sequence of integers, not set"),
+])
+def test_what_is_not_a_sequence_of_integers_is_a_type_error(value: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        check_int_seq("src_blocks", value, UINT32)
+
+
+def test_a_list_is_checked_and_returned_as_one_tuple() -> None:
+    assert check_int_seq("src_blocks", [3, 1], UINT32) == (3, 1)
+    assert type(check_int_seq("src_blocks", [3, 1], UINT32)) is tuple
