@@ -27,13 +27,14 @@ HEAD = SOURCE_TREE_MESSAGE.split("{root}")[0]  # "kvdd was imported from its sou
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A clone's root: kvdd's Python sources, meson.build, pyproject.toml, tests/conftest.py and
-    benchmarks/__init__.py; no compiled module anywhere."""
+    """A clone's root: kvdd's Python sources, meson.build, pyproject.toml, the pytest plugin's entry
+    point, tests/conftest.py and benchmarks/__init__.py; no compiled module anywhere."""
     root = tmp_path_factory.mktemp("clone")
     shutil.copytree(Path(kvdd.__file__).parent, root / "kvdd",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "_build_config.py"))
     (root / "meson.build").write_text("project('kvdd')\n")
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    shutil.copy(ROOT / "kvdd_pytest_plugin.py", root / "kvdd_pytest_plugin.py")  # pytest's entry point
     (root / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "conftest.py", root / "tests" / "conftest.py")
     (root / "benchmarks").mkdir()
