@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine_support import (FEATURE_NOT_ENABLED, NO, NOT_EXIST, NOT_YET_LINK, PARAM_INVALID,
+from engine_support import (NO, NOT_EXIST, NOT_YET_LINK, PARAM_INVALID,
                             S_OK, Mem, blocks_key, cache_key, engine, expect_blocks, id_key, link,
                             pull, pull_param, register, unlink)
 from kvdd.sim.fabric import RemoteCache
@@ -260,18 +260,23 @@ def test_link_pending_is_not_yet_link(pair: tuple[Engine, Engine], monkeypatch: 
     assert pull(d, did, blocks_key(1), pull_param([0], [0])) == S_OK
 
 
-def test_two_sided_needs_the_peer_fsm() -> None:
-    """§9.6: without remote-cache-accessible mode a pull returns FEATURE_NOT_ENABLED after the
-    checks §4 defines (never a hang)."""
+def test_two_sided_pulls_go_to_the_peer_after_the_local_checks() -> None:
+    """§4.5/§4.6 two-sided: the local checks and the request's construction run before anything
+    goes to the peer; the peer then resolves and checks (tests/llm_datadist/test_engine_twosided.py
+    covers the peer's side)."""
     p, d = engine(1, ra=False), engine(2, ra=False)
     try:
         src, dst, did = setup_blocks(p, d)
-        assert pull(d, did, blocks_key(1), pull_param([0, 1], [0, 1])) == FEATURE_NOT_ENABLED
-        assert pull(d, did, id_key(1, 1), pull_param((), [3])) == FEATURE_NOT_ENABLED
         # the request is built (and checked) before it would go to the peer
         assert pull(d, did, blocks_key(1), pull_param([0], [12])) == PARAM_INVALID
         assert pull(d, did, blocks_key(1), pull_param([0, 1], [0])) == PARAM_INVALID
         assert all((t == 0).all() for t in dst.tensors)
+        # C2B from a blocks source: the peer refuses (a non-blocks pull of a blocks entry)
+        assert pull(d, did, id_key(1, 1), pull_param((), [3])) == PARAM_INVALID
+        assert all((t == 0).all() for t in dst.tensors)
+        assert pull(d, did, blocks_key(1), pull_param([0, 1], [0, 1])) == S_OK
+        expect_blocks(dst.tensors, [np.zeros_like(t) for t in dst.tensors], src.tensors,
+                      [(0, 0), (1, 1)], 32)
     finally:
         d.instance.finalize()
         p.instance.finalize()

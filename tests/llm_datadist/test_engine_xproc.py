@@ -183,8 +183,8 @@ def test_peer_vanishing_mid_transfer_times_out() -> None:
 
 
 def test_two_sided_engines_across_processes() -> None:
-    """Two-sided engines: a pull needs the peer's device-side handler (FEATURE_NOT_ENABLED after
-    the request is built); transfer_cache_async's raw-address write lands in the peer's tensor
+    """Two-sided engines: the peer answers a pull with its own checks (a contiguous pull of its
+    blocks cache: PARAM_INVALID, nothing moved); transfer_cache_async's raw-address write lands in the peer's tensor
     (mapped onto a cache it serves) and is refused outside one."""
     w = process_wrapper()
     w.finalize_v2()
@@ -199,7 +199,7 @@ def test_two_sided_engines_across_processes() -> None:
             assert link_to(1, port) == S_OK
             mem = Mem(2, 4, 16, seed=5)
             sid = w.register_cache(mem.desc(False), mem.addrs, [], True)[1][0]
-            assert w.pull_cache_v2(sid, id_key(1, 2), pull_param()) == 0x5010B019
+            assert w.pull_cache_v2(sid, id_key(1, 2), pull_param()) == PARAM_INVALID
             assert (mem.tensors[0] != 0).any()
             remote_addrs = p.call("engine_support.addresses", 1)
             cfg = (sid, 2, 0, [remote_addrs[1] + 48, remote_addrs[0]], 1, 0, 0, 0, 0, 2)

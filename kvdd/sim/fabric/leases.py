@@ -25,7 +25,8 @@ from .serving import check_request
 from .watchdog import WATCHDOG, Timer
 from .wire import LEASE_GRACE_MS, MAX_LEASE_MS, MAX_LEASES, Reader
 
-__all__ = ["Lease", "LeaseHolder", "LeaseTable", "REVOKE_GRACE_S", "MAX_REVOKED"]
+__all__ = ["Lease", "LeaseHolder", "LeaseResolver", "LeaseTable", "Resolved", "REVOKE_GRACE_S",
+           "MAX_REVOKED"]
 
 MAX_REVOKED = 256  # revoked lease ids remembered per connection
 
@@ -45,7 +46,7 @@ class Lease:
     """The owner's record of a peer's lease on one of its caches."""
 
     __slots__ = ("lease_id", "entry", "chan", "users", "dropped", "released", "timer", "lock",
-                 "unwatch")
+                 "unwatch", "on_served")
 
     def __init__(self, lease_id: int, entry: ServedCache, chan: LeaseHolder) -> None:
         self.lease_id = lease_id
@@ -57,6 +58,8 @@ class Lease:
         self.timer: Timer | None = None
         self.lock = threading.Lock()
         self.unwatch: Callable[[], None] | None = None  # cancels the revocation on unregister
+        # a resolved lease's owner action once a READ under it was served (see LeaseResolver)
+        self.on_served: Callable[[list[int]], None] | None = None
 
     def use(self) -> bool:
         with self.lock:
@@ -113,6 +116,20 @@ class Lease:
             self.chan.kill()
 
 
+class LeaseResolver(Protocol):
+    """An owner that resolves a lease from a request of its own format (a LEASE whose cache id is
+    0 followed by that request): CANN's Python package's two-sided pulls (PYPKG.md §4.4), whose
+    source the owner looks up live in its own maps and checks before granting anything."""
+
+    def resolve_lease(self, request: bytes) -> Resolved: ...
+
+
+#: What :meth:`LeaseResolver.resolve_lease` answers: ``(status, entry to lease or None, bytes
+#: returned to the requester after the lease id, action once a READ under the lease was served
+#: (called with its tensor indices before its DONE) or None)``.
+Resolved = tuple[int, ServedCache | None, bytes, Callable[[list[int]], None] | None]
+
+
 class LeaseTable:
     """The leases one connection's peer holds on the owner's caches (LEASE, READ / WRITE checks,
     the lease checks of a small request), bounded by MAX_LEASES."""
@@ -148,12 +165,21 @@ class LeaseTable:
         """A LEASE request's answer (status, lease id)."""
         r = Reader(payload)
         cache_id = r.u("Q")
-        r.end()
-        faults.on_serve(owner, "lease")  # serve=1 fault injections: a slow server
-        status, entry = self.grant_small(owner, served, cache_id)
-        if entry is None:
-            return struct.pack("<IQ", status, 0)
+        extra = b""
+        on_served: Callable[[list[int]], None] | None = None
+        if cache_id == 0 and len(payload) > 8:  # a lease the owner resolves (LeaseResolver)
+            faults.on_serve(owner, "lease")
+            status, entry, extra, on_served = self._resolve(owner, bytes(r.take(len(payload) - 8)))
+            if entry is None:
+                return struct.pack("<IQ", status, 0) + extra
+        else:
+            r.end()
+            faults.on_serve(owner, "lease")  # serve=1 fault injections: a slow server
+            status, entry = self.grant_small(owner, served, cache_id)
+            if entry is None:
+                return struct.pack("<IQ", status, 0)
         lease = Lease(next(self._ids), entry, self._holder)
+        lease.on_served = on_served
         with self._lock:
             if self._closed:
                 lease.drop()
@@ -171,7 +197,22 @@ class LeaseTable:
                     lease.unwatch = functools.partial(entry.remove_drain, revoke)
             if not keep:  # dropped meanwhile (released, expired, connection died)
                 entry.remove_drain(revoke)
-        return struct.pack("<IQ", S_OK, lease.lease_id)
+        return struct.pack("<IQ", S_OK, lease.lease_id) + extra
+
+    def _resolve(self, owner: LinkOwner, request: bytes) -> Resolved:
+        """A resolved lease's checks: the owner resolves it (an owner that cannot resolves
+        nothing: LLM_KV_CACHE_NOT_EXIST), then the checks of :meth:`grant_small` on its entry."""
+        resolve = getattr(owner, "resolve_lease", None)
+        if not owner.initialized or resolve is None:
+            return NOT_EXIST, None, b"", None
+        status, entry, extra, on_served = resolve(request)
+        if status != S_OK or entry is None:
+            return (status if status != S_OK else NOT_EXIST), None, extra, None
+        if len(self._leases) >= MAX_LEASES:
+            return Status.LLM_FAILED, None, b"", None
+        if not entry.acquire():  # unregistered meanwhile (§10 rule 2)
+            return NOT_EXIST, None, b"", None
+        return S_OK, entry, extra, on_served
 
     def grant_small(self, owner: LinkOwner, served: Mapping[int, ServedCache],
                     cache_id: int) -> tuple[int, ServedCache | None]:

@@ -12,7 +12,7 @@ import logging
 import struct
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
 from .rx import Stage
+from .serving import check_request
 from .small import SmallSink, encode_small, is_small
 from .streams import Cursor, Layout
 from .wire import (F_LEASE, F_LEASE_READ, F_LEASE_WRITE, F_READ, F_RELEASE, F_WRITE, MAX_RUNS,
@@ -64,14 +65,43 @@ class InProcessPeer:
             return Status.LLM_KV_CACHE_NOT_EXIST, None
         return Status.LLM_SUCCESS, entry
 
+    def acquire_resolved(self, request: bytes, timeout_ms: int) -> tuple[int, object, bytes]:
+        """A lease the peer resolves from ``request`` (:class:`~.leases.LeaseResolver`, the
+        same checks as over TCP): ``(status, lease, the peer's answer)``."""
+        if self.closed:
+            return NOT_YET_LINK, None, b""
+        resolve = getattr(self.peer, "resolve_lease", None)
+        if not self.peer.initialized or resolve is None:
+            return NOT_EXIST, None, b""
+        status, entry, extra, on_served = resolve(request)
+        if status != S_OK or entry is None:
+            return (status if status != S_OK else NOT_EXIST), None, extra
+        if not entry.acquire():
+            return NOT_EXIST, None, b""
+        return S_OK, _Resolved(entry, on_served), extra
+
     def release(self, lease: object) -> None:
+        if type(lease) is _Resolved:
+            lease.entry.release()
+            return
         entry: ServedCache = lease  # type: ignore[assignment]
         entry.release()
 
     def read(self, lease: object, tensors: Sequence[int], src_off: np.ndarray,
              dst: Sequence[Region], dst_off: np.ndarray, length: np.ndarray,
              timeout_ms: int) -> int:
-        entry: ServedCache = lease  # type: ignore[assignment]
+        if type(lease) is _Resolved:  # checked as the owner checks a READ (kvdd rule 1)
+            entry = lease.entry
+            status = check_request(entry.n, entry.T, np.asarray(tensors, dtype=np.int64),
+                                   np.asarray(src_off), np.asarray(length))
+            if status != S_OK:
+                return status
+            copy_runs([entry.regions[i] for i in tensors], dst, src_off, dst_off, length)
+            served, lease.on_served = lease.on_served, None
+            if served is not None:
+                served([int(t) for t in tensors])
+            return Status.LLM_SUCCESS
+        entry = lease  # type: ignore[assignment]
         src = [entry.regions[i] for i in tensors]
         copy_runs(src, dst, src_off, dst_off, length)
         return Status.LLM_SUCCESS
@@ -86,6 +116,16 @@ class InProcessPeer:
 
     def close(self) -> None:
         self.closed = True
+
+
+class _Resolved:
+    """An in-process lease on an entry the peer resolved (and its action once read)."""
+
+    __slots__ = ("entry", "on_served")
+
+    def __init__(self, entry: ServedCache, on_served: Callable[[list[int]], None] | None) -> None:
+        self.entry = entry
+        self.on_served = on_served
 
 
 def in_process_peer(peer: LinkOwner) -> InProcessPeer:
@@ -170,6 +210,36 @@ class RemotePeer:
             return TIMEOUT, None
         # the owner's lease checks run with the transfer's first request (see :meth:`move`)
         return S_OK, ClientLease(0, rc, time.monotonic() + timeout_ms / 1000.0)
+
+    def acquire_resolved(self, request: bytes, timeout_ms: int) -> tuple[int, object, bytes]:
+        """A lease the owner resolves from ``request`` (:class:`~.leases.LeaseResolver`): one
+        LEASE round trip whose cache id is 0, always over TCP (a data path serves leases on
+        announced caches only): ``(status, lease, the owner's answer after the lease id)``.
+        LLM_TIMEOUT when the owner does not answer within ``timeout_ms`` (the link is then
+        broken)."""
+        if self._closed:
+            return NOT_YET_LINK, None, b""
+        chan = self._chan
+        if chan.peer_finalized:
+            return NOT_EXIST, None, b""
+        if chan.dead.is_set() or timeout_ms <= 0:
+            return TIMEOUT, None, b""
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        reply = chan.request(F_LEASE, struct.pack("<Q", 0) + request, deadline)
+        if reply is None:
+            return (NOT_EXIST if chan.peer_finalized else TIMEOUT), None, b""
+        if len(reply) < 12:
+            chan.kill()
+            return TIMEOUT, None, b""
+        status, lease_id = struct.unpack_from("<IQ", reply)
+        extra = bytes(reply[12:])
+        if status != S_OK:
+            return int(status), None, extra
+        if lease_id == 0:
+            chan.kill()
+            return TIMEOUT, None, b""
+        rc = RemoteCache(0, 0, 0, 0, 0, False, None)  # the owner checks every run on its entry
+        return S_OK, ClientLease(int(lease_id), rc, deadline), extra
 
     def _take_lease(self, lease: ClientLease) -> int:
         """A LEASE round trip for a transfer too big for LEASE_READ / LEASE_WRITE; a status."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -182,6 +182,8 @@ class RunChecker(Protocol):
 class UsedLease(Protocol):
     """A lease in use by one server thread (:class:`~.leases.Lease`)."""
 
+    on_served: Callable[[list[int]], None] | None
+
     @property
     def entry(self) -> ServedCache: ...
 
@@ -232,6 +234,9 @@ def serve_read(leases: RunChecker, owner: LinkOwner, sock: socket.socket, req: i
         plan = RunPlan(lease.entry.regions, tensors, off, length)
         faults.on_serve(owner, "read", plan.total)
         plan.send(sock, req)
+        served, lease.on_served = lease.on_served, None
+        if served is not None:  # the owner's action before DONE (a two-sided pull's key)
+            served(tensors.tolist())
         sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
     finally:
         lease.unuse()

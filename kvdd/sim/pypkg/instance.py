@@ -34,6 +34,7 @@ from ..engine import SimBackend
 from ..entries import CacheEntry
 from ..fabric import LinkOffer, PeerHandle, RemoteCache
 from ..fabric.auth import Session
+from ..fabric.leases import Resolved
 
 __all__ = ["Claim", "DomainGate", "PkgInstance", "Snapshot", "stating", "EXTENSION", "MALFORMED",
            "register_extension"]
@@ -181,6 +182,11 @@ class PkgInstance(SimBackend):
         if snap is not None:
             return snap
         return super().snapshot_for_link()
+
+    def resolve_lease(self, request: bytes) -> Resolved:
+        """A linked peer's two-sided pull, looked up live here (:func:`.twosided.resolve`)."""
+        from .twosided import resolve
+        return resolve(self, request)
 
     def serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
                    ) -> tuple[int, str, Snapshot | None]:

@@ -5,8 +5,8 @@ docs/spec/PYPKG.md §4.3, §2.3 (``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig
 memory of this process (numpy), carved into page-aligned tensors first-fit; an allocated cache is
 an *owned* entry of the instance's cache table (remote-accessible: the pool is registered with the
 transport as a whole) holding one reference for its id and one per key; it is freed when the last
-reference goes.  Keys are never consumed by pulls here (that happens only in the two-sided mode,
-which the simulator does not model).
+reference goes.  Pulls consume keys only in the two-sided mode: :func:`consume_key`, run by the
+peer of a two-sided pull (:mod:`.twosided`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from .registry import MAX_DIMS, calc_tensor_size
 if TYPE_CHECKING:
     from ...llm_datadist._seam import CacheDescTuple, CacheKeyTuple
     from ..caches import CacheTable
+    from ..engine import SimBackend
+    from .instance import PkgInstance
     from .protocols import PkgEngine
 
-__all__ = ["Pool", "allocate", "deallocate", "remove_cache_key", "has_pool"]
+__all__ = ["Pool", "allocate", "deallocate", "remove_cache_key", "has_pool", "consume_key"]
 
 HOST, DEVICE = 0, 1
 NO_POOL = "memory pool is not enabled (llm.MemPoolConfig / llm.HostMemPoolConfig)"
@@ -99,6 +101,7 @@ class _Owned:
     nbytes: int
     id_ref: bool = True
     keys: set[tuple[tuple[int, int], bool]] = field(default_factory=set)
+    pulled: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # key -> tensors pulled
 
 
 @dataclass
@@ -196,12 +199,15 @@ def _check_keys(table: CacheTable, shape: Sequence[int], cache_keys: Sequence[Ca
 
 
 def _free_if_unreferenced(engine: PkgEngine, cache_id: int) -> None:
-    pools = _of(engine)
+    _free_unreferenced(engine.instance, _of(engine), cache_id)
+
+
+def _free_unreferenced(instance: SimBackend, pools: _Pools, cache_id: int) -> None:
     owned = pools.owned.get(cache_id)
     if owned is None or owned.id_ref or owned.keys:
         return
     del pools.owned[cache_id]
-    table = engine.instance.cache_table
+    table = instance.cache_table
     with table.lock:
         drop_keys(table, cache_id)
         entry = table.take(cache_id)
@@ -246,3 +252,36 @@ def remove_cache_key(engine: PkgEngine, cache_key: CacheKeyTuple) -> int:
         owned.keys.discard((ident, is_prefix))
     _free_if_unreferenced(engine, bound[0])
     return 0
+
+
+def consume_key(instance: PkgInstance, cache_id: int, ident: tuple[int, int],
+                tensors: list[int] | None, n: int) -> None:
+    """A two-sided pull through the non-prefix key ``ident`` served cache ``cache_id``'s bytes
+    (PYPKG.md §4.4, upstream ``RemoveCacheKey`` after ``SendState``): an owned cache's key is
+    removed (the cache freed when it was its last reference); with layer ranges (``tensors``)
+    only once every one of its ``n`` tensor indices was pulled.  A registered cache's key stays."""
+    with _guard:
+        pools = _pools.get(instance)
+    if pools is None:
+        return
+    table = instance.cache_table
+    with table.lock:
+        owned = pools.owned.get(cache_id)
+        if owned is None or table.req_keys.get(ident, (None,))[0] != cache_id:
+            return
+        if tensors is not None:
+            got = owned.pulled.setdefault(ident, set())
+            got.update(tensors)
+            if len(got) < n:
+                return
+        owned.pulled.pop(ident, None)
+        del table.req_keys[ident]
+        entry = table.caches.get(cache_id)
+        if entry is not None:
+            entry.keys[:] = [k for k in entry.keys if (k[0], k[1]) != ident]
+            table.publish()
+        owned.keys.discard((ident, False))
+        free = not owned.id_ref and not owned.keys
+    if free:  # the lease of this pull still holds the cache: free it once that ends
+        threading.Thread(target=_free_unreferenced, args=(instance, pools, cache_id),
+                         name="kvdd-sim-pool-free", daemon=True).start()

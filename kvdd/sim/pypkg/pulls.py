@@ -24,6 +24,7 @@ from ..checks import REQUEST_LIMIT, reject, require_inside_remote, require_not_r
 from ..fabric import KIND_BLOCKS, KIND_MIX
 from ..runs import Runs, row_run
 from ..transfers import run
+from . import twosided
 from .keys import find_remote
 
 if TYPE_CHECKING:
@@ -122,15 +123,11 @@ def pull_cache_v2(engine: PkgEngine, dst_cache_id: int, key: CacheKeyTuple,
     entity = link_entity(engine, cluster)
     with entity.lock:  # pulls are serialized per link (PYPKG.md §0.4, §9.11)
         require_live_link(engine, cluster, entity)
-        if not engine.remote_accessible:
-            if local.placement == HOST:
-                reject(PARAM_INVALID, "a HOST destination needs a device memory pool in the "
-                       "two-sided mode (not simulated)")
-            _construct(local, param)  # the request is built as in the one-sided mode
-            reject(Status.LLM_FEATURE_NOT_ENABLED, "this pull is two-sided (the engine is not "
-                   "remote-cache-accessible): it needs the peer's device-side request handler, "
-                   "which the simulator does not model; set enable_remote_cache_accessible=True "
-                   "on both sides")
+        if not engine.remote_accessible:  # two-sided: the peer looks the source up (§4.4)
+            if local.placement == HOST and not engine.mem_pool_config:
+                reject(PARAM_INVALID, "a HOST destination needs a device memory pool "
+                       "(mem_pool_cfg) in the two-sided mode")
+            return twosided.pull(engine, entity, local, key, param, _construct(local, param))
         return _pull_one_sided(engine, entity, local, key, param)
 
 
