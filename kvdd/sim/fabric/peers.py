@@ -70,8 +70,9 @@ class InProcessPeer:
         same checks as over TCP): ``(status, lease, the peer's answer)``."""
         if self.closed:
             return NOT_YET_LINK, None, b""
-        resolve = getattr(self.peer, "resolve_lease", None)
-        if not self.peer.initialized or resolve is None:
+        peer = self.peer  # None once the peer instance was dropped
+        resolve = getattr(peer, "resolve_lease", None)
+        if peer is None or not peer.initialized or resolve is None:
             return NOT_EXIST, None, b""
         status, entry, extra, on_served = resolve(request)
         if status != S_OK or entry is None:
