@@ -123,6 +123,12 @@ step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xpro
 step "C++ examples (examples/cpp) against the simulated root, both transfer backends"
 bash "$SRC/examples/cpp/run_pairs.sh" "$WORK/examples-cpp"
 
+step "CANN's Python package from the root: examples/python with import llm_datadist after set_env.sh"
+# set_env.sh put the root's python/site-packages on PYTHONPATH: the examples import llm_datadist
+# exactly as on an Atlas node, and get kvdd's simulator of that package.
+"$PY" -c "import llm_datadist, kvdd.llm_datadist; assert llm_datadist is kvdd.llm_datadist"
+"$PY" "$SRC/examples/python/run_pairs.py" --installed
+
 step "a C++ client of ge/llm_error_codes.h and ge::AscendString against the root"
 # shellcheck disable=SC2086
 "${CXX:-g++}" -std=c++17 "-D_GLIBCXX_USE_CXX11_ABI=$ABI" -Wall -Wextra -Werror \
