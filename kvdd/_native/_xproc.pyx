@@ -24,7 +24,7 @@ from it is ever used as an address.
 """
 
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EFAULT, EINTR, ESRCH, errno
+from libc.errno cimport EFAULT, EINTR, EIO, ENOENT, ESRCH, errno
 from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -40,6 +40,19 @@ cdef extern from "<sys/uio.h>" nogil:
                              const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
     ssize_t process_vm_writev(pid_t pid, const iovec *local_iov, unsigned long liovcnt,
                               const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t pread(int fd, void *buf, size_t count, long offset)
+    ssize_t pwrite(int fd, const void *buf, size_t count, long offset)
+    int c_close "close"(int fd)
+
+cdef extern from "<fcntl.h>" nogil:
+    int c_open "open"(const char *path, int flags)
+    enum: O_RDWR
+    enum: O_CLOEXEC
+
+cdef extern from "<stdio.h>" nogil:
+    int snprintf(char *s, size_t n, const char *fmt, ...)
 
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
@@ -154,6 +167,7 @@ cdef class LeaseTable
 
 cdef struct _Job:
     pid_t pid
+    int mem_fd            # /proc/<pid>/mem of the attested peer (names its memory), or -1
     bint write
     Py_ssize_t K
     Py_ssize_t J
@@ -237,6 +251,59 @@ cdef void _run(_Job *job) noexcept nogil:
         job.timed_out = True
 
 
+cdef inline bint _stop(_Job *job) noexcept nogil:
+    """The deadline and the owner's abort, checked right before every system call."""
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True
+        return True
+    if job.abort_word != NULL and (kvdd_load(job.abort_word) >= _ABORT or
+                                   kvdd_load(job.abort_link) >= _ABORT):
+        job.aborted = True
+        return True
+    return False
+
+
+cdef void _run_mem(_Job *job) noexcept nogil:
+    """The runs with ``pread`` / ``pwrite`` on the peer's ``/proc/<pid>/mem`` (at most ``chunk``
+    bytes per system call).  The file names the peer's address space (its mm), not its pid: after
+    the peer exits or execs every call returns 0 (ESRCH here), whoever reuses the pid.  The kernel
+    copies page by page without waiting on a userfaultfd: a page the peer froze (or unmapped)
+    fails at once with EIO (EFAULT here)."""
+    cdef Py_ssize_t k, j
+    cdef int64_t pos, left, take
+    cdef ssize_t r
+    cdef uintptr_t la, ra
+    for k in range(job.K):
+        for j in range(job.J):
+            pos = 0
+            left = job.ln[j]
+            while left > 0:
+                if _stop(job):
+                    return
+                take = left
+                if <uint64_t>take > job.chunk:
+                    take = <int64_t>job.chunk
+                la = job.laddr[k] + <uintptr_t>(job.loff[j] + pos)
+                ra = job.raddr[k] + <uintptr_t>(job.roff[j] + pos)
+                if job.write:
+                    r = pwrite(job.mem_fd, <const void *>la, <size_t>take, <long>ra)
+                else:
+                    r = pread(job.mem_fd, <void *>la, <size_t>take, <long>ra)
+                if r < 0:
+                    if errno == EINTR:
+                        continue
+                    job.err = EFAULT if errno == EIO else errno
+                    return
+                if r == 0:
+                    job.err = ESRCH  # the address space is gone: the peer exited or exec'd
+                    return
+                job.done += <uint64_t>r
+                pos += r
+                left -= r
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True
+
+
 cdef enum:
     _SMALL = 16   # tensors / runs handled without any heap allocation
 
@@ -261,7 +328,8 @@ LEASE_ABORT = _ABORT
 
 def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
              write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK,
-             pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1) -> int:
+             pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1,
+             int mem_fd=-1) -> int:
     """Copy runs between this process's regions and another process's memory.
 
     For ``k in range(len(local))``, for ``j in range(len(length))``::
@@ -297,6 +365,12 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         The lease this copy runs under: between system calls, a slot or link state of at least
         :data:`LEASE_ABORT` (the owner gave up waiting) stops it (``ConnectionAbortedError``; the
         destination holds a prefix).
+    mem_fd : int, keyword-only
+        The peer's ``/proc/<pid>/mem`` opened by :func:`mem_open` (the same-host data path always
+        passes it): the copy is ``pread`` / ``pwrite`` on it, which reach the address space the
+        file was opened on and no other, even if ``pid`` is reused meanwhile, and never wait on a
+        page the peer froze with a userfaultfd (EFAULT at once).  Negative: ``process_vm_readv``
+        / ``writev`` on ``pid`` (identity by pid number only: the benchmarks' baseline).
 
     Returns
     -------
@@ -310,7 +384,7 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
     PermissionError
         EPERM: the kernel refuses access to the peer (ptrace rules, e.g. Yama).
     ProcessLookupError
-        ESRCH: the peer process does not exist.
+        ESRCH: the peer process does not exist (with ``mem_fd``: its address space is gone).
     OSError
         EFAULT (a remote range is not mapped, or was unmapped), ENOMEM, ...: ``errno`` set.
     TimeoutError
@@ -331,6 +405,7 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         raise ValueError("pvm_copy: chunk must be >= 4096 bytes")
     cdef _Job job
     job.pid = cpid
+    job.mem_fd = mem_fd
     job.write = bool(write)
     job.K = K
     job.J = J
@@ -395,7 +470,10 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
                 if cfd >= 0 and _pidfd_exited(cfd):
                     gone_before = True
                 else:
-                    _run(&job)
+                    if job.mem_fd >= 0:
+                        _run_mem(&job)
+                    else:
+                        _run(&job)
                     if cfd >= 0 and _pidfd_exited(cfd):
                         gone_after = True
     finally:
@@ -407,8 +485,12 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         raise ProcessLookupError(ESRCH, f"pvm_copy: process {pid} exited "
                                  f"({'before' if gone_before else 'during'} the copy, after "
                                  f"{job.done} bytes)")
+    if job.err == ESRCH:
+        raise ProcessLookupError(ESRCH, f"pvm_copy: the address space of process {pid} is gone "
+                                 f"(it exited or exec'd) after {job.done} bytes")
     if job.err:
-        raise OSError(job.err, f"{'process_vm_writev' if write else 'process_vm_readv'}(pid {pid}): "
+        raise OSError(job.err, f"{'write' if write else 'read'} of process {pid}"
+                      f"{' (/proc/pid/mem)' if mem_fd >= 0 else ''}: "
                       f"{strerror(job.err).decode(errors='replace')} after {job.done} bytes")
     if job.timed_out:
         raise TimeoutError(f"pvm_copy: {timeout_ms} ms passed after {job.done} bytes")
@@ -487,6 +569,44 @@ def pidfd_alive(fd: int) -> bool:
     with nogil:
         gone = _pidfd_exited(cfd)
     return not gone
+
+
+def mem_open(pid: int, pidfd: int) -> int:
+    """Open ``/proc/<pid>/mem`` read-write for :func:`pvm_copy`'s ``mem_fd``, proven to be the
+    memory of the process that pidfd ``pidfd`` holds: the file is bound to the address space of
+    the process ``pid`` named at ``open`` time, and the pidfd is checked *after* the open (a
+    process that has not exited still holds its pid, so the open found that very process).
+    The caller owns the fd (``os.close``).
+
+    Raises
+    ------
+    ProcessLookupError
+        The process exited (before or during the open).
+    PermissionError
+        The kernel refuses ptrace access to it (``PTRACE_MODE_ATTACH``).
+    OSError
+        Any other failure of ``open``.
+    """
+    if pid <= 0 or pid > 0x7FFFFFFF:
+        raise ValueError(f"mem_open: invalid pid {pid}")
+    if pidfd < 0:
+        raise ValueError("mem_open: a pidfd of the process is required")
+    cdef char path[64]
+    cdef int fd, err = 0, cpidfd = pidfd
+    cdef bint gone = False
+    snprintf(path, 64, "/proc/%d/mem", <int>pid)
+    with nogil:
+        fd = c_open(path, O_RDWR | O_CLOEXEC)
+        if fd < 0:
+            err = errno
+        elif _pidfd_exited(cpidfd):
+            c_close(fd)
+            gone = True
+    if gone or err == ENOENT:
+        raise ProcessLookupError(ESRCH, f"mem_open: process {pid} exited")
+    if fd < 0:
+        raise OSError(err, f"open(/proc/{pid}/mem): {strerror(err).decode(errors='replace')}")
+    return fd
 
 
 def peer_cred(fd: int) -> tuple[int, int, int]:
