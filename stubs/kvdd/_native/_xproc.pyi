@@ -28,6 +28,15 @@ def pvm_copy(
     mem_fd: int = -1,
 ) -> int: ...
 def pvm_read_bytes(pid: int, addr: int, nbytes: int) -> bytes: ...
+def mem_bench_runs(
+    fd: int,
+    local: Region,
+    remote: int,
+    local_off: np.ndarray,
+    remote_off: np.ndarray,
+    length: np.ndarray,
+    write: bool,
+) -> int: ...
 def pvm_bench(pid: int, local: Region, remote: int, nbytes: int, write: bool) -> int: ...
 def pvm_bench_runs(
     pid: int,
