@@ -162,9 +162,6 @@ cdef int _gather(object arr, int64_t *out, Py_ssize_t n, str what) except -1:
 cdef enum:
     _ABORT = 4  # LEASE_ABORT: a state word at least this stops a running copy between calls
 
-cdef class LeaseTable
-
-
 cdef struct _Job:
     pid_t pid
     int mem_fd            # /proc/<pid>/mem of the attested peer (names its memory), or -1
@@ -629,3 +626,4 @@ def peer_cred(fd: int) -> tuple[int, int, int]:
 
 
 include "_xproc_leases.pxi"
+include "_xproc_mover.pxi"

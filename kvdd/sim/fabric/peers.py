@@ -142,6 +142,19 @@ class RemotePeer:
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
 
+    def one_sided(self) -> object | None:
+        """The compiled copy of the link's one-sided data path (``_xproc.SameHostMover``, for
+        kvdd.sim._fastpath) while :meth:`acquire` would go to that path, else None."""
+        path = self._path
+        if path is None or self._closed or self._chan.peer_finalized:
+            return None
+        mover = getattr(path, "one_sided_mover", None)
+        return None if mover is None else mover()
+
+    def tensor_addrs(self, cache_id: int) -> tuple[int, ...]:
+        """The peer's tensor addresses of ``cache_id`` as its hello announced them (``()``)."""
+        return self._addrs.get(cache_id, ())
+
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         if self._closed:  # a local unlink won the race for the link (§10 rule 5)
             return NOT_YET_LINK, None

@@ -73,6 +73,11 @@ class SameHostPath:
             self.name = "tcp"
         return got
 
+    def one_sided_mover(self) -> object | None:
+        """The compiled copy of the active path (``_xproc.SameHostMover``), or None (TCP)."""
+        reader = self._reader
+        return reader.mover if reader is not None and reader.usable else None
+
     def release(self, lease: object) -> None:
         assert self._reader is not None and isinstance(lease, OneSidedLease)
         self._reader.release(lease)

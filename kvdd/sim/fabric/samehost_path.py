@@ -267,6 +267,26 @@ class OneSidedPeer:
         self._lock = threading.Lock()
         self._copies = 0  # copies using mem_fd now: close() leaves the fds to the last one
         self._closing = False
+        #: The compiled copy of kvdd.sim._fastpath (the same lease protocol, from C).
+        self.mover = _xproc.SameHostMover(self, self.table, self._slot, self.mem_fd, link.pidfd,
+                                          link.peer_pid, MAX_LEASE_MS, PVM_CHUNK)
+
+    def begin_copy(self) -> bool:
+        """Count one copy that uses the link's fds (False once closed: copy nothing)."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._copies += 1
+            return True
+
+    def end_copy(self) -> None:
+        """The copy counted by :meth:`begin_copy` is over (the last one after close closes the
+        fds)."""
+        with self._lock:
+            self._copies -= 1
+            last = self._closing and self._copies == 0
+        if last:
+            self.link.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, OneSidedLease | None] | None:
@@ -299,10 +319,8 @@ class OneSidedPeer:
         if left_ms <= 0:
             return TIMEOUT
         addrs = lease.addrs
-        with self._lock:
-            if self._closing:  # closed: never copy without the attested address space held
-                return TIMEOUT
-            self._copies += 1  # the fds stay open (their numbers not reused) until we are done
+        if not self.begin_copy():  # closed: never copy without the attested address space held
+            return TIMEOUT
         try:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
@@ -324,11 +342,7 @@ class OneSidedPeer:
         except OSError:  # EFAULT: the owner freed (or froze) registered memory
             return TIMEOUT if not self.link.alive() else Status.LLM_FAILED
         finally:
-            with self._lock:
-                self._copies -= 1
-                last = self._closing and self._copies == 0
-            if last:
-                self.link.close()
+            self.end_copy()  # the fds stay open (their numbers not reused) until here
         return S_OK
 
     def close(self) -> None:

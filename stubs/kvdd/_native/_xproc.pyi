@@ -73,3 +73,17 @@ class LeaseTable:
     def load(self, slot: int, word: int) -> int: ...
     def store(self, slot: int, word: int, value: int) -> None: ...
     def wait_idle(self, slot: int | None, timeout_ms: int, pidfd: int = -1) -> int: ...
+
+class SameHostMover:
+    moved: int
+    def __init__(
+        self,
+        reader: object,
+        table: LeaseTable,
+        slot_of: dict[int, int],
+        mem_fd: int,
+        pidfd: int,
+        pid: int,
+        max_lease_ms: int,
+        chunk: int,
+    ) -> None: ...
