@@ -23,6 +23,8 @@ cdef class SameHostMover:
     cdef int64_t max_lease_ms
     cdef uint64_t chunk
     cdef readonly uint64_t moved
+    cdef Py_ssize_t copies        # copies using the fds now (the GIL guards it)
+    cdef bint closing
 
     cdef int move(self, object rc, object addrs, RegionTable lt, bint pull, Py_ssize_t l_first,
                   Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off, const int64_t *r_off,

@@ -20,8 +20,8 @@ cdef class SameHostMover:
     Parameters
     ----------
     reader : OneSidedPeer
-        Its ``usable`` flag is honoured and its ``begin_copy`` / ``end_copy`` keep the fds open
-        while a copy runs.
+        Its ``usable`` flag is honoured; its copies count here too (:meth:`begin`, :meth:`end`,
+        :meth:`close`: all under the GIL), so the link's fds stay open while any copy runs.
     table : LeaseTable
         The owner's lease table as the reader mapped it (kept mapped by this object).
     slot_of : dict[int, int]
@@ -49,6 +49,27 @@ cdef class SameHostMover:
         self.max_lease_ms = max_lease_ms
         self.chunk = chunk
         self.moved = 0
+        self.copies = 0
+        self.closing = False
+
+    def begin(self) -> bool:
+        """Count one copy that uses the link's fds (False once closed: copy nothing)."""
+        if self.closing:
+            return False
+        self.copies += 1
+        return True
+
+    def end(self) -> bool:
+        """The copy counted by :meth:`begin` is over; True when the caller must now close the
+        link's fds (closed meanwhile, and this was the last copy)."""
+        self.copies -= 1
+        return self.closing and self.copies == 0
+
+    def close(self) -> bool:
+        """No new copy; True when none runs (the caller closes the fds now), False when the last
+        running copy will (the compiled one closes ``reader.link`` itself)."""
+        self.closing = True
+        return self.copies == 0
 
     cdef int move(self, object rc, object addrs, RegionTable lt, bint pull, Py_ssize_t l_first,
                   Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off, const int64_t *r_off,
@@ -119,10 +140,9 @@ cdef class SameHostMover:
         cdef uint64_t *s = self.table._slot(slot)
         job.abort_word = s + _S_STATE
         job.abort_link = self.table.base + _H_STATE
-        cdef int pidfd = self.pidfd
-        cdef bint gone = False
-        if not self.reader.begin_copy():  # closed: the fds are no longer ours
+        if self.closing:  # closed: the fds are no longer ours
             return _DECLINED
+        self.copies += 1  # the fds stay open (their numbers not reused) until the copy ends
         try:
             if not lt.take():  # the local lease (CacheEntry.acquire)
                 return _DECLINED
@@ -136,20 +156,17 @@ cdef class SameHostMover:
                     if wait_ms > self.max_lease_ms:
                         wait_ms = self.max_lease_ms  # the owner waits no longer
                     job.deadline = _now_ns() + wait_ms * 1000000
-                    with nogil:
-                        if _pidfd_exited(pidfd):
-                            gone = True
-                        else:
-                            _run_mem(&job)
-                            if _pidfd_exited(pidfd):
-                                gone = True
+                    with nogil:  # (no pidfd check: the file names the attested address space)
+                        _run_mem(&job)
                 finally:
                     kvdd_sub(&s[_S_INFLIGHT], 1)  # LeaseTable.leave
             finally:
                 lt.give()
         finally:
-            self.reader.end_copy()
-        if gone or job.timed_out or job.aborted or job.err == ESRCH:
+            self.copies -= 1
+            if self.closing and self.copies == 0:
+                self.reader.link.close()  # the reader closed meanwhile: the last copy closes
+        if job.timed_out or job.aborted or job.err == ESRCH:
             return _TIMED_OUT
         if job.err:
             return _FAILED

@@ -264,28 +264,19 @@ class OneSidedPeer:
         self.link = link
         self.mem_fd = link.open_memory()  # the attested address space (closed with the link)
         self.usable = True  # False after EPERM (ptrace rules) or close: TCP from then on
-        self._lock = threading.Lock()
-        self._copies = 0  # copies using mem_fd now: close() leaves the fds to the last one
-        self._closing = False
-        #: The compiled copy of kvdd.sim._fastpath (the same lease protocol, from C).
+        #: The compiled copy of kvdd.sim._fastpath (the same lease protocol, from C); it also
+        #: counts this reader's copies, so that close() leaves the fds to the last one.
         self.mover = _xproc.SameHostMover(self, self.table, self._slot, self.mem_fd, link.pidfd,
                                           link.peer_pid, MAX_LEASE_MS, PVM_CHUNK)
 
     def begin_copy(self) -> bool:
         """Count one copy that uses the link's fds (False once closed: copy nothing)."""
-        with self._lock:
-            if self._closing:
-                return False
-            self._copies += 1
-            return True
+        return bool(self.mover.begin())
 
     def end_copy(self) -> None:
         """The copy counted by :meth:`begin_copy` is over (the last one after close closes the
         fds)."""
-        with self._lock:
-            self._copies -= 1
-            last = self._closing and self._copies == 0
-        if last:
+        if self.mover.end():
             self.link.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
@@ -349,8 +340,5 @@ class OneSidedPeer:
         """Stop using the path and drop the peer's pidfd and memory: at once, or when the last
         copy running now ends (the mapping goes with the last reference)."""
         self.usable = False
-        with self._lock:
-            self._closing = True
-            last = self._copies == 0
-        if last:
+        if self.mover.close():
             self.link.close()
