@@ -129,3 +129,24 @@ def test_nothing_moves_after_removal_returns(removal: str, write: bool) -> None:
         p.wait()
         served.close()
         os.close(fd)
+
+
+def test_closing_the_link_path_revokes_the_table_it_serves() -> None:
+    """Unlink of this side closes the link's data path, and with it the table through which the
+    peer reads our caches: no copy of the peer's starts after that (a peer that keeps its own
+    entity, e.g. after a force unlink here, is refused one-sided access)."""
+    from kvdd.sim.fabric.samehost_link import SameHostPath
+    entry = _Entry(3)
+    served = ServedTable({3: entry})  # type: ignore[dict-item]
+    fd, _slots = served.take_fd()
+    try:
+        path = SameHostPath()
+        path.serve(served)
+        assert served.table.state(-1) == 0 and not served.closed
+        path.close()
+        assert served.table.state(-1) == STATE_CLOSED and served.closed
+        late = ServedTable({3: _Entry(3)})
+        path.serve(late)  # served after the close: closed at once
+        assert late.table.state(-1) == STATE_CLOSED  # (its fd closed with it)
+    finally:
+        os.close(fd)
