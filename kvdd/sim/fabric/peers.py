@@ -132,6 +132,7 @@ class RemotePeer:
         self._snapshot = snapshot
         self._addrs = addrs
         self._path = path
+        self._mover_of = getattr(path, "one_sided_mover", None)  # (see one_sided)
         self._closed = False
 
     @property
@@ -145,11 +146,10 @@ class RemotePeer:
     def one_sided(self) -> object | None:
         """The compiled copy of the link's one-sided data path (``_xproc.SameHostMover``, for
         kvdd.sim._fastpath) while :meth:`acquire` would go to that path, else None."""
-        path = self._path
-        if path is None or self._closed or self._chan.peer_finalized:
+        mover_of = self._mover_of
+        if mover_of is None or self._closed or self._chan.peer_finalized:
             return None
-        mover = getattr(path, "one_sided_mover", None)
-        return None if mover is None else mover()
+        return mover_of()  # type: ignore[no-any-return]
 
     def tensor_addrs(self, cache_id: int) -> tuple[int, ...]:
         """The peer's tensor addresses of ``cache_id`` as its hello announced them (``()``)."""
