@@ -120,16 +120,20 @@ def first_inaccessible(addrs: Sequence[int], nbytes: int) -> int:
     fd = _maps()
     if fd is not None:
         known: list[tuple[int, int]] = []
-        seen: set[int] = set()
+        lo = hi = 0  # the last readable+writable span found: most tensors lie in it
         try:
             for i, addr in enumerate(addrs):
-                if addr in seen:
+                end = addr + nbytes
+                if lo <= addr and end <= hi and addr > 0 and nbytes > 0:
                     continue
-                if nbytes <= 0 or addr <= 0 or addr + nbytes > 2**64:
+                if nbytes <= 0 or addr <= 0 or end > 2**64:
                     return i
-                if not _covered_rw(fd, addr, addr + nbytes, known):
+                if not _covered_rw(fd, addr, end, known):
                     return i
-                seen.add(addr)
+                if known:
+                    lo, hi = known[-1]
+                    if not lo <= addr:  # the range spans several VMAs: keep checking each
+                        lo = hi = 0
             return -1
         except OSError:
             pass  # fall back to the whole map
