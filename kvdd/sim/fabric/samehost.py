@@ -224,7 +224,7 @@ def availability() -> tuple[bool, str]:
         return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between unrelated "
                        "processes (kvdd does not grant ptrace with PR_SET_PTRACER): same-host "
                        "links use TCP")
-    return True, ("process_vm_readv/writev between processes of uid "
+    return True, (f"one-sided copies through /proc/<pid>/mem between processes of uid "
                   f"{os.getuid()} on this boot, identity by SCM_PIDFD of the proof message")
 
 
