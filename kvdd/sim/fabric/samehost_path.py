@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+from collections import Counter
 import os
 import threading
 import time
@@ -260,7 +261,8 @@ class OneSidedPeer:
         if self.table.header()[:2] != (_xproc.LEASE_MAGIC, slots):
             raise SameHostRefused("the peer's lease table has a bad header")
         labels = [self.table.load(i, 2) for i in range(slots)]
-        self._slot = {cid: i for i, cid in enumerate(labels) if cid and labels.count(cid) == 1}
+        twice = {cid for cid, n in Counter(labels).items() if n > 1}
+        self._slot = {cid: i for i, cid in enumerate(labels) if cid and cid not in twice}
         self.link = link
         self.mem_fd = link.open_memory()  # the attested address space (closed with the link)
         self.usable = True  # False after EPERM (ptrace rules) or close: TCP from then on
