@@ -1,4 +1,4 @@
-"""The review's frozen-page attack, facade to facade: a linked peer process freezes the pages of a
+"""The frozen-page attack, facade to facade: a linked peer process freezes the pages of a
 cache it registered (a userfaultfd it never answers).  An honest pull or push of that cache with
 ``llm.SyncKvCacheWaitTime`` 2000 ms returns within 2.1 s (before: 18.1 s, when the attacker chose),
 an unlink and a pull of another cache issued meanwhile are not held, and nothing outside the
