@@ -205,7 +205,8 @@ def test_targets_only(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- the cross-process section ------------------------------------------------------------------
 
 XP_KEYS = {"path", "data_path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps",
-           "pvm_iov_gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy",
+           "pvm_iov_gbps", "mem_gbps", "mem_iov_gbps", "vs_mem", "vs_mem_iov",
+           "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy",
            "vs_memcpy_2t", "vs_socket", "limit", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb",
            "peer_cpu_s_per_gb", "samples", "verified"}
 XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks"): 8 * 64 * KiB,
@@ -214,7 +215,8 @@ XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks")
 LAT_KEYS = {"path", "data_path", "kind", "bytes", "median_us", "p99_us", "calls", "verified",
             "in_process_median_us", "in_process_p99_us", "vs_in_process_median", "vs_in_process_p99",
             "in_process_python_median_us", "in_process_python_p99_us", "vs_in_process_python_median",
-            "vs_in_process_python_p99", "socket_rr_median_us", "socket_rr_p99_us", "vs_socket_rr_median", "vs_socket_rr_p99"}
+            "vs_in_process_python_p99", "socket_rr_median_us", "socket_rr_p99_us", "vs_socket_rr_median", "vs_socket_rr_p99",
+            "pvm_ctypes_median_us", "pvm_ctypes_p99_us", "vs_pvm_ctypes_median", "vs_pvm_ctypes_p99"}
 
 
 def test_cross_process_rows(doc: dict[str, Any]) -> None:
@@ -240,7 +242,8 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
         limit = "socket" if r["path"] == "tcp" else "pvm" if r["kind"] == "pull_row" else "pvm_iov"
         assert r["limit"] == limit, key
         assert r["min_ms"] <= r["median_ms"]
-        measured = ["min_ms", "median_ms", "gbps", "pvm_gbps", "memcpy_1t_gbps", "memcpy_2t_gbps", "vs_pvm",
+        measured = ["min_ms", "median_ms", "gbps", "pvm_gbps", "mem_gbps", "vs_mem", "memcpy_1t_gbps",
+                    "memcpy_2t_gbps", "vs_pvm",
                     "vs_memcpy", "vs_memcpy_2t", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb"]
         if r["data_path"] == "tcp":  # the owner's CPU serves TCP; the one-sided path needs none of it
             measured.append("peer_cpu_s_per_gb")
@@ -251,9 +254,10 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
         else:
             assert r["socket_gbps"] is None and r["vs_socket"] is None, key
         if r["kind"] != "pull_row":  # the bare scattered process_vm of the same iovecs
-            measured += ["pvm_iov_gbps", "vs_pvm_iov"]
+            measured += ["pvm_iov_gbps", "vs_pvm_iov", "mem_iov_gbps", "vs_mem_iov"]
         else:
             assert r["pvm_iov_gbps"] is None and r["vs_pvm_iov"] is None, key
+            assert r["mem_iov_gbps"] is None and r["vs_mem_iov"] is None, key
         for k in measured:
             assert _positive(r[k]), (key, k, r[k])
         assert math.isclose(r["ratio"], r["vs_" + r["limit"]]), key
@@ -270,7 +274,7 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
         assert math.isclose(r["vs_in_process_median"], r["median_us"] / r["in_process_median_us"])
         assert math.isclose(r["vs_in_process_python_median"], r["median_us"] / r["in_process_python_median_us"])
     targets = xp["targets"]
-    assert len(targets) == 6
+    assert len(targets) == 10
     for t in targets:
         assert _positive(t["ratio"]) and isinstance(t["met"], bool), t
 

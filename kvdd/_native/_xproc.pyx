@@ -24,7 +24,7 @@ from it is ever used as an address.
 """
 
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from libc.errno cimport EFAULT, EINTR, ESRCH, errno
+from libc.errno cimport EFAULT, EINTR, EIO, ENOENT, ESRCH, errno
 from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -40,6 +40,19 @@ cdef extern from "<sys/uio.h>" nogil:
                              const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
     ssize_t process_vm_writev(pid_t pid, const iovec *local_iov, unsigned long liovcnt,
                               const iovec *remote_iov, unsigned long riovcnt, unsigned long flags)
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t pread(int fd, void *buf, size_t count, long offset)
+    ssize_t pwrite(int fd, const void *buf, size_t count, long offset)
+    int c_close "close"(int fd)
+
+cdef extern from "<fcntl.h>" nogil:
+    int c_open "open"(const char *path, int flags)
+    enum: O_RDWR
+    enum: O_CLOEXEC
+
+cdef extern from "<stdio.h>" nogil:
+    int snprintf(char *s, size_t n, const char *fmt, ...)
 
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
@@ -149,11 +162,9 @@ cdef int _gather(object arr, int64_t *out, Py_ssize_t n, str what) except -1:
 cdef enum:
     _ABORT = 4  # LEASE_ABORT: a state word at least this stops a running copy between calls
 
-cdef class LeaseTable
-
-
 cdef struct _Job:
     pid_t pid
+    int mem_fd            # /proc/<pid>/mem of the attested peer (names its memory), or -1
     bint write
     Py_ssize_t K
     Py_ssize_t J
@@ -237,6 +248,59 @@ cdef void _run(_Job *job) noexcept nogil:
         job.timed_out = True
 
 
+cdef inline bint _stop(_Job *job) noexcept nogil:
+    """The deadline and the owner's abort, checked right before every system call."""
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True
+        return True
+    if job.abort_word != NULL and (kvdd_load(job.abort_word) >= _ABORT or
+                                   kvdd_load(job.abort_link) >= _ABORT):
+        job.aborted = True
+        return True
+    return False
+
+
+cdef void _run_mem(_Job *job) noexcept nogil:
+    """The runs with ``pread`` / ``pwrite`` on the peer's ``/proc/<pid>/mem`` (at most ``chunk``
+    bytes per system call).  The file names the peer's address space (its mm), not its pid: after
+    the peer exits or execs every call returns 0 (ESRCH here), whoever reuses the pid.  The kernel
+    copies page by page without waiting on a userfaultfd: a page the peer froze (or unmapped)
+    fails at once with EIO (EFAULT here)."""
+    cdef Py_ssize_t k, j
+    cdef int64_t pos, left, take
+    cdef ssize_t r
+    cdef uintptr_t la, ra
+    for k in range(job.K):
+        for j in range(job.J):
+            pos = 0
+            left = job.ln[j]
+            while left > 0:
+                if _stop(job):
+                    return
+                take = left
+                if <uint64_t>take > job.chunk:
+                    take = <int64_t>job.chunk
+                la = job.laddr[k] + <uintptr_t>(job.loff[j] + pos)
+                ra = job.raddr[k] + <uintptr_t>(job.roff[j] + pos)
+                if job.write:
+                    r = pwrite(job.mem_fd, <const void *>la, <size_t>take, <long>ra)
+                else:
+                    r = pread(job.mem_fd, <void *>la, <size_t>take, <long>ra)
+                if r < 0:
+                    if errno == EINTR:
+                        continue
+                    job.err = EFAULT if errno == EIO else errno
+                    return
+                if r == 0:
+                    job.err = ESRCH  # the address space is gone: the peer exited or exec'd
+                    return
+                job.done += <uint64_t>r
+                pos += r
+                left -= r
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True
+
+
 cdef enum:
     _SMALL = 16   # tensors / runs handled without any heap allocation
 
@@ -261,7 +325,8 @@ LEASE_ABORT = _ABORT
 
 def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
              write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK,
-             pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1) -> int:
+             pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1,
+             int mem_fd=-1) -> int:
     """Copy runs between this process's regions and another process's memory.
 
     For ``k in range(len(local))``, for ``j in range(len(length))``::
@@ -297,6 +362,12 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         The lease this copy runs under: between system calls, a slot or link state of at least
         :data:`LEASE_ABORT` (the owner gave up waiting) stops it (``ConnectionAbortedError``; the
         destination holds a prefix).
+    mem_fd : int, keyword-only
+        The peer's ``/proc/<pid>/mem`` opened by :func:`mem_open` (the same-host data path always
+        passes it): the copy is ``pread`` / ``pwrite`` on it, which reach the address space the
+        file was opened on and no other, even if ``pid`` is reused meanwhile, and never wait on a
+        page the peer froze with a userfaultfd (EFAULT at once).  Negative: ``process_vm_readv``
+        / ``writev`` on ``pid`` (identity by pid number only: the benchmarks' baseline).
 
     Returns
     -------
@@ -310,7 +381,7 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
     PermissionError
         EPERM: the kernel refuses access to the peer (ptrace rules, e.g. Yama).
     ProcessLookupError
-        ESRCH: the peer process does not exist.
+        ESRCH: the peer process does not exist (with ``mem_fd``: its address space is gone).
     OSError
         EFAULT (a remote range is not mapped, or was unmapped), ENOMEM, ...: ``errno`` set.
     TimeoutError
@@ -331,6 +402,7 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         raise ValueError("pvm_copy: chunk must be >= 4096 bytes")
     cdef _Job job
     job.pid = cpid
+    job.mem_fd = mem_fd
     job.write = bool(write)
     job.K = K
     job.J = J
@@ -395,7 +467,10 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
                 if cfd >= 0 and _pidfd_exited(cfd):
                     gone_before = True
                 else:
-                    _run(&job)
+                    if job.mem_fd >= 0:
+                        _run_mem(&job)
+                    else:
+                        _run(&job)
                     if cfd >= 0 and _pidfd_exited(cfd):
                         gone_after = True
     finally:
@@ -407,8 +482,12 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         raise ProcessLookupError(ESRCH, f"pvm_copy: process {pid} exited "
                                  f"({'before' if gone_before else 'during'} the copy, after "
                                  f"{job.done} bytes)")
+    if job.err == ESRCH:
+        raise ProcessLookupError(ESRCH, f"pvm_copy: the address space of process {pid} is gone "
+                                 f"(it exited or exec'd) after {job.done} bytes")
     if job.err:
-        raise OSError(job.err, f"{'process_vm_writev' if write else 'process_vm_readv'}(pid {pid}): "
+        raise OSError(job.err, f"{'write' if write else 'read'} of process {pid}"
+                      f"{' (/proc/pid/mem)' if mem_fd >= 0 else ''}: "
                       f"{strerror(job.err).decode(errors='replace')} after {job.done} bytes")
     if job.timed_out:
         raise TimeoutError(f"pvm_copy: {timeout_ms} ms passed after {job.done} bytes")
@@ -450,62 +529,6 @@ def pvm_read_bytes(pid: int, addr: int, nbytes: int) -> bytes:
 include "_xproc_bench.pxi"
 
 
-# ---- process identity ------------------------------------------------------------------------------
-
-
-def pidfd_open(pid: int) -> int:
-    """``pidfd_open(pid, 0)``: a file descriptor that refers to this very process (not to whatever
-    later reuses the pid).  The caller owns it (``os.close``).
-
-    Raises
-    ------
-    ProcessLookupError
-        ESRCH: no such process.
-    OSError
-        ENOSYS (kernel < 5.3), EMFILE, ...
-    """
-    if pid <= 0 or pid > 0x7FFFFFFF:
-        raise ValueError(f"pidfd_open: invalid pid {pid}")
-    cdef long fd
-    cdef int err = 0, cpid = pid
-    with nogil:
-        fd = kvdd_pidfd_open(cpid)
-        if fd < 0:
-            err = errno
-    if fd < 0:
-        raise OSError(err, f"pidfd_open({pid}): {strerror(err).decode(errors='replace')}")
-    return fd
-
-
-def pidfd_alive(fd: int) -> bool:
-    """True while the process behind pidfd ``fd`` has not exited (``poll`` for POLLIN, 0 ms).
-    A zombie counts as exited.  False as well for an fd that is not a pidfd."""
-    if fd < 0:
-        raise ValueError("pidfd_alive: negative fd")
-    cdef int cfd = fd
-    cdef bint gone
-    with nogil:
-        gone = _pidfd_exited(cfd)
-    return not gone
-
-
-def peer_cred(fd: int) -> tuple[int, int, int]:
-    """``SO_PEERCRED`` of a connected AF_UNIX socket: ``(pid, uid, gid)`` of the process at the
-    other end, as the kernel recorded it at ``connect`` / ``listen`` time.
-
-    Raises OSError (ENOTCONN, ENOTSOCK, ...)."""
-    cdef kvdd_ucred cred
-    cdef unsigned int n = sizeof(cred)
-    cdef int cfd = fd, r, err = 0
-    with nogil:
-        r = getsockopt(cfd, SOL_SOCKET, SO_PEERCRED, &cred, &n)
-        if r < 0:
-            err = errno
-    if r < 0:
-        raise OSError(err, f"SO_PEERCRED: {strerror(err).decode(errors='replace')}")
-    if n != sizeof(cred):
-        raise OSError(EFAULT, "SO_PEERCRED: short answer")
-    return cred.pid, cred.uid, cred.gid
-
-
+include "_xproc_identity.pxi"
 include "_xproc_leases.pxi"
+include "_xproc_mover.pxi"

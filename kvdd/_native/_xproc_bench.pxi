@@ -103,3 +103,58 @@ def pvm_bench_runs(pid: int, local not None, remote: int, local_off, remote_off,
     if err:
         raise OSError(err, f"pvm_bench_runs(pid {pid}): {strerror(err).decode(errors='replace')}")
     return done
+
+
+def mem_bench_runs(int fd, local not None, remote: int, local_off, remote_off, length,
+                   write: bool) -> int:
+    """The bare mechanism of the data path: ``pread`` / ``pwrite`` on an open
+    ``/proc/<pid>/mem`` (``fd``), one system call per run ``local.addr + local_off[j]`` <->
+    ``remote + remote_off[j]`` (``length[j]`` bytes), GIL released, no checks of the remote side
+    (a benchmark limit).  Returns the bytes moved; raises OSError on failure."""
+    if type(local) is not Region:
+        raise TypeError("mem_bench_runs: local must be a Region")
+    cdef Py_ssize_t J = len(length), j
+    cdef int64_t *runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
+    if runs == NULL:
+        raise MemoryError()
+    cdef uintptr_t la = local.addr, ra = remote
+    cdef int64_t lsize = local.nbytes, pos, left
+    cdef ssize_t got = 0
+    cdef size_t done = 0
+    cdef int err = 0
+    cdef bint w = bool(write)
+    try:
+        _gather(local_off, runs, J, "local_off")
+        _gather(remote_off, runs + J, J, "remote_off")
+        _gather(length, runs + 2 * J, J, "length")
+        for j in range(J):
+            if runs[2 * J + j] < 0 or runs[j] < 0 or runs[j] + runs[2 * J + j] > lsize:
+                raise ValueError(f"mem_bench_runs: run {j} is outside the local region")
+        with nogil:
+            for j in range(J):
+                pos = 0
+                left = runs[2 * J + j]
+                while left > 0 and err == 0:
+                    if w:
+                        got = pwrite(fd, <const void *>(la + <uintptr_t>(runs[j] + pos)),
+                                     <size_t>left, <long>(ra + <uintptr_t>(runs[J + j] + pos)))
+                    else:
+                        got = pread(fd, <void *>(la + <uintptr_t>(runs[j] + pos)), <size_t>left,
+                                    <long>(ra + <uintptr_t>(runs[J + j] + pos)))
+                    if got < 0:
+                        if errno == EINTR:
+                            continue
+                        err = errno
+                    elif got == 0:
+                        err = ESRCH
+                    else:
+                        done += <size_t>got
+                        pos += got
+                        left -= got
+                if err:
+                    break
+    finally:
+        PyMem_RawFree(runs)
+    if err:
+        raise OSError(err, f"mem_bench_runs: {strerror(err).decode(errors='replace')}")
+    return done

@@ -50,10 +50,6 @@ cdef class LeaseTable:
         True for the owner creating the table: writes the header and zeroes the slots.
     """
 
-    cdef uint64_t *base
-    cdef size_t size
-    cdef readonly Py_ssize_t slots
-
     def __cinit__(self, int fd, Py_ssize_t slots, bint init=False):
         self.base = NULL
         if slots < 0 or slots > _MAX_SLOTS:
@@ -87,7 +83,7 @@ cdef class LeaseTable:
             munmap(self.base, self.size)
             self.base = NULL
 
-    cdef inline uint64_t *_slot(self, Py_ssize_t slot) except NULL:
+    cdef uint64_t *_slot(self, Py_ssize_t slot) except NULL:
         if self.base == NULL:
             raise ValueError("LeaseTable is closed")
         if slot < 0 or slot >= self.slots:

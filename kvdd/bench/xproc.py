@@ -265,11 +265,15 @@ def _xp_row(path: str, kind: str, nbytes: int, run_bytes: int, res: dict[str, Ti
         "gbps": gbps(nbytes, tr["min_s"]),
         "pvm_gbps": rate("pvm"),
         "pvm_iov_gbps": rate("pvm_iov"),
+        "mem_gbps": rate("mem"),
+        "mem_iov_gbps": rate("mem_iov"),
         "memcpy_1t_gbps": rate("memcpy_1t"),
         "memcpy_2t_gbps": rate("memcpy_2t"),
         "socket_gbps": rate("socket"),
         "vs_pvm": ratio("pvm", "min_s"),
         "vs_pvm_iov": ratio("pvm_iov", "min_s"),
+        "vs_mem": ratio("mem", "min_s"),
+        "vs_mem_iov": ratio("mem_iov", "min_s"),
         "vs_memcpy": ratio("memcpy_1t", "min_s"),
         "vs_memcpy_2t": ratio("memcpy_2t", "min_s"),
         "vs_socket": ratio("socket", "min_s"),
@@ -290,13 +294,41 @@ def _latency_row(path: str, data_path: str, res: Mapping[str, Mapping[str, float
     row: Row = {"path": path, "data_path": data_path, "kind": f"pull_{XP_SMALL}B", "bytes": XP_SMALL,
                 "median_us": tr["median_us"], "p99_us": tr["p99_us"], "calls": int(tr["calls"]),
                 "verified": verified}
-    for ref in ("in_process", "in_process_python", "socket_rr"):
+    for ref in ("in_process", "in_process_python", "socket_rr", "pvm_ctypes"):
         r = res[ref]
         row[f"{ref}_median_us"] = r["median_us"]
         row[f"{ref}_p99_us"] = r["p99_us"]
         row[f"vs_{ref}_median"] = tr["median_us"] / r["median_us"]
         row[f"vs_{ref}_p99"] = tr["p99_us"] / r["p99_us"]
     return row
+
+
+def _pvm_ctypes(pid: int, local: np.ndarray, remote: int) -> Callable[[], object]:
+    """A bare 64-byte ``process_vm_readv`` called from Python through ctypes (the small-call
+    reference: what any Python caller of the system call pays)."""
+    import ctypes
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                   ctypes.c_ulong]
+    liov = IoVec(int(local.ctypes.data), XP_SMALL)
+    riov = IoVec(remote, XP_SMALL)
+    return _Bound(fn, (pid, ctypes.addressof(liov), 1, ctypes.addressof(riov), 1, 0), (liov, riov))
+
+
+class _Bound:
+    """A ctypes call with fixed arguments that keeps the memory they point to alive."""
+
+    def __init__(self, fn: Callable[..., object], args: tuple[object, ...], keep: object) -> None:
+        self.fn, self.args, self.keep = fn, args, keep
+
+    def __call__(self) -> object:
+        return self.fn(*self.args)
 
 
 @contextmanager
@@ -405,6 +437,8 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                 raw = _RawSocket(peer.raw_port)
                 stack.callback(raw.close)
                 meter = CpuMeter(peer.pid)
+                mem_fd = os.open(f"/proc/{peer.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+                stack.callback(os.close, mem_fd)
 
                 # small calls: a 64-byte pull from the peer process vs the same pull from an instance in
                 # this process and vs a raw blocking 64-byte request/response over loopback
@@ -418,16 +452,26 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                                "in_process": functools.partial(dd.pull_kv_cache, ref_idx, small_cache, 0,
                                                                XP_SMALL, ext),
                                "in_process_python": python_pull,
-                               "socket_rr": functools.partial(raw.pull, small_mv, XP_SMALL)}, calls)
+                               "socket_rr": functools.partial(raw.pull, small_mv, XP_SMALL),
+                               "pvm_ctypes": _pvm_ctypes(peer.pid, small, peer.addr)}, calls)
                 lat_rows.append(_latency_row(path, data_path, lat, ok_small))
 
                 def limits(nbytes: int, write: bool, iov: bool) -> dict[str, Callable[[], object]]:
                     fns: dict[str, Callable[[], object]] = {}
                     fns["pvm"] = functools.partial(_xproc.pvm_bench, peer.pid, src_r if write else dst_r,
                                                    peer.addr, nbytes, write)
+                    lo, ro = (iov_remote, iov_local) if write else (iov_local, iov_remote)
                     if iov:  # the same scattered runs as the block transfer, one bare call
-                        lo, ro = (iov_remote, iov_local) if write else (iov_local, iov_remote)
                         fns["pvm_iov"] = functools.partial(_xproc.pvm_bench_runs, peer.pid,
+                                                           src_r if write else dst_r, peer.addr, lo, ro,
+                                                           iov_len, write)
+                    # the mechanism the data path uses: pread / pwrite on /proc/<pid>/mem
+                    whole = np.array([nbytes], np.int64)
+                    zero = np.array([0], np.int64)
+                    fns["mem"] = functools.partial(_xproc.mem_bench_runs, mem_fd, src_r if write else dst_r,
+                                                   peer.addr, zero, zero, whole, write)
+                    if iov:
+                        fns["mem_iov"] = functools.partial(_xproc.mem_bench_runs, mem_fd,
                                                            src_r if write else dst_r, peer.addr, lo, ro,
                                                            iov_len, write)
                     fns.update(memcpy_limits(dst_r, src_r, nbytes, pair))
@@ -472,7 +516,8 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
 
 
 XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps", "pvm_iov_gbps",
-              "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy", "vs_socket", "ratio_median", "cpu_s_per_gb",
+              "mem_gbps", "mem_iov_gbps", "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_mem", "vs_mem_iov",
+              "vs_memcpy", "vs_socket", "ratio_median", "cpu_s_per_gb",
               "own_cpu_s_per_gb", "peer_cpu_s_per_gb", "verified")
 
 

@@ -85,7 +85,8 @@ class CpuMeter:
 
 LAT_COLUMNS = ("path", "kind", "median_us", "p99_us", "in_process_median_us", "vs_in_process_median",
                "in_process_python_median_us", "in_process_python_p99_us", "vs_in_process_python_median",
-               "vs_in_process_python_p99", "socket_rr_median_us", "vs_socket_rr_median", "calls", "verified")
+               "vs_in_process_python_p99", "socket_rr_median_us", "vs_socket_rr_median", "pvm_ctypes_median_us",
+               "vs_pvm_ctypes_median", "calls", "verified")
 
 #: The cross-process targets: (path, table, kind, key, at least / at most, bound, what). The same-host
 #: latency targets measure what the fabric adds to a call: against the in-process pull through the
@@ -96,10 +97,18 @@ _TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
      "same-host 64 B pull median <= 2.5x the in-process pull (both through the engine's Python checks)"),
     ("process_vm", "latency", "pull_64B", "vs_in_process_python_p99", "max", 10.0,
      "same-host 64 B pull p99 <= 10x the in-process pull (both through the engine's Python checks)"),
+    ("process_vm", "latency", "pull_64B", "vs_pvm_ctypes_median", "max", 1.2,
+     "same-host 64 B pull median <= 1.2x a bare 64 B process_vm_readv from Python (ctypes)"),
+    ("process_vm", "latency", "pull_64B", "p99_us", "max", 10.0,
+     "same-host 64 B pull p99 <= 10 us"),
     ("process_vm", "rows", "pull_blocks", "vs_pvm_iov", "min", 0.95,
      "same-host block pull >= 0.95x bare process_vm_readv of the same iovecs"),
     ("process_vm", "rows", "pull_row", "vs_pvm", "min", 0.95,
      "same-host row pull >= 0.95x bare process_vm_readv"),
+    ("process_vm", "rows", "push_blocks", "vs_pvm_iov", "min", 0.95,
+     "same-host block push >= 0.95x bare process_vm_writev of the same iovecs"),
+    ("tcp", "rows", "pull_blocks", "vs_socket", "min", 0.9,
+     "TCP block pull >= 0.9x a raw loopback socket (64 KiB chunks)"),
     ("tcp", "rows", "pull_row", "vs_socket", "min", 0.9,
      "TCP row pull >= 0.9x a raw loopback socket (64 KiB chunks)"),
     ("tcp", "latency", "pull_64B", "vs_socket_rr_median", "max", 3.0,

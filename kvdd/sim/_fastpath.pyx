@@ -12,7 +12,9 @@ name the steps), that the link's peer is an instance of this process, that no fa
 is armed, and that DEBUG call records are off (:mod:`kvdd.calllog`: a dictionary lookup here; with
 them on, the facade records every call and runs it on the Python path). It then takes the same locks and leases as :func:`kvdd.sim.transfers.run` and copies
 through the region tables of both caches (:class:`kvdd._native._copy.RegionTable`), whose kernels
-check every run against every region again. Anything else, including every call that fails, it
+check every run against every region again. A peer in another process on this host whose link
+uses the one-sided same-host path is taken too: the same checks, then the link reader's lease,
+copy and release in C (:class:`kvdd._native._xproc.SameHostMover`, which checks every run again). Anything else, including every call that fails, it
 **declines** having done nothing, and the Python path runs: statuses, exceptions and their order
 come from the Python path alone. Whether a call is accepted never changes what it does; tests run
 random calls with this path on and off and compare statuses and bytes
@@ -32,9 +34,10 @@ from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint64_t
 
 from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_runs
+from kvdd._native._xproc cimport SameHostMover
 
 from kvdd.sim.checks import REQUEST_LIMIT
-from kvdd.sim.fabric.peers import InProcessPeer
+from kvdd.sim.fabric.peers import InProcessPeer, RemotePeer
 from kvdd.sim.faults import injections as _injections
 from kvdd.calllog import DEBUG, known_off
 from kvdd.types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
@@ -247,7 +250,12 @@ cdef class FastTransfers:
                     const int64_t *ln, Py_ssize_t J) except -1:
         """:func:`kvdd.sim.transfers.run` for an in-process peer (entity.lock held): the leases on
         both caches (their region tables' counts: what CacheEntry.acquire and InProcessPeer.acquire
-        take), then one copy between the tables; False (nothing moved) where run would refuse."""
+        take), then one copy between the tables; False (nothing moved) where run would refuse.
+        For a peer in another process on this host, the same through the link's one-sided path
+        (:class:`kvdd._native._xproc.SameHostMover`)."""
+        if type(entity.peer) is not InProcessPeer:
+            return self._move_one_sided(entity, local, rc, pull, l_first, r_first, K, l_off,
+                                        r_off, ln, J)
         if _injections.armed or entity.broken or entity.peer.closed:  # faults.on_transfer; rule 8
             return False
         cdef RegionTable lt = local.table, rt = rc.token.table
@@ -268,12 +276,44 @@ cdef class FastTransfers:
         self.taken += 1
         return True
 
+    cdef bint _move_one_sided(self, object entity, object local, object rc, bint pull,
+                              Py_ssize_t l_first, Py_ssize_t r_first, Py_ssize_t K,
+                              const int64_t *l_off, const int64_t *r_off, const int64_t *ln,
+                              Py_ssize_t J) except -1:
+        """:func:`kvdd.sim.transfers.run` for a peer reached by the same-host one-sided path
+        (entity.lock held): RemotePeer.acquire's checks, then the lease, copy and release of
+        OneSidedPeer in C.  A copy that timed out (or was aborted, or whose peer is gone) breaks
+        the link as run does, then declines: the Python path answers LLM_TIMEOUT at once; a copy
+        that failed otherwise declines and the Python path runs the call (and reports it)."""
+        if _injections.armed or entity.broken:  # faults.on_transfer; kvdd rule 8
+            return False
+        peer = entity.peer
+        mover = peer.one_sided()  # None: unlinked, the owner finalized, or TCP
+        if mover is None:
+            return False
+        cdef int r = (<SameHostMover>mover).move(rc, peer.tensor_addrs(rc.cache_id), local.table,
+                                                 pull, l_first, r_first, K, l_off, r_off, ln, J,
+                                                 self.backend.sync_wait_ms)
+        if r == 1:
+            self.taken += 1
+            return True
+        if r == -2:
+            entity.broken = True
+        return False
+
+    cdef bint _reachable(self, object entity) except -1:
+        """The link's peer is an instance of this process, or is served by the link's one-sided
+        same-host path."""
+        peer = entity.peer
+        return type(peer) is InProcessPeer or (type(peer) is RemotePeer and
+                                               peer.one_sided() is not None)
+
     cdef bint _in_process(self, object idx) except -1:
-        """Whether the link to ``idx.cluster_id`` reaches an instance of this process: checked
-        before a block list is read, so that a cross-process call does not parse its block list
-        twice (once here to decline)."""
+        """Whether the link to ``idx.cluster_id`` reaches an instance of this process (or one on
+        this host through the one-sided path): checked before a block list is read, so that a TCP
+        call does not parse its block list twice (once here to decline)."""
         entity = self.backend.entities.get(idx.cluster_id)
-        return entity is not None and type(entity.peer) is InProcessPeer
+        return entity is not None and self._reachable(entity)
 
     cdef object _pull_link(self, object idx, object dst_cache, const Ext *e, int64_t bi, Pull *p):
         """PullKvCache steps 4-8, 10, 11 (kvdd.sim.pulls._pull_common without 9) for local row
@@ -298,7 +338,7 @@ cdef class FastTransfers:
                     or (e.s1 - e.s0 + 1) * e.t != p.K):
                 return None
         entity = b.entities.get(cluster)  # 11
-        if entity is None or type(entity.peer) is not InProcessPeer or p.K <= 0:
+        if entity is None or not self._reachable(entity) or p.K <= 0:
             return None
         return local, entity
 
@@ -313,7 +353,7 @@ cdef class FastTransfers:
         if local is None:
             return None
         entity = b.entities.get(idx.cluster_id)  # b
-        if entity is None or type(entity.peer) is not InProcessPeer:
+        if entity is None or not self._reachable(entity):
             return None
         rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
         if rc is None:

@@ -251,13 +251,14 @@ r.release(lease); print(int(st), flush=True)
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to delay a system call")
 def test_unregister_waits_for_a_living_reader_in_a_delayed_copy() -> None:
-    """A reader whose process_vm_writev is delayed 1.5 s past its 300 ms deadline (strace): the
+    """A reader whose pwrite to the owner's memory is delayed 1.5 s past its 300 ms deadline
+    (strace): the
     owner's unregister returns only after the copy, and the reader reports LLM_TIMEOUT.  Before:
     unregister returned after 300 + 250 ms and the bytes landed after it."""
     arena = np.zeros(4096, np.uint8)
     entries, served, fd = _served((3,))
-    p = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=process_vm_writev",
-                          "-e", "inject=process_vm_writev:delay_enter=1500000",
+    p = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=pwrite64",
+                          "-e", "inject=pwrite64:delay_enter=1500000",
                           sys.executable, "-c", _READER, str(os.getpid()), str(fd),
                           str(int(arena.ctypes.data))],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=[fd])

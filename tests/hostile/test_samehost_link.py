@@ -144,9 +144,13 @@ def test_stopped_owner_is_still_read(own_world: World, own_proc: PeerProcess) ->
 
 
 class _SlowCopies:
-    """Make this process's one-sided copies sleep after their lease (slot) was entered."""
+    """Make this process's one-sided copies sleep after their lease (slot) was entered (through
+    the Python path: the compiled path, which does not call OneSidedPeer.move, is off)."""
 
     def __init__(self, seconds: float) -> None:
+        from kvdd.sim import _fastpath
+        self._fast = _fastpath
+        self._was = _fastpath.set_enabled(False)
         self.entered = threading.Event()
         self.finished: list[float] = []
         self._orig = orig = OneSidedPeer.move
@@ -166,6 +170,7 @@ class _SlowCopies:
 
     def __exit__(self, *exc: object) -> None:
         OneSidedPeer.move = self._orig  # type: ignore[method-assign]
+        self._fast.set_enabled(self._was)
 
 
 def test_owner_unregister_waits_for_a_one_sided_copy(world: World) -> None:

@@ -183,6 +183,7 @@ class RemotePeer:
         self._snapshot = snapshot
         self._addrs = addrs
         self._path = path
+        self._mover_of = getattr(path, "one_sided_mover", None)  # (see one_sided)
         self._closed = False
 
     @property
@@ -192,6 +193,18 @@ class RemotePeer:
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
+
+    def one_sided(self) -> object | None:
+        """The compiled copy of the link's one-sided data path (``_xproc.SameHostMover``, for
+        kvdd.sim._fastpath) while :meth:`acquire` would go to that path, else None."""
+        mover_of = self._mover_of
+        if mover_of is None or self._closed or self._chan.peer_finalized:
+            return None
+        return mover_of()  # type: ignore[no-any-return]
+
+    def tensor_addrs(self, cache_id: int) -> tuple[int, ...]:
+        """The peer's tensor addresses of ``cache_id`` as its hello announced them (``()``)."""
+        return self.addresses(cache_id)
 
     def addresses(self, cache_id: int) -> tuple[int, ...]:
         return self._addrs.get(cache_id, ())

@@ -1,8 +1,8 @@
 """Kernel-attested identity for the same-host data path (the link extension ``"samehost"``).
 
-kvdd reads or writes another process's memory (``process_vm_readv/writev``) only when the *kernel*
-says which process is at the other end of an authenticated session, never because of anything a
-peer claims (pids, addresses, nonces: a peer can relay or replay all of them).
+kvdd reads or writes another process's memory (``pread`` / ``pwrite`` on its ``/proc/<pid>/mem``)
+only when the *kernel* says which process is at the other end of an authenticated session, never
+because of anything a peer claims (pids, addresses, nonces: a peer can relay or replay all of them).
 
 How a link gets the path
 ------------------------
@@ -19,7 +19,9 @@ How a link gets the path
    came with the peer's HMAC proof (the initiator's hello, the acceptor's reply), reads its pid
    (``/proc/self/fdinfo``) and uid (``/proc/<pid>/status``, confirmed by the pidfd being still alive
    afterwards), requires the uid to equal its own, and holds that pidfd for the link's life
-   (copies re-check it: a pid reused by a later process is never read).  ``SO_PEERCRED`` is not
+   (the reader opens the peer's ``/proc/<pid>/mem`` once, then checks through the pidfd that
+   the peer had not exited, so the file is bound to the attested address space: every copy goes
+   through it, and a pid reused by a later process is never read or written).  ``SO_PEERCRED`` is not
    used for identity: it names the process that called ``listen()`` / ``connect()``, which need
    not be the one answering (the pid-reuse attack); ``SCM_CREDENTIALS`` alone is not either (a
    sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
@@ -102,6 +104,9 @@ class SameHostLink:
     pidfd: int
     table_fd: int = -1
     table_slots: int = 0
+    #: The peer's ``/proc/<pid>/mem`` (:func:`open_memory`), or -1: the reader's copies go
+    #: through it, so they reach the attested address space and no other.
+    mem_fd: int = -1
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _closed: bool = False
 
@@ -113,16 +118,31 @@ class SameHostLink:
             assert _xproc is not None
             return _xproc.pidfd_alive(self.pidfd)
 
+    def open_memory(self) -> int:
+        """Open the peer's memory for the reader's copies (``/proc/<pid>/mem``, proven by the
+        pidfd to belong to the attested process: :func:`kvdd._native._xproc.mem_open`); the link
+        owns the fd.  Raises SameHostRefused when the peer exited or the kernel refuses."""
+        assert _xproc is not None
+        with self._lock:
+            if self._closed:
+                raise SameHostRefused("the same-host link is closed")
+            if self.mem_fd < 0:
+                try:
+                    self.mem_fd = _xproc.mem_open(self.peer_pid, self.pidfd)
+                except OSError as exc:
+                    raise SameHostRefused(f"cannot open the peer's memory ({exc})") from None
+            return self.mem_fd
+
     def close(self) -> None:
-        """Close the pidfd and the table fd (mappings made from it stay valid)."""
+        """Close the pidfd, the memory and the table fd (mappings made from it stay valid)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for fd in (self.pidfd, self.table_fd):
+            for fd in (self.pidfd, self.table_fd, self.mem_fd):
                 if fd >= 0:
                     os.close(fd)
-            self.pidfd = self.table_fd = -1
+            self.pidfd = self.table_fd = self.mem_fd = -1
 
 
 # ---- can this process use the path at all ---------------------------------------------------------
@@ -171,6 +191,16 @@ def _kernel_check() -> tuple[bool, str]:
             _self_check = (ok, "" if ok else "process_vm_readv returned other bytes")
         except OSError as exc:
             _self_check = (False, f"process_vm_readv is refused here ({exc.strerror}; seccomp?)")
+            return _self_check
+        try:  # the data path copies through /proc/<pid>/mem (it names the peer's memory)
+            pidfd = _xproc.pidfd_open(os.getpid())
+            try:
+                os.close(_xproc.mem_open(os.getpid(), pidfd))
+            finally:
+                os.close(pidfd)
+        except OSError as exc:
+            _self_check = (False, f"/proc/<pid>/mem cannot be opened ({exc.strerror}; "
+                                  "a restricted /proc?)")
     return _self_check
 
 
@@ -194,7 +224,7 @@ def availability() -> tuple[bool, str]:
         return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between unrelated "
                        "processes (kvdd does not grant ptrace with PR_SET_PTRACER): same-host "
                        "links use TCP")
-    return True, ("process_vm_readv/writev between processes of uid "
+    return True, (f"one-sided copies through /proc/<pid>/mem between processes of uid "
                   f"{os.getuid()} on this boot, identity by SCM_PIDFD of the proof message")
 
 

@@ -53,8 +53,18 @@ class SameHostPath:
     def __init__(self) -> None:
         self.name = "tcp"
         self._reader: OneSidedPeer | None = None
+        self._served: ServedTable | None = None  # the table of our caches the peer reads
         self._lock = threading.Lock()
         self._closed = False
+
+    def serve(self, table: ServedTable) -> None:
+        """The table through which the peer of this link reads our caches: closed with the path
+        (unlink of this side), so no copy of the peer's starts, and none runs, once that returns."""
+        with self._lock:
+            if not self._closed:
+                self._served = table
+                return
+        table.close()
 
     def activate(self, reader: OneSidedPeer) -> None:
         with self._lock:
@@ -73,6 +83,11 @@ class SameHostPath:
         if got is None and not reader.usable:
             self.name = "tcp"
         return got
+
+    def one_sided_mover(self) -> object | None:
+        """The compiled copy of the active path (``_xproc.SameHostMover``), or None (TCP)."""
+        reader = self._reader
+        return reader.mover if reader is not None and reader.usable else None
 
     def release(self, lease: object) -> None:
         assert self._reader is not None and isinstance(lease, OneSidedLease)
@@ -94,9 +109,12 @@ class SameHostPath:
         with self._lock:
             self._closed = True
             reader, self._reader = self._reader, None
+            served, self._served = self._served, None
             self.name = "tcp"
         if reader is not None:
             reader.close()
+        if served is not None:  # revoke the peer's access and wait for its copies (bounded)
+            served.close()
 
 
 class _LinkState:
@@ -175,6 +193,7 @@ def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: Same
     table.attach(link, peer_wait_ms)
     with _lock:
         _tables.append(table)
+    path.serve(table)
     _sweep()
     if not reads:
         link.close()

@@ -1,4 +1,5 @@
-"""The one-sided same-host data path: a per-link lease table in shared memory + ``process_vm``.
+"""The one-sided same-host data path: a per-link lease table in shared memory + the peer's
+``/proc/<pid>/mem``.
 
 No per-call message reaches the owner (like RDMA on hardware, the owner's CPU is not needed, so a
 stopped but living owner's memory is still read: SEMANTICS.md §10 rules 2 and 9).  Rule 5 holds
@@ -6,10 +7,12 @@ through the lease table of each link (:class:`~kvdd._native._xproc.LeaseTable`, 
 per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the owner's snapshot):
 
 * reader (:class:`OneSidedPeer`): ``enter(slot)`` (in-flight += 1, then read the slot's and the
-  link's state word; nonzero: no copy, the count undone), copy with ``process_vm_readv/writev``
-  (the peer's pidfd re-checked right before and after, the reader's own deadline checked between
-  system calls), ``leave(slot)``.  A lease covers one transfer and never outlives the reader's
-  ``SyncKvCacheWaitTime``.
+  link's state word; nonzero: no copy, the count undone), copy with ``pread`` / ``pwrite`` on the
+  peer's ``/proc/<pid>/mem`` (opened once after the proof and bound to the attested address space:
+  a reused pid is never reached; a page the peer froze with a userfaultfd fails at once instead
+  of holding the call), at most PVM_CHUNK bytes per system call, the reader's own deadline and the
+  owner's abort checked before each, then ``leave(slot)``.  A lease covers one transfer and never
+  outlives the reader's ``SyncKvCacheWaitTime``.
 * owner (:class:`ServedTable`): unregister sets the slot's state (no new copy starts), then waits
   until its in-flight count is zero; unlink and finalize do the same with the link's state word.
   After DRAIN_PATIENCE_MS of waiting the owner aborts the copy (state STATE_ABORT: the reader
@@ -18,17 +21,12 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   void), and at the latest after ``MAX_LEASE_MS + DRAIN_GRACE_MS`` (the cap the TCP path uses too: a
   living reader is waited for, SEMANTICS.md §10 rule 5, but not forever).  Once a wait ended
   because the reader died or the cap passed, the link is closed for good (no new copy starts) and
-  no later unregister / unlink / finalize waits on this table again.  A reader's
-  lease never outlives ``min(its own time limit, MAX_LEASE_MS)``, and it checks that deadline right
-  before every ``process_vm`` system call, so only a reader stopped inside one system call (or
-  between that check and the call) for longer than the cap can still move bytes (at most
-  ``PVM_CHUNK``) after the owner's wait ended: see docs/security.md.
-  All accesses are sequentially consistent, so a reader that the owner's wait did not count must
-  see the owner's state word.
-
-Limit: a reader stopped *inside* one ``process_vm_writev`` (or between its last check and the
-call) for longer than the cap could still finish that one call after the owner's unregister
-returned; on hardware a late RDMA write is the same hazard.
+  no later unregister / unlink / finalize waits on this table again.  A reader's lease never
+  outlives ``min(its own time limit, MAX_LEASE_MS)``, and it checks that deadline right before
+  every system call, so only a reader stopped inside one system call (or between that check and
+  the call) for longer than the cap can still move bytes (at most ``PVM_CHUNK``) after the
+  owner's wait ended: see docs/security.md.  All accesses are sequentially consistent, so a
+  reader that the owner's wait did not count must see the owner's state word.
 
 The table is untrusted input for both sides: a peer may scribble anything into it.  Indices are
 checked against the slot count each side mapped; values are only compared with zero; nothing read
@@ -40,6 +38,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+from collections import Counter
 import os
 import threading
 import time
@@ -74,7 +73,7 @@ STATE_CLOSED = 3
 STATE_ABORT = 4  # (_xproc.LEASE_ABORT) a copy still running stops at its next system call
 DRAIN_PATIENCE_MS = 1000  # how long an unregister waits for a copy before aborting it
 DRAIN_GRACE_MS = LEASE_GRACE_MS  # beyond the cap, as on the TCP path
-PVM_CHUNK = 16 << 20  # bytes per system call: bounds how late a reader notices its deadline
+PVM_CHUNK = 4 << 20  # bytes per system call: bounds how late a reader notices its deadline
 
 
 def seal_table_fd(fd: int) -> None:
@@ -262,9 +261,25 @@ class OneSidedPeer:
         if self.table.header()[:2] != (_xproc.LEASE_MAGIC, slots):
             raise SameHostRefused("the peer's lease table has a bad header")
         labels = [self.table.load(i, 2) for i in range(slots)]
-        self._slot = {cid: i for i, cid in enumerate(labels) if cid and labels.count(cid) == 1}
+        twice = {cid for cid, n in Counter(labels).items() if n > 1}
+        self._slot = {cid: i for i, cid in enumerate(labels) if cid and cid not in twice}
         self.link = link
+        self.mem_fd = link.open_memory()  # the attested address space (closed with the link)
         self.usable = True  # False after EPERM (ptrace rules) or close: TCP from then on
+        #: The compiled copy of kvdd.sim._fastpath (the same lease protocol, from C); it also
+        #: counts this reader's copies, so that close() leaves the fds to the last one.
+        self.mover = _xproc.SameHostMover(self, self.table, self._slot, self.mem_fd, link.pidfd,
+                                          link.peer_pid, MAX_LEASE_MS, PVM_CHUNK)
+
+    def begin_copy(self) -> bool:
+        """Count one copy that uses the link's fds (False once closed: copy nothing)."""
+        return bool(self.mover.begin())
+
+    def end_copy(self) -> None:
+        """The copy counted by :meth:`begin_copy` is over (the last one after close closes the
+        fds)."""
+        if self.mover.end():
+            self.link.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, OneSidedLease | None] | None:
@@ -297,15 +312,14 @@ class OneSidedPeer:
         if left_ms <= 0:
             return TIMEOUT
         addrs = lease.addrs
-        pidfd = self.link.pidfd
-        if pidfd < 0:  # closed: never copy without the attested process held
+        if not self.begin_copy():  # closed: never copy without the attested address space held
             return TIMEOUT
         try:
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
-                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=pidfd,
-                            leases=self.table, slot=lease.slot)
+                            timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=self.link.pidfd,
+                            leases=self.table, slot=lease.slot, mem_fd=self.mem_fd)
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -318,12 +332,15 @@ class OneSidedPeer:
             return TIMEOUT
         except (ValueError, IndexError, TypeError):
             return Status.LLM_PARAM_INVALID
-        except OSError:  # EFAULT: the owner freed registered memory (a transport error)
+        except OSError:  # EFAULT: the owner freed (or froze) registered memory
             return TIMEOUT if not self.link.alive() else Status.LLM_FAILED
+        finally:
+            self.end_copy()  # the fds stay open (their numbers not reused) until here
         return S_OK
 
     def close(self) -> None:
-        """Stop using the path and drop the peer's pidfd (the engine never closes a handle while
-        one of its transfers runs; the mapping goes with the last reference)."""
+        """Stop using the path and drop the peer's pidfd and memory: at once, or when the last
+        copy running now ends (the mapping goes with the last reference)."""
         self.usable = False
-        self.link.close()
+        if self.mover.close():
+            self.link.close()

@@ -1,0 +1,250 @@
+"""The compiled path (kvdd.sim._fastpath) over a same-host link: the owner is an instance in
+another process, the link uses the one-sided path (``/proc/<pid>/mem``), and the compiled path
+reaches it through ``kvdd._native._xproc.SameHostMover``.  It must never change what a call does.
+
+Every call runs twice from the same bytes, with the compiled path on and off: the outcome
+(success, or the exception's type and message) and every byte of both processes' cache memory
+(the owner's read and written through its ``/proc/<pid>/mem`` by the test) must be equal.  Random
+and near-valid calls as in test_fastpath.py; the common calls must be taken."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import kvdd
+from kvdd import Cache, CacheDesc, CacheIndex, CachePlacement, ClusterInfo, IpInfo, KvCacheExtParam
+from kvdd.sim import _fastpath
+from kvdd.sim.fabric import samehost
+
+from fastpath_support import fast, outcome
+from test_fastpath import (BREAKS, GEOMETRIES, KINDS, LOCALHOST, U8, Side, _side, block_pair, exts,
+                           layer_ext, small)
+
+pytestmark = pytest.mark.skipif(not samehost.availability()[0],
+                                reason=samehost.availability()[1])
+
+OWNER = 1
+
+# The owner: cluster 1 with the caches of test_fastpath.GEOMETRIES in one arena; prints its port,
+# the arena's address and size and the cache ids; finalizes on a line from stdin.
+_OWNER = r"""
+import sys, numpy as np, kvdd
+from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
+G = eval(sys.argv[1])
+dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
+dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
+sizes = [n * int(np.prod(shape)) for n, shape in G]
+arena = np.zeros(sum(sizes), np.uint8)
+ids, at = [], 0
+for (n, shape), size in zip(G, sizes):
+    T = size // n
+    ids.append(dd.register_kv_cache(CacheDesc(n, DataType.DT_UINT8, shape),
+                                    tensor_addrs([arena[at + k * T: at + (k + 1) * T]
+                                                  for k in range(n)])))
+    at += size
+print(dd.listening_port, int(arena.ctypes.data), arena.size, *ids, flush=True)
+sys.stdin.readline()
+dd.finalize()
+"""
+
+
+@dataclass
+class Owner:
+    """The owner process, its cache memory reached through its /proc/<pid>/mem."""
+
+    proc: subprocess.Popen[str]
+    port: int
+    addr: int
+    size: int
+    ids: list[int]
+    mem: int
+
+    def fill(self, seed: int) -> None:
+        data = np.random.default_rng(seed).integers(0, 256, self.size, dtype=np.uint8)
+        assert os.pwrite(self.mem, data.tobytes(), self.addr) == self.size
+
+    def memory(self) -> np.ndarray:
+        return np.frombuffer(os.pread(self.mem, self.size, self.addr), np.uint8)
+
+
+@dataclass
+class World:
+    me: Side
+    owner: Owner
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    port, addr, size, *ids = (int(x) for x in proc.stdout.readline().split())
+    mem = os.open(f"/proc/{proc.pid}/mem", os.O_RDWR)
+    me = _side(2, kvdd.LlmRole.DECODER)
+    try:
+        me.dd.link_llm_clusters([ClusterInfo(remote_cluster_id=OWNER,
+                                             remote_ip_infos=(IpInfo(LOCALHOST, port),))])
+        path = me.dd.backend.link_data_path(OWNER)  # type: ignore[attr-defined]
+        if path != "process_vm":
+            pytest.skip(f"the link uses {path}, not the same-host path")
+        yield World(me, Owner(proc, port, addr, size, ids, mem))
+    finally:
+        me.dd.finalize()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(30)
+        os.close(mem)
+
+
+def _both_ways(w: World, call: Callable[[], None], seed: int) -> bool:
+    """``call`` with the compiled path on, then off, from the same bytes: equal outcomes, equal
+    bytes on both sides; whether the compiled path took it."""
+    results = []
+    taken = 0
+    for on in (True, False):
+        w.me.fill(seed)
+        w.owner.fill(seed + 1)
+        before = fast(w.me).taken
+        prev = _fastpath.set_enabled(on)
+        try:
+            out = outcome(call)
+        finally:
+            _fastpath.set_enabled(prev)
+        if on:
+            taken = fast(w.me).taken - before
+        results.append((out, w.me.arena.copy(), w.owner.memory()))
+    (out_on, mine_on, theirs_on), (out_off, mine_off, theirs_off) = results
+    assert out_on == out_off
+    np.testing.assert_array_equal(mine_on, mine_off)
+    np.testing.assert_array_equal(theirs_on, theirs_off)
+    assert taken in (0, 1) and (taken == 0 or out_on[0] == "ok")
+    return taken == 1
+
+
+def _ids(ids: list[int]) -> st.SearchStrategy[int]:
+    return st.sampled_from(ids * 3 + [0, -1, 999])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_compiled_path_never_changes_a_same_host_call(world: World, data: st.DataObject) -> None:
+    me, owner = world.me, world.owner
+    cluster = data.draw(st.sampled_from([OWNER] * 6 + [me.dd.cluster_id, 99]))
+    kind = data.draw(st.sampled_from(KINDS))
+    rows = [0, 1, 3, 7] if kind.endswith("cache") else [0] * 9 + [1]
+    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
+    remote_id = owner.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(owner.ids))
+    local_id = me.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(me.ids))
+    idx = CacheIndex(cluster, remote_id, data.draw(st.sampled_from(rows)))
+    n_local = dict(zip(me.ids, (n for n, _ in GEOMETRIES))).get(local_id, 4)
+    ext = data.draw(exts)
+    seed = data.draw(st.integers(0, 2**16))
+    shape = data.draw(st.sampled_from([g[1] for g in GEOMETRIES]))
+    desc = CacheDesc(data.draw(st.sampled_from([n_local] * 3 + [0, 1, 5, 7])), U8, shape,
+                     data.draw(st.sampled_from([CachePlacement.DEVICE] * 3 + [CachePlacement.HOST])))
+    call: Callable[[], None]
+    if kind == "pull_kv_cache":
+        row = data.draw(small.filter(lambda x: x >= 0))
+        size = data.draw(st.sampled_from([-1, -1, 0, 1, 16, 32, 48, 64, 65, 100, 200, -2]))
+        call = lambda: me.dd.pull_kv_cache(idx, Cache(local_id), row, size, ext)  # noqa: E731
+    elif kind == "push_kv_cache":
+        row = data.draw(small.filter(lambda x: x >= 0))
+        size = data.draw(st.sampled_from([-1] * 5 + [0, 32]))
+        call = lambda: me.dd.push_kv_cache(Cache(local_id, (), desc), idx, row, size, ext)  # noqa: E731
+    else:
+        src, dst = data.draw(block_pair())
+        if kind == "pull_kv_blocks":
+            call = lambda: me.dd.pull_kv_blocks(idx, Cache(local_id), src, dst, ext)  # noqa: E731
+        else:
+            call = lambda: me.dd.push_kv_blocks(Cache(local_id, (), desc), idx, src, dst, ext)  # noqa: E731
+    event(f"{kind}: {'compiled' if _both_ways(world, call, seed) else 'Python path'}")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_near_valid_same_host_calls(world: World, data: st.DataObject) -> None:
+    """Valid calls, and valid calls with one value just past its bound."""
+    me, owner = world.me, world.owner
+    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
+    n, (B, S) = GEOMETRIES[g]
+    kind = data.draw(st.sampled_from(KINDS))
+    brk = data.draw(st.sampled_from(BREAKS))
+    ext = data.draw(layer_ext(n))
+    if brk == "layer" and ext is not None and ext.src_layer_range[0] >= 0:
+        (s0, s1), (d0, d1) = ext.src_layer_range, ext.dst_layer_range
+        ext = KvCacheExtParam((s0 + 1, s1 + 1), (d0 + 1, d1 + 1), ext.tensor_num_per_layer)
+    if brk == "tensor_num":
+        t = data.draw(st.sampled_from([t for t in (2, 3, 4) if n % t]))
+        ext = KvCacheExtParam((0, 0), (0, 0), t) if data.draw(st.booleans()) else KvCacheExtParam(tensor_num_per_layer=t)
+    remote_id = owner.ids[(g + 1) % len(GEOMETRIES)] if brk == "geometry" else owner.ids[g]
+    cluster = me.dd.cluster_id if brk == "cluster" else OWNER
+    seed = data.draw(st.integers(0, 2**16))
+    call: Callable[[], None]
+    if kind == "pull_kv_cache":
+        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
+        rrow = B if brk == "remote_row" else data.draw(st.integers(0, B - 1))
+        size = S + 1 if brk == "size" else data.draw(st.sampled_from([-1, 1, S // 2, S]))
+        idx = CacheIndex(cluster, remote_id, rrow)
+        call = lambda: me.dd.pull_kv_cache(idx, Cache(me.ids[g]), row, size, ext)  # noqa: E731
+    elif kind == "push_kv_cache":
+        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
+        idx = CacheIndex(cluster, remote_id, B if brk == "remote_row" else data.draw(st.integers(0, B - 1)))
+        desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
+                         CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
+        size = 0 if brk == "size" else -1
+        call = lambda: me.dd.push_kv_cache(Cache(me.ids[g], (), desc), idx, row, size, ext)  # noqa: E731
+    else:
+        k = 0 if brk == "empty" else data.draw(st.integers(1, min(B, 4)))
+        runs = data.draw(st.booleans())
+        if runs:
+            s0, d0 = data.draw(st.integers(0, B - k)), data.draw(st.integers(0, B - k))
+            src, dst = [s0 + i for i in range(k)], [d0 + i for i in range(k)]
+        else:
+            src = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
+            dst = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
+        if k and brk in ("block", "src_block"):
+            moved = src if brk == "src_block" else dst
+            if runs:
+                moved[:] = [B - k + 1 + i for i in range(k)]
+            else:
+                moved[data.draw(st.integers(0, k - 1))] = B
+        if brk == "length":
+            dst = dst + [0]
+        idx = CacheIndex(cluster, remote_id, 0)
+        if kind == "pull_kv_blocks":
+            call = lambda: me.dd.pull_kv_blocks(idx, Cache(me.ids[g]), src, dst, ext)  # noqa: E731
+        else:
+            desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
+                             CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
+            call = lambda: me.dd.push_kv_blocks(Cache(me.ids[g], (), desc), idx, src, dst, ext)  # noqa: E731
+    event(f"{kind}: {'compiled' if _both_ways(world, call, seed) else 'Python path'}")
+
+
+def test_common_same_host_calls_take_the_compiled_path(world: World) -> None:
+    me, owner = world.me, world.owner
+    idx = CacheIndex(OWNER, owner.ids[1], 1)  # 6 tensors of 8 x 32 bytes
+    blk = CacheIndex(OWNER, owner.ids[1], 0)
+    layers = KvCacheExtParam((1, 2), (0, 1), 2)
+    calls: list[Callable[[], None]] = [
+        lambda: me.dd.pull_kv_cache(idx, Cache(me.ids[1])),
+        lambda: me.dd.pull_kv_cache(idx, Cache(me.ids[1]), 3, 16),
+        lambda: me.dd.pull_kv_cache(idx, Cache(me.ids[1]), 2, -1, layers),
+        lambda: me.dd.pull_kv_blocks(blk, Cache(me.ids[1]), [3, 4, 0], [5, 6, 7]),
+        lambda: me.dd.pull_kv_blocks(blk, Cache(me.ids[1]), (1,), (0,), KvCacheExtParam((2, 2), (0, 0), 2)),
+        lambda: me.dd.push_kv_blocks(Cache(me.ids[1], (), me.descs[1]), blk, [0, 1], [6, 7]),
+        lambda: me.dd.push_kv_blocks(Cache(me.ids[1], (), me.descs[1]), blk, [2], [3], layers),
+        lambda: me.dd.push_kv_cache(Cache(me.ids[1], (), me.descs[1]), CacheIndex(OWNER, owner.ids[1], 4), 1),
+        lambda: me.dd.push_kv_cache(Cache(me.ids[1], (), me.descs[1]), CacheIndex(OWNER, owner.ids[1], 7), 0,
+                                    -1, layers),
+    ]
+    for i, call in enumerate(calls):
+        assert _both_ways(world, call, i), f"call {i} was not taken"
