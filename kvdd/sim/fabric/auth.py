@@ -124,19 +124,44 @@ def _check_key(key: bytes | None, where: str) -> bytes:
     if len(key) < MIN_SECRET_BYTES:
         raise SecretError(f"{where} holds {len(key)} bytes; at least {MIN_SECRET_BYTES} are needed "
                           "(generate one with `kvdd fabric-secret`)")
+    if not any(key):
+        raise SecretError(f"{where} is all zero bytes, not a secret (generate one with "
+                          "`kvdd fabric-secret`)")
     return key
+
+
+def _unsafe_dir(mode: int, first: bool) -> bool:
+    """Writable by others, and (above the first) without the sticky bit."""
+    return bool(mode & 0o002) and (first or not mode & stat.S_ISVTX)
 
 
 def _world_writable(path: str) -> bool:
     """True when ``path`` is writable by others (e.g. ``/tmp``), or an ancestor of it is without
-    the sticky bit (so another user could rename what lies below)."""
+    the sticky bit (so another user could rename what lies below).
+
+    A directory reached through symbolic links (``/home`` -> ``/data/home``) is judged by the
+    real modes of what they resolve to; each link on the way must belong to this user or root
+    and lie in a directory that passes the same test (a symbolic link's own mode is always
+    0777 and means nothing)."""
     p = Path(os.path.abspath(path))
+    euid = os.geteuid()
     for i, d in enumerate((p, *p.parents)):
         try:
-            mode = os.lstat(d).st_mode
+            st = os.lstat(d)
         except OSError:
             return True
-        if mode & 0o002 and (i == 0 or not mode & stat.S_ISVTX):
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, euid):
+                return True
+        elif _unsafe_dir(st.st_mode, i == 0):
+            return True
+    real = Path(os.path.realpath(p))
+    for i, d in enumerate((real, *real.parents)):
+        try:
+            st = os.stat(d)
+        except OSError:
+            return True
+        if _unsafe_dir(st.st_mode, i == 0):
             return True
     return False
 
@@ -184,17 +209,27 @@ def _check_secret_dir(directory: Path) -> None:
 
 
 def _read_checked(path: Path) -> bytes:
-    """The file's bytes, if it is a regular file of ours that only we can access."""
+    """The file's bytes, if it is a regular file of ours that only we can access.
+
+    Opened without following a symbolic link and without blocking (a FIFO, socket or device
+    planted there is refused at once, never waited on), then checked with ``fstat`` before
+    any byte is read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | os.O_NOCTTY)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise SecretError(f"secret file {path} is a symbolic link; refusing it") from None
+        if exc.errno in (errno.ENXIO, errno.EOPNOTSUPP):  # a socket (or a FIFO without writer)
+            raise SecretError(f"secret file {path} is not a regular file (a socket?); refusing "
+                              f"it; set {ENV_SECRET_FILE} to a regular file (mode 0600)") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise SecretError(f"secret file {path} is not a regular file")
+            raise SecretError(f"secret file {path} is not a regular file (a "
+                              f"{_kind(st.st_mode)}); refusing it; set {ENV_SECRET_FILE} to a "
+                              "regular file (mode 0600)")
         if st.st_uid != os.geteuid():
             raise SecretError(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
                               f"(uid {os.geteuid()}); remove it or set {ENV_SECRET_FILE}")
@@ -209,9 +244,18 @@ def _read_checked(path: Path) -> bytes:
     return data
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def _file_key(data: bytes, where: str) -> bytes:
     if len(data) == SECRET_BYTES:  # raw bytes, as the automatic file holds them
-        return data
+        return _check_key(data, where)
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:
@@ -254,8 +298,42 @@ def _user_file(path: Path) -> bytes:
     return _read_checked(path)
 
 
+def _sig(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file or directory is replaced, rewritten, chmod-ed or chown-ed
+    (``lstat``: one system call, never following a link); None when it cannot be seen."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns)
+
+
+# the last secret read from a file: (what identified it, the secret); re-read when any of it changes
+_cached: tuple[tuple[object, ...], Secret] | None = None
+# the automatic file's path for (XDG_RUNTIME_DIR, HOME, lstat of the runtime directory)
+_cached_path: tuple[tuple[object, ...], Path] | None = None
+
+
+def _automatic_path() -> Path:
+    global _cached_path
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    key = (runtime, os.environ.get("HOME", ""),
+           _sig(Path(runtime)) if runtime and os.path.isabs(runtime) else None)
+    got = _cached_path
+    if got is not None and got[0] == key:
+        return got[1]
+    path = default_secret_path()
+    _cached_path = (key, path)
+    return path
+
+
 def load_secret(create: bool = True) -> Secret:
     """The secret of this process, from the first source that is set (see the module docstring).
+
+    A secret read from a file is kept and read again only when the file or its directory
+    changes (checked with one ``lstat`` each per call: inode, size, times, mode, owner), so a
+    listener answering a hello costs a few microseconds here, not a file read.
 
     Parameters
     ----------
@@ -266,25 +344,42 @@ def load_secret(create: bool = True) -> Secret:
     Raises
     ------
     SecretError
-        When the source that is set is unusable (too short, not hex/base64, a file that is not
-        ours or is group/world-accessible); the message says what to set.
+        When the source that is set is unusable (too short, all zero bytes, not hex/base64, a
+        file that is not a regular file of ours, or is group/world-accessible); the message
+        says what to set.
     """
+    global _cached
     if os.environ.get(ENV_AUTH, "").strip().lower() == "off":
         return Secret(_OFF_KEY, "off", auth_off=True)
     value = os.environ.get(ENV_SECRET)
     if value:
-        return Secret(_check_key(_decode(value), f"${ENV_SECRET}"), f"env {ENV_SECRET}")
+        got = _cached
+        if got is not None and got[0] == ("env", value):
+            return got[1]
+        secret = Secret(_check_key(_decode(value), f"${ENV_SECRET}"), f"env {ENV_SECRET}")
+        _cached = (("env", value), secret)
+        return secret
     file = os.environ.get(ENV_SECRET_FILE)
     if file:
         path = Path(file)
+        key: tuple[object, ...] = ("file", file, _sig(path))
+        got = _cached
+        if got is not None and got[0] == key and key[2] is not None:
+            return got[1]
         try:
             data = _read_checked(path)
         except OSError as exc:
             hint = (f" (make one: kvdd fabric-secret > {file} && chmod 600 {file})"
                     if isinstance(exc, FileNotFoundError) else "")
             raise SecretError(f"cannot read {ENV_SECRET_FILE}={file}: {exc.strerror}{hint}") from None
-        return Secret(_file_key(data, f"secret file {path}"), f"file {path}")
-    path = default_secret_path()
+        secret = Secret(_file_key(data, f"secret file {path}"), f"file {path}")
+        _cached = (key, secret)
+        return secret
+    path = _automatic_path()
+    key = ("auto", str(path), _sig(path.parent), _sig(path))
+    got = _cached
+    if got is not None and got[0] == key and key[2] is not None and key[3] is not None:
+        return got[1]
     try:
         data = _user_file(path) if create else _existing_file(path)
     except FileNotFoundError:
@@ -292,7 +387,11 @@ def load_secret(create: bool = True) -> Secret:
     except OSError as exc:
         raise SecretError(f"cannot create or read the per-user secret {path}: {exc.strerror}; "
                           f"set {ENV_SECRET} or {ENV_SECRET_FILE}") from None
-    return Secret(_file_key(data, f"secret file {path}"), f"file {path} (per-user, automatic)")
+    secret = Secret(_file_key(data, f"secret file {path}"), f"file {path} (per-user, automatic)")
+    if key[2] is None or key[3] is None:  # created now: identified as it is after creation
+        key = ("auto", str(path), _sig(path.parent), _sig(path))
+    _cached = (key, secret)
+    return secret
 
 
 def describe_secret() -> str:

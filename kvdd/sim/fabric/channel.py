@@ -44,7 +44,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..._native._small import serve_one_run
 from ...status import PARAM_INVALID, S_OK, Status
@@ -124,6 +124,7 @@ class Channel(Calls):
         self.peer_user = False  # the peer's PeerHandle on us uses it
         self._started = False
         self._running = threading.Event()  # set by start(): the socket may be read from then
+        self.on_dead: Callable[[], None] | None = None  # the listener's link count (gate.py)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +207,12 @@ class Channel(Calls):
         with contextlib.suppress(OSError):
             self.sock.close()
         discard_endpoint(self.owner, self)
+        hook = self.on_dead
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # a bug: log it; the connection is closed anyway
+                logger.exception("kvdd fabric %s: the end-of-link hook failed", self.label)
 
     def _fail(self, exc: BaseException) -> None:
         """Reading failed (the leader's exception): the connection ends."""
@@ -283,6 +290,9 @@ class Channel(Calls):
         if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
             with self._lock:
                 p = self._pending.get(req)
+                if p is None:  # answered already (its caller returned), or never asked: a
+                    # second reply (DONE after DONE) breaks the link; the first one stands
+                    raise ProtocolError(f"a reply to no request in flight (request {req})")
                 if p is not None:
                     if p.done and not p.failed:  # the first reply decides; more is a violation
                         raise ProtocolError("a second reply to one request")

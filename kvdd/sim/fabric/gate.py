@@ -1,0 +1,215 @@
+"""What a listening instance lets authenticated peers make of it: a fixed pool of handshake
+workers, and the links it accepts, counted per source address and in all.
+
+The listener's selector thread (:mod:`.listener`) reads every hello whole before it hands it
+here, so a worker never waits for a peer's bytes: it decodes the hello, asks the engine for the
+link (:func:`.handshake.serve_link`) or the unlink, sends the reply (within
+``REPLY_TIMEOUT_S``) and hands the connection back to the listener to be read until the peer
+closes (``LINGER_S``) without holding a thread.  ``HANDSHAKE_WORKERS`` threads serve every hello of
+the listener, whatever the number of connections; at most ``MAX_QUEUED_HELLOS`` complete hellos
+wait for them (more are closed, and logged).
+
+Links: at most ``MAX_LINKS`` accepted by the instance and ``MAX_LINKS_PER_SOURCE`` from one address
+(:func:`.admission.source_of`).  A link over either gets ``LLM_LINK_FAILED`` in its reply, with a
+message naming the bound (upstream has no link limit that returns a status of its own:
+``LLM_CLUSTER_NUM_EXCEED_LIMIT`` is never returned, SEMANTICS.md §7).  A relink of a cluster id
+that already has a link from the same address is let through (the engine replaces or refuses it
+as always), so a peer at its bound can still recover its own link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from .auth import Session
+from .channel import Channel
+from .handshake import serve_link, serve_unlink
+from .logutil import warn_limited
+from .protocol import LinkOwner
+from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, HANDSHAKE_WORKERS, MAX_LINKS,
+                   MAX_LINKS_PER_SOURCE, MAX_QUEUED_HELLOS, ProtocolError)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HandshakeGate", "Ticket"]
+
+
+class Ticket:
+    """One hello's place in the link bounds (:class:`~.handshake.LinkAdmission`)."""
+
+    __slots__ = ("_gate", "_source", "_reserved")
+
+    def __init__(self, gate: HandshakeGate, source: str) -> None:
+        self._gate = gate
+        self._source = source
+        self._reserved = False
+
+    def reserve(self, cluster_id: int) -> str | None:
+        """Take a link slot for ``cluster_id``; None when taken, else why not (for the reply)."""
+        self._reserved = self._gate._reserve(self._source, cluster_id)
+        if self._reserved:
+            return None
+        return (f"the peer accepts at most {MAX_LINKS_PER_SOURCE} links from one address and "
+                f"{MAX_LINKS} in all (kvdd fabric bounds, docs/security.md); unlink one first")
+
+    def attach(self, chan: Channel, cluster_id: int) -> None:
+        """The link was made on ``chan``: it holds the slot until the connection ends."""
+        if self._reserved:
+            self._reserved = False
+            self._gate._attach(self._source, chan, cluster_id)
+
+    def cancel(self) -> None:
+        if self._reserved:
+            self._reserved = False
+            self._gate._release(self._source)
+
+
+class HandshakeGate:
+    """The handshake workers and link accounting of one listener (see the module docstring).
+
+    Parameters
+    ----------
+    owner : LinkOwner
+        The listening instance.
+    finish : callable
+        Takes an answered connection that is not a link (the listener reads it until the peer
+        closes, then closes it).
+    label : str
+        For thread names and logs.
+    """
+
+    def __init__(self, owner: LinkOwner, finish: Callable[[socket.socket], None],
+                 label: str) -> None:
+        self.owner = owner
+        self._finish = finish
+        self._label = label
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._jobs: deque[tuple[socket.socket, Session, int, bytearray, str] | None] = deque()
+        self._workers = 0
+        self._idle = 0
+        self._closed = False
+        self._links: dict[str, dict[Channel, int]] = {}  # source -> live link -> cluster id
+        self._reserved: dict[str, int] = {}
+        self._total = 0  # live links + reservations
+
+    # -- link accounting ---------------------------------------------------------------------------
+    def links(self, source: str | None = None) -> int:
+        """Links accepted and alive (from ``source``, or in all), reservations included."""
+        with self._lock:
+            if source is None:
+                return self._total
+            return len(self._links.get(source, ())) + self._reserved.get(source, 0)
+
+    def _reserve(self, source: str, cluster_id: int) -> bool:
+        with self._lock:
+            mine = self._links.get(source, {})
+            relink = cluster_id in mine.values()
+            if not relink and (self._total >= MAX_LINKS or len(mine)
+                               + self._reserved.get(source, 0) >= MAX_LINKS_PER_SOURCE):
+                return False
+            self._reserved[source] = self._reserved.get(source, 0) + 1
+            self._total += 1
+            return True
+
+    def _release(self, source: str) -> None:
+        with self._lock:
+            n = self._reserved.get(source, 0) - 1
+            if n > 0:
+                self._reserved[source] = n
+            else:
+                self._reserved.pop(source, None)
+            self._total -= 1
+
+    def _attach(self, source: str, chan: Channel, cluster_id: int) -> None:
+        with self._lock:
+            n = self._reserved.get(source, 0) - 1
+            if n > 0:
+                self._reserved[source] = n
+            else:
+                self._reserved.pop(source, None)
+            self._links.setdefault(source, {})[chan] = cluster_id
+        chan.on_dead = lambda: self._gone(source, chan)
+        if chan.dead.is_set():
+            self._gone(source, chan)
+
+    def _gone(self, source: str, chan: Channel) -> None:
+        with self._lock:
+            mine = self._links.get(source)
+            if mine is None or mine.pop(chan, None) is None:
+                return
+            if not mine:
+                del self._links[source]
+            self._total -= 1
+
+    # -- the workers -------------------------------------------------------------------------------
+    def submit(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,
+               source: str) -> bool:
+        """Queue a complete hello; False (the caller closes it) when MAX_QUEUED_HELLOS wait."""
+        with self._lock:
+            if self._closed or len(self._jobs) >= MAX_QUEUED_HELLOS:
+                return False
+            self._jobs.append((conn, session, ftype, payload, source))
+            if not self._idle and self._workers < HANDSHAKE_WORKERS:
+                self._workers += 1
+                threading.Thread(target=self._work, daemon=True,
+                                 name=f"kvdd-sim-handshake {self._label}").start()
+            else:
+                self._cv.notify()
+        return True
+
+    def close(self) -> None:
+        """Stop the workers (links already made stay); queued hellos are closed."""
+        with self._lock:
+            self._closed = True
+            dropped = [job for job in self._jobs if job is not None]
+            self._jobs.clear()
+            for _ in range(self._workers):
+                self._jobs.append(None)
+            self._cv.notify_all()
+        for conn, *_rest in dropped:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs:
+                    self._idle += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle -= 1
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            self._serve(*job)
+
+    def _serve(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,
+               source: str) -> None:
+        keep = handed = False
+        try:
+            conn.setblocking(True)
+            if ftype == F_HELLO_LINK:
+                keep = serve_link(self.owner, conn, payload, session, Ticket(self, source),
+                                  self._finish)
+            elif ftype == F_HELLO_UNLINK:
+                serve_unlink(self.owner, conn, payload, self._finish)
+            else:
+                raise ProtocolError(f"frame type {ftype} instead of a hello")
+            handed = True  # a link, or given to ``finish``
+        except (OSError, ProtocolError, ValueError, struct.error) as exc:  # malformed, truncated, too slow
+            warn_limited(logger, "hello", "kvdd fabric: a handshake on %s ended: %s",
+                         self._label, exc)
+        except Exception:  # a bug: log it; the connection closes
+            logger.exception("kvdd fabric: handshake failed")
+        finally:
+            if not keep and not handed:
+                with contextlib.suppress(OSError):
+                    conn.close()
