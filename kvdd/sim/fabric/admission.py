@@ -8,12 +8,13 @@ connections cannot keep a legitimate one out:
 * the victim comes from the *source with the most entries* (an address: IPv4, or the /64 of an
   IPv6 address, :func:`source_of`), or from the new entry's own source when that source is at its
   share, never from a source with fewer entries;
-* within that source, an entry that has sent nothing yet (*idle*) goes before one that made
-  progress, and the oldest goes first.
+* within that source, an entry that has not made progress yet (*idle*: for a connection not
+  authenticated, one that has not sent a whole authentication hello; for an authenticated one, one
+  that has not sent a byte of its link hello) goes before one that did, and the oldest goes first.
 
-A legitimate initiator sends its hello as soon as it connects, so it is idle for at most one round
-trip, and it is evicted only by a flood from its own address that opens more connections than that
-source's share within that round trip.  Every operation is O(1) (the largest source is tracked in
+A legitimate initiator sends each message as soon as it can, so it is idle for at most one round
+trip, and it is evicted only by a flood from its own address that makes more connections progress
+as far as it did than that source's share within that round trip.  Every operation is O(1) (the largest source is tracked in
 count buckets).
 """
 

@@ -51,8 +51,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Listener", "ACCEPT_BATCH", "BACKLOG"]
 
-ACCEPT_BATCH = 64  # connections accepted per turn of the loop (then the others are served)
+ACCEPT_BATCH = 32  # connections accepted per turn of the loop (then the others are served)
 BACKLOG = 4096  # the kernel's queue of connections not accepted yet (capped by somaxconn)
+DEFER_ACCEPT_S = 1  # TCP_DEFER_ACCEPT: the kernel holds a connection that sent nothing (seconds)
+_DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
 _READING_HELLO, _READING_PROOF = 0, 1
 
 
@@ -62,9 +64,9 @@ class _PreAuth:
     __slots__ = ("sock", "deadline", "stage", "buf", "ftype", "need", "nonce_i", "nonce_a",
                  "key", "auth_off", "t0", "peer", "source")
 
-    def __init__(self, sock: socket.socket, peer: str, source: str) -> None:
+    def __init__(self, sock: socket.socket, peer: object, source: str) -> None:
         self.sock = sock
-        self.peer = peer
+        self.peer = peer  # the address accept() gave (formatted only for the log)
         self.source = source
         self.deadline = time.monotonic() + PREAUTH_TIMEOUT_S
         self.stage = _READING_HELLO
@@ -84,7 +86,7 @@ class _Hello:
     __slots__ = ("sock", "peer", "source", "session", "deadline", "head", "ftype", "body", "got")
 
     def __init__(self, state: _PreAuth, session: Session) -> None:
-        self.sock = state.sock
+        self.sock: socket.socket = state.sock
         self.peer = state.peer
         self.source = state.source
         self.session = session
@@ -115,6 +117,8 @@ class Listener:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if _DEFER is not None:  # a connection reaches accept() only with its first bytes
+                sock.setsockopt(socket.IPPROTO_TCP, _DEFER, DEFER_ACCEPT_S)
             sock.bind((ip, port & 0xFFFF))  # upstream accepts ports up to 2**32-1; htons keeps 16 bits
             sock.listen(BACKLOG)
             sock.setblocking(False)
@@ -122,10 +126,12 @@ class Listener:
             sock.close()
             raise
         self.sock = sock
+        self._ipv4 = family == socket.AF_INET  # the address is its own source (admission.py)
         self.ip = norm_ip(ip)
         self.port: int = sock.getsockname()[1]
         self.owner = owner
         self._closed = False
+        self.accepted = 0  # connections accepted (diagnostics)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -158,7 +164,8 @@ class Listener:
     def held(self) -> dict[str, int]:
         """How many connections each table holds now, and the links accepted (diagnostics)."""
         return {"preauth": len(self._pre), "hello": len(self._post), "draining": len(self._drain),
-                "hello_bytes": self._buffered, "links": self.gate.links()}
+                "hello_bytes": self._buffered, "links": self.gate.links(),
+                "accepted": self.accepted}
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -238,6 +245,8 @@ class Listener:
             except BlockingIOError:
                 return
             except OSError as exc:  # EMFILE and friends: free a slot, do not spin
+                if self._closed:
+                    return
                 warn_limited(logger, "accept", "kvdd fabric: accept on %s:%d failed: %s",
                              self.ip, self.port, exc)
                 victim = next(iter(self._drain), None) or self._pre.oldest()
@@ -247,8 +256,8 @@ class Listener:
                     time.sleep(0.01)
                 return
             conn.setblocking(False)
-            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            state = _PreAuth(conn, peer, source_of(addr))
+            self.accepted += 1
+            state = _PreAuth(conn, addr, addr[0] if self._ipv4 else source_of(addr))
             for old in self._pre.add(state, state.source):  # fair eviction (admission.py)
                 self._close(old)
             try:
@@ -326,8 +335,6 @@ class Listener:
             if not chunk:
                 self._drop(state)
                 return
-            if not state.buf and state.ftype < 0 and state.stage == _READING_HELLO:
-                self._pre.progressed(state)
             state.buf += chunk
             if len(state.buf) < state.need:
                 return
@@ -391,6 +398,7 @@ class Listener:
         if state.sock.send(data) != len(data):
             raise ProtocolError("the peer does not read")
         state.stage = _READING_PROOF
+        self._pre.progressed(state)  # evicted after those of its source still in their hello
 
     def _on_proof(self, state: _PreAuth, proof: bytes) -> None:
         expected = mac(state.key, "initiator", state.nonce_i, state.nonce_a, state.t0)

@@ -1,0 +1,119 @@
+"""Connection floods run in processes of their own (so the attacker does not share the test's GIL),
+for the bounds tests (:mod:`test_bounds`).
+
+Each flood is a small Python program started with :func:`start`; it runs for the given seconds and
+prints what it did as ``key=value`` words on its last line (:func:`result`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_TESTS = str(Path(__file__).resolve().parent.parent)
+
+#: TCP connections opened as fast as possible from ``src`` that send ``first`` bytes of an
+#: authentication hello (0: never a byte) and nothing more; the newest ``hold`` stay open (older
+#: ones are reset: no TIME_WAIT, so the ports last).
+CHURN = r"""
+import collections, socket, struct, sys, time
+port, src, secs, hold = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+first = b"KV\x03\x1e" + bytes(64)  # the start of an AUTH_HELLO header
+first = first[:int(sys.argv[5]) if len(sys.argv) > 5 else 0]
+rst = struct.pack("ii", 1, 0)
+ring = collections.deque()
+n = errors = 0
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, rst)
+    s.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+    s.setblocking(False)
+    try:
+        s.bind((src, 0))
+        if s.connect_ex(("127.0.0.1", port)) not in (0, 115):  # EINPROGRESS
+            errors += 1
+        elif first:
+            s.send(first)
+    except OSError:
+        errors += 1
+    ring.append(s)
+    n += 1
+    while len(ring) > hold:
+        ring.popleft().close()
+for s in ring:
+    s.close()
+print(f"connections={n} errors={errors} seconds={secs}")
+"""
+
+#: ``count`` authenticated connections from ``src`` that never send their hello, re-opened
+#: (re-authenticated) as soon as the victim closes one.
+IDLE_AUTH = r"""
+import select, socket, sys, time
+from hostile import rawpeer
+port, src, secs, count = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+
+def one():
+    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(src, 0))
+    rawpeer.authenticate(s)
+    return s
+
+socks = [one() for _ in range(count)]
+print("ready", flush=True)
+reopened = 0
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    readable, _, _ = select.select(socks, [], [], 0.05)
+    for s in readable:
+        try:
+            if s.recv(1):
+                continue
+        except OSError:
+            pass
+        socks[socks.index(s)] = one()
+        s.close()
+        reopened += 1
+print(f"held={count} reopened={reopened}")
+"""
+
+#: AF_UNIX SOCK_SEQPACKET connections to the abstract name ``sys.argv[1]`` (without its leading
+#: NUL), as fast as possible, each closed at once.
+ABSTRACT = r"""
+import socket, sys, time
+name, secs = b"\0" + sys.argv[1].encode(), float(sys.argv[2])
+n = refused = 0
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.setblocking(False)
+    try:
+        s.connect(name)
+        n += 1
+    except OSError:
+        refused += 1
+    s.close()
+print(f"connections={n} refused={refused}")
+"""
+
+
+def start(code: str, *args: object, user: int | None = None, **kw: Any) -> subprocess.Popen[str]:
+    """Run ``code`` with ``args`` in a new Python process (as uid ``user`` when given: then the
+    system's Python, which that user can run; ``code`` must need only the standard library)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, env.get("PYTHONPATH", "")) if p)
+    python = sys.executable if user is None else shutil.which("python3", path="/usr/bin:/bin")
+    assert python, "no system python3 for another user"
+    return subprocess.Popen([python, "-c", code, *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, text=True, user=user, cwd="/", **kw)
+
+
+def result(proc: subprocess.Popen[str], timeout: float = 60.0) -> dict[str, float]:
+    """The flood's last line as numbers (it must have exited with 0)."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"the flood failed ({proc.returncode}): {out[-500:]}"
+    last = out.strip().splitlines()[-1]
+    return {k: float(v) for k, v in (w.split("=", 1) for w in last.split())}
