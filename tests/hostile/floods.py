@@ -20,8 +20,10 @@ _TESTS = str(Path(__file__).resolve().parent.parent)
 #: authentication hello (0: never a byte) and nothing more; the newest ``hold`` stay open (older
 #: ones are reset: no TIME_WAIT, so the ports last).
 CHURN = r"""
-import collections, socket, struct, sys, time
+import collections, resource, socket, struct, sys, time
 port, src, secs, hold = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, hold + 64)), hard))
 first = b"KV\x03\x1e" + bytes(64)  # the start of an AUTH_HELLO header
 first = first[:int(sys.argv[5]) if len(sys.argv) > 5 else 0]
 rst = struct.pack("ii", 1, 0)
@@ -117,3 +119,42 @@ def result(proc: subprocess.Popen[str], timeout: float = 60.0) -> dict[str, floa
     assert proc.returncode == 0, f"the flood failed ({proc.returncode}): {out[-500:]}"
     last = out.strip().splitlines()[-1]
     return {k: float(v) for k, v in (w.split("=", 1) for w in last.split())}
+
+
+def hello_cost(first: int, seconds: float = 4.0) -> str:
+    """CPU time the listener thread of an instance in this process spends per connection of a
+    CHURN flood sending ``first`` bytes (41: a whole authentication hello, answered with a
+    challenge; 0: nothing, held by the kernel)."""
+    import gc
+    import threading
+
+    import kvdd
+    from kvdd.sim.fabric.listener import Listener
+
+    dd = kvdd.LlmDataDist(1, kvdd.LlmRole.PROMPT)
+    dd.initialize({kvdd.OPTION_DEVICE_ID: "0", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
+    try:
+        listener = next(o for o in gc.get_objects()
+                        if isinstance(o, Listener) and o.port == dd.listen_port and not o._closed)
+        tid = listener._thread.native_id
+
+        def cpu() -> float:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        n0, c0 = listener.accepted, cpu()
+        got = result(start(CHURN, dd.listen_port, "127.0.0.2", seconds, 2000, first))
+        n, used = listener.accepted - n0, cpu() - c0
+        assert threading.main_thread().is_alive()
+        return (f"{got['connections']:.0f} connections sending {first} bytes in {seconds:.0f} s: "
+                f"{n} reached the listener, {used:.2f} s of its CPU"
+                + (f", {1e6 * used / n:.0f} us each" if n else ""))
+    finally:
+        dd.finalize()
+
+
+if __name__ == "__main__":  # python tests/hostile/floods.py [first bytes...]
+    sys.path.insert(0, _TESTS)
+    for first in map(int, sys.argv[1:] or ["0", "1", "41"]):
+        print(hello_cost(first), flush=True)

@@ -290,9 +290,11 @@ class Channel(Calls):
         if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
             with self._lock:
                 p = self._pending.get(req)
-                if p is None:  # answered already (its caller returned), or never asked: a
-                    # second reply (DONE after DONE) breaks the link; the first one stands
-                    raise ProtocolError(f"a reply to no request in flight (request {req})")
+                if p is None and req and (self._req_ids - req) & 0xFFFFFFFF < 1 << 31:
+                    # a request of ours that has its answer (its caller may have returned): a
+                    # second reply (DONE after DONE) breaks the link; the first one stands.  (A
+                    # reply to an id never used is dropped, as before.)
+                    raise ProtocolError(f"a second reply to request {req}")
                 if p is not None:
                     if p.done and not p.failed:  # the first reply decides; more is a violation
                         raise ProtocolError("a second reply to one request")

@@ -7,7 +7,10 @@ link (:func:`.handshake.serve_link`) or the unlink, sends the reply (within
 ``REPLY_TIMEOUT_S``) and hands the connection back to the listener to be read until the peer
 closes (``LINGER_S``) without holding a thread.  ``HANDSHAKE_WORKERS`` threads serve every hello of
 the listener, whatever the number of connections; at most ``MAX_QUEUED_HELLOS`` complete hellos
-wait for them (more are closed, and logged).
+wait for them, ``MAX_QUEUED_HELLOS_PER_SOURCE`` from one address, ``MAX_HELLO_BUFFERED`` bytes in all
+and ``MAX_QUEUED_BYTES_PER_SOURCE`` from one address (more are closed, and logged), so
+a key holder sending hellos faster than they are served delays another address's by at most
+that many.
 
 Links: at most ``MAX_LINKS`` accepted by the instance and ``MAX_LINKS_PER_SOURCE`` from one address
 (:func:`.admission.source_of`).  A link over either gets ``LLM_LINK_FAILED`` in its reply, with a
@@ -33,11 +36,15 @@ from .handshake import serve_link, serve_unlink
 from .logutil import warn_limited
 from .protocol import LinkOwner
 from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, HANDSHAKE_WORKERS, MAX_LINKS,
-                   MAX_LINKS_PER_SOURCE, MAX_QUEUED_HELLOS, ProtocolError)
+                   MAX_LINKS_PER_SOURCE, MAX_QUEUED_HELLOS, MAX_QUEUED_HELLOS_PER_SOURCE,
+                   MAX_HELLO_BUFFERED, ProtocolError)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandshakeGate", "Ticket"]
+__all__ = ["HandshakeGate", "Ticket", "MAX_QUEUED_BYTES_PER_SOURCE"]
+
+MAX_QUEUED_BYTES_PER_SOURCE = 4 << 20  # hello bytes one address may have waiting (one hello
+#                                        of any size is always let in)
 
 
 class Ticket:
@@ -94,6 +101,8 @@ class HandshakeGate:
         self._jobs: deque[tuple[socket.socket, Session, int, bytearray, str] | None] = deque()
         self._workers = 0
         self._idle = 0
+        self._queued: dict[str, tuple[int, int]] = {}  # source -> (hellos, bytes) waiting
+        self._queued_bytes = 0
         self._closed = False
         self._links: dict[str, dict[Channel, int]] = {}  # source -> live link -> cluster id
         self._reserved: dict[str, int] = {}
@@ -152,9 +161,16 @@ class HandshakeGate:
     def submit(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,
                source: str) -> bool:
         """Queue a complete hello; False (the caller closes it) when MAX_QUEUED_HELLOS wait."""
+        size = len(payload)
         with self._lock:
-            if self._closed or len(self._jobs) >= MAX_QUEUED_HELLOS:
+            count, nbytes = self._queued.get(source, (0, 0))
+            if (self._closed or len(self._jobs) >= MAX_QUEUED_HELLOS
+                    or count >= MAX_QUEUED_HELLOS_PER_SOURCE
+                    or self._queued_bytes + size > MAX_HELLO_BUFFERED
+                    or (nbytes and nbytes + size > MAX_QUEUED_BYTES_PER_SOURCE)):
                 return False
+            self._queued[source] = (count + 1, nbytes + size)
+            self._queued_bytes += size
             self._jobs.append((conn, session, ftype, payload, source))
             if not self._idle and self._workers < HANDSHAKE_WORKERS:
                 self._workers += 1
@@ -189,6 +205,12 @@ class HandshakeGate:
                 job = self._jobs.popleft()
             if job is None:
                 return
+            with self._lock:
+                count, nbytes = self._queued.pop(job[4], (1, 0))
+                size = len(job[3])
+                self._queued_bytes -= size
+                if count > 1:
+                    self._queued[job[4]] = (count - 1, nbytes - size)
             self._serve(*job)
 
     def _serve(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,

@@ -346,12 +346,7 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
     finish = finish or linger
     r = Reader(payload)
     offer = decode_offer(r)
-    force_link = bool(r.u("B"))
-    boot_id = r.text() or ""
-    snap, addrs = decode_snapshot(r)
-    exts = decode_extensions(r)
-    r.end()
-    if ticket is not None:
+    if ticket is not None:  # before the snapshot is decoded: a refused link costs no more
         why = ticket.reserve(offer.cluster_id)
         if why is not None:
             conn.settimeout(REPLY_TIMEOUT_S)
@@ -360,6 +355,11 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
             finish(conn)
             return False
     try:
+        force_link = bool(r.u("B"))
+        boot_id = r.text() or ""
+        snap, addrs = decode_snapshot(r)
+        exts = decode_extensions(r)
+        r.end()
         return _serve_link(owner, conn, offer, force_link, boot_id, snap, addrs, exts, session,
                            ticket, finish)
     finally:

@@ -73,6 +73,7 @@ MAX_POSTAUTH_PER_SOURCE = 16  # of them from one address
 MAX_HELLO_BUFFERED = 16 << 20  # hello bytes those hold in all (the biggest is evicted beyond)
 HANDSHAKE_WORKERS = 4  # threads per listener serving complete hellos (a fixed pool)
 MAX_QUEUED_HELLOS = 64  # complete hellos waiting for a worker, per listener
+MAX_QUEUED_HELLOS_PER_SOURCE = 16  # of them from one address
 MAX_DRAINING = 64  # answered connections read until the peer closes, at most LINGER_S each
 LINGER_S = 1.0
 MAX_LINKS = 256  # links accepted by one listening instance, in all
