@@ -56,6 +56,7 @@ BACKLOG = 4096  # the kernel's queue of connections not accepted yet (capped by 
 DEFER_ACCEPT_S = 1  # TCP_DEFER_ACCEPT: the kernel holds a connection that sent nothing (seconds)
 _DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
 _READING_HELLO, _READING_PROOF = 0, 1
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class _PreAuth:
@@ -132,6 +133,7 @@ class Listener:
         self.owner = owner
         self._closed = False
         self.accepted = 0  # connections accepted (diagnostics)
+        self.dropped = 0  # of them closed at accept: closed already, or silent without room
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -165,7 +167,7 @@ class Listener:
         """How many connections each table holds now, and the links accepted (diagnostics)."""
         return {"preauth": len(self._pre), "hello": len(self._post), "draining": len(self._drain),
                 "hello_bytes": self._buffered, "links": self.gate.links(),
-                "accepted": self.accepted}
+                "accepted": self.accepted, "dropped": self.dropped}
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -255,17 +257,32 @@ class Listener:
                 else:
                     time.sleep(0.01)
                 return
-            conn.setblocking(False)
             self.accepted += 1
-            state = _PreAuth(conn, addr, addr[0] if self._ipv4 else source_of(addr))
-            for old in self._pre.add(state, state.source):  # fair eviction (admission.py)
+            source = addr[0] if self._ipv4 else source_of(addr)
+            try:  # what the connection sent during the kernel's deferral
+                first: bytes | None = conn.recv(HDR.size, _DONTWAIT)
+            except BlockingIOError:
+                first = None
+            except OSError:
+                first = b""
+            if not first and (first is not None or len(self._pre) >= MAX_PREAUTH
+                              or self._pre.count(source) >= MAX_PREAUTH_PER_SOURCE):
+                # closed already, or silent for the deferral while its table or its address's
+                # share is full: dropped at once (a legitimate initiator's hello is there)
+                self.dropped += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            state = _PreAuth(conn, addr, source)
+            for old in self._pre.add(state, source):  # fair eviction (admission.py)
                 self._close(old)
             try:
                 self._sel.register(conn, selectors.EVENT_READ, state)
             except (OSError, ValueError):
                 self._drop(state)
                 continue
-            self._step_pre(state)  # a hello sent with the connection is read at once
+            if first:
+                self._step_pre(state, first)  # the hello's header came with the connection
 
     def _expire(self, now: float) -> None:
         for table in (self._pre, self._post):
@@ -329,9 +346,10 @@ class Listener:
         self._add_drain(state.sock)
 
     # -- before authentication ---------------------------------------------------------------------
-    def _step_pre(self, state: _PreAuth) -> None:
+    def _step_pre(self, state: _PreAuth, chunk: bytes | None = None) -> None:
         try:
-            chunk = state.sock.recv(state.need - len(state.buf))
+            if chunk is None:
+                chunk = state.sock.recv(state.need - len(state.buf))
             if not chunk:
                 self._drop(state)
                 return
