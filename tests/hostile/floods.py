@@ -82,6 +82,66 @@ while time.monotonic() < end:
 print(f"held={count} reopened={reopened}")
 """
 
+#: A key holder's hellos from ``src``: ``mode`` "complete" sends whole link hellos of ``caches``
+#: caches (each a new cluster id) as fast as it can, one connection after the other, ``conns`` at a
+#: time; "partial" keeps ``conns`` authenticated connections that announced a hello of ``caches``
+#: caches and sent half of it, re-opened as soon as the victim closes one.
+HELLOS = r"""
+import select, socket, sys, time
+from hostile import rawpeer
+from kvdd.sim.fabric import wire
+port, src, secs, mode, conns, caches = (int(sys.argv[1]), sys.argv[2], float(sys.argv[3]),
+                                        sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+sent = refused = reopened = 0
+end = time.monotonic() + secs
+
+def authed():
+    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(src, 0))
+    rawpeer.authenticate(s)
+    return s
+
+if mode == "complete":
+    cid = 1 << 40
+    while time.monotonic() < end:
+        socks = []
+        for _ in range(conns):
+            try:
+                s = authed()
+                cid += 1
+                s.sendall(rawpeer.frame(wire.F_HELLO_LINK, rawpeer.hello_link(cid, caches=caches)))
+                socks.append(s)
+                sent += 1
+            except (OSError, PermissionError):
+                refused += 1
+        for s in socks:
+            try:
+                rawpeer.read_frame(s)
+            except (OSError, AssertionError):
+                refused += 1
+            s.close()
+else:
+    body = rawpeer.hello_link(1 << 41, caches=caches)
+    half = rawpeer.hdr(wire.F_HELLO_LINK, len(body)) + body[:len(body) // 2]
+    def one():
+        s = authed()
+        s.sendall(half)
+        return s
+    socks = [one() for _ in range(conns)]
+    print("ready", flush=True)
+    while time.monotonic() < end:
+        readable, _, _ = select.select(socks, [], [], 0.05)
+        for s in readable:
+            try:
+                if s.recv(1):
+                    continue
+            except OSError:
+                pass
+            socks[socks.index(s)] = one()
+            s.close()
+            reopened += 1
+print(f"sent={sent} refused={refused} reopened={reopened}")
+"""
+
 #: AF_UNIX SOCK_SEQPACKET connections to the abstract name ``sys.argv[1]`` (without its leading
 #: NUL), as fast as possible, each closed at once.
 ABSTRACT = r"""

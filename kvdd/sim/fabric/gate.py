@@ -17,13 +17,22 @@ Links: at most ``MAX_LINKS`` accepted by the instance and ``MAX_LINKS_PER_SOURCE
 message naming the bound (upstream has no link limit that returns a status of its own:
 ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` is never returned, SEMANTICS.md §7).  A relink of a cluster id
 that already has a link from the same address is let through (the engine replaces or refuses it
-as always), so a peer at its bound can still recover its own link.
+as always), so a peer at its bound can still recover its own link.  A link holds its place until
+its connection ended *and* the engine closed our handle on the peer (unlink, a replacing link,
+finalize): a broken link keeps its entity, and the peer's table, until then, so a peer cannot
+make entities without bound by dropping its connections.
+
+Cache tables: a link keeps the peer's table (its caches visible over the link, decoded into
+objects: about 300 bytes each), so the tables of the links from one address hold at most
+``MAX_LINKED_CACHES_PER_SOURCE`` caches and those of all links ``MAX_LINKED_CACHES``; a hello over
+them gets ``LLM_LINK_FAILED`` before its table is decoded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import socket
 import struct
 import threading
@@ -33,9 +42,11 @@ from collections.abc import Callable
 from .auth import Session
 from .channel import Channel
 from .handshake import serve_link, serve_unlink
+from .peers import RemotePeer
 from .logutil import warn_limited
 from .protocol import LinkOwner
-from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, HANDSHAKE_WORKERS, MAX_LINKS,
+from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, HANDSHAKE_WORKERS, MAX_LINKED_CACHES,
+                   MAX_LINKED_CACHES_PER_SOURCE, MAX_LINKS,
                    MAX_LINKS_PER_SOURCE, MAX_QUEUED_HELLOS, MAX_QUEUED_HELLOS_PER_SOURCE,
                    MAX_HELLO_BUFFERED, ProtocolError)
 
@@ -50,12 +61,13 @@ MAX_QUEUED_BYTES_PER_SOURCE = 4 << 20  # hello bytes one address may have waitin
 class Ticket:
     """One hello's place in the link bounds (:class:`~.handshake.LinkAdmission`)."""
 
-    __slots__ = ("_gate", "_source", "_reserved")
+    __slots__ = ("_gate", "_source", "_reserved", "_caches")
 
     def __init__(self, gate: HandshakeGate, source: str) -> None:
         self._gate = gate
         self._source = source
         self._reserved = False
+        self._caches = 0
 
     def reserve(self, cluster_id: int) -> str | None:
         """Take a link slot for ``cluster_id``; None when taken, else why not (for the reply)."""
@@ -65,16 +77,30 @@ class Ticket:
         return (f"the peer accepts at most {MAX_LINKS_PER_SOURCE} links from one address and "
                 f"{MAX_LINKS} in all (kvdd fabric bounds, docs/security.md); unlink one first")
 
-    def attach(self, chan: Channel, cluster_id: int) -> None:
-        """The link was made on ``chan``: it holds the slot until the connection ends."""
+    def charge(self, caches: int) -> str | None:
+        """Count the peer's table of ``caches`` caches (kept with the link); None when within
+        MAX_LINKED_CACHES_PER_SOURCE and MAX_LINKED_CACHES, else why not."""
+        if self._gate._charge(self._source, caches):
+            self._caches = caches
+            return None
+        return (f"the peer keeps the cache tables of its links from one address up to "
+                f"{MAX_LINKED_CACHES_PER_SOURCE} caches and {MAX_LINKED_CACHES} in all (kvdd "
+                f"fabric bounds, docs/security.md); this link's table has {caches}")
+
+    def attach(self, chan: Channel, cluster_id: int, handle: RemotePeer | None) -> None:
+        """The link was made on ``chan`` (and our entity for the peer uses ``handle``, on comm):
+        it holds its place until the connection ended and the handle was closed (unlink, a
+        replacing link, finalize): a broken link keeps its entity, and its table, until then."""
         if self._reserved:
             self._reserved = False
-            self._gate._attach(self._source, chan, cluster_id)
+            self._gate._attach(self._source, chan, cluster_id, self._caches, handle)
+            self._caches = 0
 
     def cancel(self) -> None:
         if self._reserved:
             self._reserved = False
-            self._gate._release(self._source)
+            self._gate._release(self._source, self._caches)
+            self._caches = 0
 
 
 class HandshakeGate:
@@ -98,15 +124,18 @@ class HandshakeGate:
         self._label = label
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._jobs: deque[tuple[socket.socket, Session, int, bytearray, str] | None] = deque()
+        self._jobs: deque[tuple[socket.socket, Session, int, bytearray | mmap.mmap, str] | None] = deque()
         self._workers = 0
         self._idle = 0
         self._queued: dict[str, tuple[int, int]] = {}  # source -> (hellos, bytes) waiting
         self._queued_bytes = 0
         self._closed = False
-        self._links: dict[str, dict[Channel, int]] = {}  # source -> live link -> cluster id
+        # source -> link -> [cluster id, caches, connection alive, handle open]
+        self._links: dict[str, dict[Channel, list[int]]] = {}
         self._reserved: dict[str, int] = {}
         self._total = 0  # live links + reservations
+        self._caches: dict[str, int] = {}  # caches in the tables of the links (and reservations)
+        self._caches_total = 0
 
     # -- link accounting ---------------------------------------------------------------------------
     def links(self, source: str | None = None) -> int:
@@ -119,7 +148,7 @@ class HandshakeGate:
     def _reserve(self, source: str, cluster_id: int) -> bool:
         with self._lock:
             mine = self._links.get(source, {})
-            relink = cluster_id in mine.values()
+            relink = any(rec[0] == cluster_id for rec in mine.values())
             if not relink and (self._total >= MAX_LINKS or len(mine)
                                + self._reserved.get(source, 0) >= MAX_LINKS_PER_SOURCE):
                 return False
@@ -127,7 +156,26 @@ class HandshakeGate:
             self._total += 1
             return True
 
-    def _release(self, source: str) -> None:
+    def _charge(self, source: str, caches: int) -> bool:
+        with self._lock:
+            mine = self._caches.get(source, 0)
+            if (mine + caches > MAX_LINKED_CACHES_PER_SOURCE
+                    or self._caches_total + caches > MAX_LINKED_CACHES):
+                return False
+            self._caches[source] = mine + caches
+            self._caches_total += caches
+            return True
+
+    def _uncharge(self, source: str, caches: int) -> None:  # (with the lock)
+        if caches:
+            left = self._caches.get(source, 0) - caches
+            if left > 0:
+                self._caches[source] = left
+            else:
+                self._caches.pop(source, None)
+            self._caches_total -= caches
+
+    def _release(self, source: str, caches: int = 0) -> None:
         with self._lock:
             n = self._reserved.get(source, 0) - 1
             if n > 0:
@@ -135,30 +183,46 @@ class HandshakeGate:
             else:
                 self._reserved.pop(source, None)
             self._total -= 1
+            self._uncharge(source, caches)
 
-    def _attach(self, source: str, chan: Channel, cluster_id: int) -> None:
+    def _attach(self, source: str, chan: Channel, cluster_id: int, caches: int,
+                handle: RemotePeer | None) -> None:
         with self._lock:
             n = self._reserved.get(source, 0) - 1
             if n > 0:
                 self._reserved[source] = n
             else:
                 self._reserved.pop(source, None)
-            self._links.setdefault(source, {})[chan] = cluster_id
-        chan.on_dead = lambda: self._gone(source, chan)
+            self._links.setdefault(source, {})[chan] = [cluster_id, caches, 1,
+                                                        int(handle is not None)]
+        chan.on_dead = lambda: self._gone(source, chan, 2)
         if chan.dead.is_set():
-            self._gone(source, chan)
+            self._gone(source, chan, 2)
+        if handle is not None:
+            handle.on_close = lambda: self._gone(source, chan, 3)
+            if handle.closed:
+                self._gone(source, chan, 3)
 
-    def _gone(self, source: str, chan: Channel) -> None:
+    def _gone(self, source: str, chan: Channel, what: int) -> None:
+        """The connection (``what`` 2) or the handle (3) of a link ended; its place is free when
+        both did."""
         with self._lock:
             mine = self._links.get(source)
-            if mine is None or mine.pop(chan, None) is None:
+            rec = None if mine is None else mine.get(chan)
+            if mine is None or rec is None:
                 return
+            rec[what] = 0
+            if rec[2] or rec[3]:
+                return
+            del mine[chan]
             if not mine:
                 del self._links[source]
             self._total -= 1
+            self._uncharge(source, rec[1])
 
     # -- the workers -------------------------------------------------------------------------------
-    def submit(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,
+    def submit(self, conn: socket.socket, session: Session, ftype: int,
+               payload: bytearray | mmap.mmap,
                source: str) -> bool:
         """Queue a complete hello; False (the caller closes it) when MAX_QUEUED_HELLOS wait."""
         size = len(payload)
@@ -213,16 +277,17 @@ class HandshakeGate:
                     self._queued[job[4]] = (count - 1, nbytes - size)
             self._serve(*job)
 
-    def _serve(self, conn: socket.socket, session: Session, ftype: int, payload: bytearray,
+    def _serve(self, conn: socket.socket, session: Session, ftype: int,
+               payload: bytearray | mmap.mmap,
                source: str) -> None:
         keep = handed = False
         try:
             conn.setblocking(True)
             if ftype == F_HELLO_LINK:
-                keep = serve_link(self.owner, conn, payload, session, Ticket(self, source),
-                                  self._finish)
+                keep = serve_link(self.owner, conn, memoryview(payload), session,
+                                  Ticket(self, source), self._finish)
             elif ftype == F_HELLO_UNLINK:
-                serve_unlink(self.owner, conn, payload, self._finish)
+                serve_unlink(self.owner, conn, memoryview(payload), self._finish)
             else:
                 raise ProtocolError(f"frame type {ftype} instead of a hello")
             handed = True  # a link, or given to ``finish``

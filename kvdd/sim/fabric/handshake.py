@@ -317,12 +317,14 @@ class LinkAdmission(Protocol):
 
     def reserve(self, cluster_id: int) -> str | None: ...  # None: admitted; else why not
 
-    def attach(self, chan: Channel, cluster_id: int) -> None: ...
+    def charge(self, caches: int) -> str | None: ...  # the peer's table; None: within bounds
+
+    def attach(self, chan: Channel, cluster_id: int, handle: RemotePeer | None) -> None: ...
 
     def cancel(self) -> None: ...
 
 
-def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray,
+def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray | memoryview,
                  finish: Callable[[socket.socket], None] | None = None) -> None:
     """The acceptor's side of a non-force unlink (§3.6), from an authenticated peer; the
     connection then goes to ``finish`` (default: :func:`linger` here)."""
@@ -335,7 +337,8 @@ def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray,
     (finish or linger)(conn)
 
 
-def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, session: Session,
+def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray | memoryview,
+               session: Session,
                ticket: LinkAdmission | None = None,
                finish: Callable[[socket.socket], None] | None = None) -> bool:
     """The acceptor's side of a link handshake; True when the connection became a link.
@@ -357,6 +360,15 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
     try:
         force_link = bool(r.u("B"))
         boot_id = r.text() or ""
+        if ticket is not None:  # the table's size, before it is decoded
+            why = ticket.charge(r.u("I"))
+            if why is not None:
+                conn.settimeout(REPLY_TIMEOUT_S)
+                conn.sendall(frame(F_LINK_REPLY, 0, bytes(
+                    Writer().pack("I", Status.LLM_LINK_FAILED).text(why).buf)))
+                finish(conn)
+                return False
+            r.pos -= 4
         snap, addrs = decode_snapshot(r)
         exts = decode_extensions(r)
         r.end()
@@ -415,8 +427,8 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
             return False
         chan.served = mine[1]
         chan.peer_user = True
-        if ticket is not None:
-            ticket.attach(chan, offer.cluster_id)
+        if ticket is not None:  # the link holds its place while our entity or the connection lives
+            ticket.attach(chan, offer.cluster_id, made[0] if made else None)
     chan.start()
     return True
 

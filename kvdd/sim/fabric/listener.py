@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import mmap
 import secrets
 import selectors
 import socket
@@ -57,6 +58,7 @@ DEFER_ACCEPT_S = 1  # TCP_DEFER_ACCEPT: the kernel holds a connection that sent 
 _DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
 _READING_HELLO, _READING_PROOF = 0, 1
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_MMAP_HELLO = 1 << 16  # hellos of at least this many bytes are read into an anonymous mapping
 
 
 class _PreAuth:
@@ -94,7 +96,7 @@ class _Hello:
         self.deadline = time.monotonic() + HELLO_TIMEOUT_S
         self.head = bytearray()
         self.ftype = -1
-        self.body = bytearray()
+        self.body: bytearray | mmap.mmap = bytearray()
         self.got = 0
 
 
@@ -492,5 +494,7 @@ class Listener:
             if biggest is None or len(biggest.body) < length:
                 raise ProtocolError(f"no room for a hello of {length} bytes")
             self._drop(biggest)
-        state.body = bytearray(length)
+        # a big hello gets pages of its own, returned to the system when it is done (from the
+        # heap, hellos allocated here and freed by the workers would keep the process's RSS up)
+        state.body = bytearray(length) if length < _MMAP_HELLO else mmap.mmap(-1, length)
         self._buffered += length

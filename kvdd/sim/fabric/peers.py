@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -133,6 +133,7 @@ class RemotePeer:
         self._addrs = addrs
         self._path = path
         self._closed = False
+        self.on_close: Callable[[], None] | None = None  # the listener's link count (gate.py)
 
     @property
     def data_path(self) -> str:
@@ -320,3 +321,14 @@ class RemotePeer:
                 except Exception:
                     logger.exception("kvdd fabric: closing the %s data path failed", self.data_path)
             self._chan.release_local_user()
+            hook = self.on_close
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("kvdd fabric: the end-of-link hook failed")
+
+    @property
+    def closed(self) -> bool:
+        """True once this end closed the handle (unlink, a replacing link, finalize)."""
+        return self._closed
