@@ -136,8 +136,9 @@ def test_links_from_one_key_holder_are_bounded(victim: Victim, world: World,  # 
     """2,000 link attempts (distinct cluster ids) from one key holder's address: exactly
     MAX_LINKS_PER_SOURCE are made, every other gets LLM_LINK_FAILED naming the bound; the
     victim's threads, fds and RSS stay under the documented bounds; a legitimate peer from
-    another address links meanwhile.  Closing the connections does not free the places (the
-    victim keeps a broken link's entity until it is unlinked); unlinking one frees one."""
+    another address links meanwhile.  The victim keeps a broken link's entity (its connection
+    ended) until it is unlinked; a new link from an address at its bound replaces the oldest
+    broken one, one for one, and never a live one."""
     pid, port = victim_proc.pid, victim.port
     threads0, fds0, rss0 = _threads(pid), _fds(pid), _rss_mib(pid)
     held: list[socket.socket] = []
@@ -172,18 +173,24 @@ def test_links_from_one_key_holder_are_bounded(victim: Victim, world: World,  # 
         for s in held:
             s.close()
     time.sleep(0.5)  # the victim sees the connections end: its entities stay (broken links)
-    status, _detail, s = _raw_link(port, 30000, ATTACKER)
-    s.close()
-    assert status == Status.LLM_LINK_FAILED
-    assert _raw_unlink(port, 20000, ATTACKER) == Status.LLM_SUCCESS  # frees one place
-    status, _detail, s = _raw_link(port, 30000, ATTACKER)
-    s.close()
-    assert status == Status.LLM_SUCCESS
-    status, _detail, s = _raw_link(port, 30001, ATTACKER)  # exactly one
-    s.close()
-    assert status == Status.LLM_LINK_FAILED
-    for cid in (*range(20001, 20000 + MAX_LINKS_PER_SOURCE), 30000):  # leave no entity behind
-        _raw_unlink(port, cid, ATTACKER)
+    keys = set(victim.p.entity_keys())
+    assert {20000 + i for i in range(MAX_LINKS_PER_SOURCE)} <= keys
+    live: list[socket.socket] = []
+    try:  # new links from that address replace its broken ones, oldest first, one for one
+        for i in range(MAX_LINKS_PER_SOURCE):
+            status, _detail, s = _raw_link(port, 30000 + i, ATTACKER)
+            assert status == Status.LLM_SUCCESS, hex(status)
+            live.append(s)
+            keys = set(victim.p.entity_keys())
+            assert 20000 + i not in keys and 20000 + i + 1 in keys | {20000 + MAX_LINKS_PER_SOURCE}
+        status, _detail, s = _raw_link(port, 40000, ATTACKER)  # all live again: one past
+        s.close()
+        assert status == Status.LLM_LINK_FAILED
+    finally:
+        for s in live:
+            s.close()
+    for i in range(MAX_LINKS_PER_SOURCE):  # leave no entity behind
+        _raw_unlink(port, 30000 + i, ATTACKER)
 
 
 @pytest.mark.skipif(not LONG, reason="long profile (KVDD_HOSTILE_PROFILE=long): fills every slot")

@@ -20,7 +20,10 @@ that already has a link from the same address is let through (the engine replace
 as always), so a peer at its bound can still recover its own link.  A link holds its place until
 its connection ended *and* the engine closed our handle on the peer (unlink, a replacing link,
 finalize): a broken link keeps its entity, and the peer's table, until then, so a peer cannot
-make entities without bound by dropping its connections.
+make entities without bound by dropping its connections.  When an address is at its bound (links
+or tables) and has broken links, the oldest of them is dropped to make room (the engine forgets
+it as after the peer's unlink: ``LLM_NOT_YET_LINK`` on it from then on), so a peer that restarts
+under new cluster ids can always link again.
 
 Cache tables: a link keeps the peer's table (its caches visible over the link, decoded into
 objects: about 300 bytes each), so the tables of the links from one address hold at most
@@ -72,6 +75,8 @@ class Ticket:
     def reserve(self, cluster_id: int) -> str | None:
         """Take a link slot for ``cluster_id``; None when taken, else why not (for the reply)."""
         self._reserved = self._gate._reserve(self._source, cluster_id)
+        while not self._reserved and self._gate._forget_broken(self._source):
+            self._reserved = self._gate._reserve(self._source, cluster_id)
         if self._reserved:
             return None
         return (f"the peer accepts at most {MAX_LINKS_PER_SOURCE} links from one address and "
@@ -80,7 +85,10 @@ class Ticket:
     def charge(self, caches: int) -> str | None:
         """Count the peer's table of ``caches`` caches (kept with the link); None when within
         MAX_LINKED_CACHES_PER_SOURCE and MAX_LINKED_CACHES, else why not."""
-        if self._gate._charge(self._source, caches):
+        while not self._gate._charge(self._source, caches):
+            if not self._gate._forget_broken(self._source):
+                break
+        else:
             self._caches = caches
             return None
         return (f"the peer keeps the cache tables of its links from one address up to "
@@ -155,6 +163,20 @@ class HandshakeGate:
             self._reserved[source] = self._reserved.get(source, 0) + 1
             self._total += 1
             return True
+
+    def _forget_broken(self, source: str) -> bool:
+        """Drop the oldest broken link from ``source`` (its connection ended, our entity for the
+        peer remains): the engine forgets it as if the peer had unlinked it.  False when that
+        address has none."""
+        with self._lock:
+            cluster_id = next((rec[0] for rec in self._links.get(source, {}).values()
+                               if not rec[2] and rec[3]), None)
+        if cluster_id is None:
+            return False
+        logger.info("kvdd fabric %s: dropping the broken link of cluster %d from %s to make room",
+                    self._label, cluster_id, source)
+        self.owner.peer_unlinked(cluster_id)
+        return True
 
     def _charge(self, source: str, caches: int) -> bool:
         with self._lock:
