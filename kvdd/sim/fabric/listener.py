@@ -198,7 +198,12 @@ class Listener:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
                     else:
-                        self._step(key.data)
+                        try:
+                            self._step(key.data)
+                        except Exception:  # a bug: log it, drop that connection, go on
+                            logger.exception("kvdd fabric: a connection to %s:%d failed",
+                                             self.ip, self.port)
+                            self._drop(key.data)
                 while self._handback:
                     self._add_drain(self._handback.popleft())
                 if accept and not self._closed:
