@@ -13,13 +13,18 @@
 #      node");
 #   5. runs mypy.stubtest on the compiled modules (installed stubs);
 #   6. builds examples/cpp with -Wall -Wextra -Werror after `source <root>/set_env.sh` and runs
-#      each pair as two processes on loopback, on both transfer backends.
+#      each pair as two processes on loopback, on both transfer backends;
+#   7. builds and runs tests/cann/cann_client.cpp (-Wall -Wextra -Werror) against the root: a C++
+#      client of ge/llm_error_codes.h that hashes a ge::AscendString and compares it with a literal;
+#   8. compiles the binding's build path for a real CANN install (KVDD_TEST_DOUBLE=0): meson
+#      configures against a copy of the root without its marker (headers and libraries only) and
+#      compiles kvdd/_native/_datadist alone (-O0; nothing is installed or run).
 #
 # WORKDIR defaults to a new temporary directory (removed at exit).  Any failing step fails the
 # script; pytest's "no tests collected" (exit 5) is a failure too.  Environment: PYTHON,
 # KVDD_CXX11_ABI (0 or 1, default 0: CANN's setting), KVDD_PYTEST_ARGS (extra pytest arguments,
-# default: -m "not slow"), KVDD_CANN_STRICT_RESERVED (passed through: 1 makes the root refuse
-# structs with non-zero reserved bytes).
+# default: -m "not slow"), KVDD_CANN_STRICT_RESERVED (passed through: 1 turns on kvdd's lint that
+# refuses structs with non-zero reserved bytes; stricter than CANN, which accepts them).
 set -euo pipefail
 
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,20 +97,21 @@ print(info)
 PYCHECK
 "$PY" -m kvdd doctor
 
-step "pytest tests/conformance tests/native with KVDD_BACKEND=native"
+step "pytest tests/conformance tests/native tests/cann/test_binding_data_type.py with KVDD_BACKEND=native"
 if [[ -n "${KVDD_PYTEST_ARGS:-}" ]]; then
   read -r -a extra <<<"$KVDD_PYTEST_ARGS"
 else
   extra=(-m "not slow")
 fi
 KVDD_BACKEND=native run_pytest "$PY" -m pytest -q -p no:cacheprovider -c "$SRC/pyproject.toml" \
-  --rootdir "$SRC" "${extra[@]}" "$SRC/tests/conformance" "$SRC/tests/native"
+  --rootdir "$SRC" "${extra[@]}" "$SRC/tests/conformance" "$SRC/tests/native" \
+  "$SRC/tests/cann/test_binding_data_type.py"
 
 step "pytest tests/conformance as on an Atlas node: native peers in other processes, ACL memory"
 # Peers of the backend under test in their own processes (one instance each, NPU ids from
 # KVDD_TEST_DEVICE_IDS), every cache in aclrtMalloc memory of the root's libascendcl.so, listen
 # ports chosen beforehand (the port-0 hook of the root is switched off), and the root refusing
-# structs with non-zero reserved bytes.
+# structs with non-zero reserved bytes (kvdd's lint, stricter than CANN).
 KVDD_BACKEND=native KVDD_PEER=process KVDD_TESTDOUBLE_PORT_HOOK=0 KVDD_CANN_STRICT_RESERVED=1 \
   run_pytest "$PY" -m pytest -q -p no:cacheprovider -c "$SRC/pyproject.toml" --rootdir "$SRC" \
   -rs "${extra[@]}" "$SRC/tests/conformance"
@@ -116,5 +122,31 @@ step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xpro
 
 step "C++ examples (examples/cpp) against the simulated root, both transfer backends"
 bash "$SRC/examples/cpp/run_pairs.sh" "$WORK/examples-cpp"
+
+step "a C++ client of ge/llm_error_codes.h and ge::AscendString against the root"
+# shellcheck disable=SC2086
+"${CXX:-g++}" -std=c++17 "-D_GLIBCXX_USE_CXX11_ABI=$ABI" -Wall -Wextra -Werror \
+  -I"$ASCEND_HOME_PATH/include" "$SRC/tests/cann/cann_client.cpp" -L"$ASCEND_HOME_PATH/lib64" \
+  -lmetadef -o "$WORK/cann_client"
+"$WORK/cann_client"
+
+step "compile the build path for a real CANN install (KVDD_TEST_DOUBLE=0, the root without its marker)"
+# A real install has no kvdd_simulated_root: meson must take the CANN branch (no test-double
+# define, no test-double hooks), and the binding must compile there too.
+REAL="$WORK/cann-root-unmarked"
+rm -rf "$REAL" "$WORK/real-build"
+mkdir -p "$REAL"
+cp -a "$ROOT/include" "$ROOT/lib64" "$REAL/"
+"$PY" -m pip install -q meson ninja "Cython>=3.0.8"
+env -u ASCEND_HOME_PATH "$VENV/bin/meson" setup "$WORK/real-build" "$SRC" --buildtype=plain \
+  "-Dascend-home=$REAL" -Dnative=enabled "-Dcxx11-abi=$ABI" >"$WORK/real-build.log" \
+  || { cat "$WORK/real-build.log"; exit 1; }
+grep -q "^NATIVE_BUILT: bool = True" "$WORK/real-build/kvdd/_build_config.py" \
+  && grep -q "^NATIVE_TEST_DOUBLE: bool = False" "$WORK/real-build/kvdd/_build_config.py" \
+  || { echo "native: the unmarked root was taken for a simulated one" >&2; exit 1; }
+target=$("$VENV/bin/ninja" -C "$WORK/real-build" -t targets all \
+  | grep -o '^kvdd/_native/_datadist[^:]*\.so' | head -n 1)
+[[ -n "$target" ]] || { echo "native: no _datadist target in the real-install build" >&2; exit 1; }
+"$VENV/bin/ninja" -C "$WORK/real-build" "$target"
 
 echo "native: all steps passed"

@@ -1,7 +1,7 @@
 # prefill.py: listens, registers a cache, waits for decode to pull, then exits
 import sys, numpy as np, kvdd
 from kvdd import CacheDesc, DataType
-from kvdd.sim.fabric import SecretError, load_secret
+from kvdd.secret import SecretError, load_secret
 
 try:  # the secret decode's link must prove: check it now, not when decode connects
     load_secret()

@@ -8,7 +8,12 @@ anywhere).
 
 from __future__ import annotations
 
-from ._version import __version__
+from ._checkout import compiled_problem as _compiled_problem
+
+if (_problem := _compiled_problem()) is not None:  # a source checkout: no compiled modules
+    raise ImportError(_problem, name="kvdd")  # name: `python -m kvdd` prints it as one line
+
+from ._version import __version__  # noqa: E402
 from .backend import Backend, available_backends
 from .datadist import LlmDataDist
 from .memory import TensorAddrs, tensor_addrs

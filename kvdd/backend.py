@@ -174,6 +174,28 @@ def backend_problem(name: str) -> str | None:
     return None
 
 
+def link_data_path(backend: Backend, remote_cluster_id: int) -> str | None:
+    """How ``backend``'s link to ``remote_cluster_id`` moves bytes (introspection, e.g. for benchmarks).
+
+    Parameters
+    ----------
+    backend : Backend
+        :attr:`kvdd.LlmDataDist.backend`.
+    remote_cluster_id : int
+        The linked peer's cluster id.
+
+    Returns
+    -------
+    str or None
+        The simulator's ``"in_process"`` (a peer in this process: the copy kernels),
+        ``"process_vm"`` (another process on this host: process_vm_readv/writev) or ``"tcp"``
+        (docs/backends.md); None when there is no such link or the backend does not say (native).
+    """
+    getter = getattr(backend, "link_data_path", None)
+    path = getter(remote_cluster_id) if callable(getter) else None
+    return path if isinstance(path, str) else None
+
+
 def available_backends() -> tuple[str, ...]:
     """Names of the backends usable in this installation, e.g. ``('sim',)`` or ``('sim', 'native')``."""
     return tuple(name for name in BACKEND_NAMES if backend_problem(name) is None)

@@ -95,12 +95,16 @@ def _doctor_ascend_node() -> str:
 
 
 def _doctor_default_backend() -> str:
-    from .backend import resolve_backend_name
+    from .backend import ENV_VAR, backend_problem, resolve_backend_name
 
     try:
-        return resolve_backend_name(None)
+        name = resolve_backend_name(None)
     except (ImportError, ValueError) as exc:
         return f"nothing ({exc})"
+    why = f"${ENV_VAR}={name}" if os.environ.get(ENV_VAR) else "automatic"
+    if backend_problem(name) is not None:
+        return f"{name} ({why}), which is unusable here (see 'backend {name}' above)"
+    return f"{name} ({why})"
 
 
 def _doctor_copy_kernels() -> str:
@@ -120,9 +124,15 @@ def _doctor_cann_root() -> str | list[str]:
     return simulated_root_status() or "none in use"
 
 
+def _doctor_llm_datadist() -> str:
+    from .cann import llm_datadist_status
+
+    return llm_datadist_status()
+
+
 def _doctor_fabric_secret() -> str:
     try:
-        from .sim.fabric.auth import describe_secret
+        from .secret import describe_secret
     except ImportError as exc:
         return f"unavailable ({exc})"
     return describe_secret()  # where it comes from, never the secret; whether auth is off
@@ -144,7 +154,8 @@ DOCTOR_LINES: list[tuple[str, DoctorLine]] = [
     ("backend native", _doctor_backend("native")),
     ("looks like an Ascend node", _doctor_ascend_node),
     ("simulated CANN root", _doctor_cann_root),
-    ("backend=None selects", _doctor_default_backend),
+    ("default backend (backend=None, --backend auto)", _doctor_default_backend),
+    ("import llm_datadist loads", _doctor_llm_datadist),
     ("copy kernels", _doctor_copy_kernels),
     ("fabric secret", _doctor_fabric_secret),
     ("same-host links", _doctor_samehost),
@@ -165,7 +176,7 @@ def _doctor(args: argparse.Namespace) -> int:
 # ---- demo and bench --------------------------------------------------------------------------
 
 def _fabric_secret(args: argparse.Namespace) -> int:
-    from .sim.fabric.auth import generate_secret
+    from .secret import generate_secret
 
     print(generate_secret())
     return 0
@@ -202,6 +213,7 @@ def _add_job(sub: Any, name: str, module: str, help: str, description: str,
     # The job's options come from its module, which needs kvdd's compiled modules; when they do
     # not load, the command stays listed and says why when run (doctor still works).
     parser = sub.add_parser(name, help=help, description=description)
+    _add_verbose(parser)
     try:
         add_arguments = getattr(importlib.import_module(module), f"add_{name}_arguments")
     except ImportError as exc:
@@ -209,6 +221,14 @@ def _add_job(sub: Any, name: str, module: str, help: str, description: str,
         return
     add_arguments(parser)
     parser.set_defaults(func=run)
+
+
+VERBOSE_HELP = "log what kvdd does on stderr (-v: info, -vv: debug, every call with its status and time)"
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    # -v also after the subcommand (kvdd demo -v); counted together with the one before it
+    parser.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0, help=VERBOSE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,18 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
         and their ``func`` explains the problem.
     """
     parser = argparse.ArgumentParser(prog="kvdd", description=DESCRIPTION)
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log what kvdd does on stderr (-v: info, -vv: debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    parser.add_argument("--version", action="version", version=f"kvdd {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = sub.add_parser(
         "doctor", help="which backends are built and usable here, and why not",
         description="Say which kvdd backends this installation has and can use here, and why not.")
+    _add_verbose(doctor)
     doctor.set_defaults(func=_doctor)
     secret = sub.add_parser(
         "fabric-secret", help="print a new secret for KVDD_FABRIC_SECRET (links across hosts)",
         description="Print 32 random bytes as hex for KVDD_FABRIC_SECRET, or for a file (mode 0600) "
                     "named by KVDD_FABRIC_SECRET_FILE, on every host whose instances link "
                     "(docs/security.md).")
+    _add_verbose(secret)
     secret.set_defaults(func=_fabric_secret)
     _add_job(
         sub, "demo", "kvdd.demo",
@@ -261,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "package) whose libllm_datadist.so and libascendcl.so are kvdd's simulator, so "
                     "C++ programs written for LLM-DataDist build and run without an NPU. Compiles "
                     "the libraries with the system C/C++ compiler.")
+    _add_verbose(cann_root)
     add_cann_root_arguments(cann_root)
     cann_root.set_defaults(func=_cann_root)
     return parser
@@ -268,36 +291,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- errors ----------------------------------------------------------------------------------
 
-def _source_checkout(package_dir: str) -> str | None:
-    """The checkout root when ``package_dir`` is kvdd's source tree (not an installed copy)."""
-    root = os.path.dirname(package_dir)
-    if os.path.isfile(os.path.join(root, "meson.build")) and os.path.isfile(
-            os.path.join(root, "pyproject.toml")):
-        return root
-    return None
+#: The commands that run simulator instances (KVDD_SIM_FAULTS is checked before they start).
+SIM_COMMANDS = ("demo", "bench")
+
+
+class _FaultSpecError(ValueError):
+    """Stands for :class:`kvdd.sim.faults.FaultSpecError` when it cannot be imported."""
+
+
+try:
+    from .sim.faults.envspec import FaultSpecError as _FaultSpecError  # type: ignore[assignment]  # noqa: F811
+except ImportError:  # a kvdd without its compiled modules: the ImportError handler reports that
+    pass
+
+
+def _faults_problem() -> str | None:
+    try:
+        from .sim.faults.envspec import check_env
+    except ImportError:
+        return None
+    return check_env()
+
+
+def _version() -> str:
+    try:
+        from ._version import __version__
+    except ImportError:  # pragma: no cover - _version is pure Python
+        return "unknown"
+    return __version__
 
 
 def _import_problem(exc: ImportError) -> str:
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    root = _source_checkout(package_dir)
-    if root is not None and not _has_compiled_modules(package_dir):
-        return (
-            f"Python imported kvdd from the source checkout {root}, which has no compiled "
-            "modules, instead of the installed package (the current directory comes first on "
-            "sys.path for `python -m`). Run the installed `kvdd` command, or run from another "
-            "directory, or install in editable mode (pip install --no-build-isolation -e .)."
-        )
+    from ._checkout import source_tree_problem
+
+    problem = source_tree_problem(os.path.dirname(os.path.abspath(__file__)))
+    if problem is not None:
+        return problem
     return (f"kvdd cannot load a module it needs ({exc}). Reinstall kvdd (pip install .) in "
             "this environment; `kvdd doctor` says what this installation has.")
-
-
-def _has_compiled_modules(package_dir: str) -> bool:
-    native = os.path.join(package_dir, "_native")
-    try:
-        return any(name.startswith("_copy.") and name.endswith((".so", ".pyd"))
-                   for name in os.listdir(native))
-    except OSError:
-        return False
 
 
 def _fail(message: str, status: int) -> int:
@@ -325,13 +356,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "any_arguments", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        if args.verbose:  # the library configures no logging; the command line may
-            logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+        verbose = args.verbose + getattr(args, "sub_verbose", 0)
+        if verbose:  # the library configures no logging; the command line may
+            logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO,
                                 format="%(name)s: %(levelname)s: %(message)s")
+        if args.command in SIM_COMMANDS:  # KVDD_SIM_FAULTS: one line before anything runs
+            problem = _faults_problem()
+            if problem is not None:
+                return _fail(problem, EXIT_USAGE)
         result: int = args.func(args)
         return result
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_INTERRUPTED)
+    except _FaultSpecError as exc:  # KVDD_SIM_FAULTS read by a simulator instance (library code)
+        return _fail(str(exc), EXIT_USAGE)
     except BrokenPipeError:  # `kvdd ... | head`: the reader left; stop writing quietly
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

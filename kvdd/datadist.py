@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from .backend import Backend, FastTransfers, create_backend, fast_transfers, resolve_backend_name
+from .calllog import DEBUG, cache_bytes, is_enabled, peer_of, peers_of, traced, tracing, transfer_bytes
 from .calls import DEFAULT_EXT, check_clusters, check_tensor_sizes, check_type, ext_or_default, raise_status
 from .memory import TensorAddrs
 from .options import check_options
@@ -66,7 +67,10 @@ class LlmDataDist(UnsupportedCalls):
     -----
     Every method raises the :class:`LLMError` subclass of the status the C++ call returns
     (docs/spec/SEMANTICS.md §3), ``TypeError``/``ValueError`` for arguments that do not fit the C++
-    types.  Use as a context manager: leaving the block calls :meth:`finalize`.
+    types.  Use as a context manager: leaving the block calls :meth:`finalize`.  An instance that
+    becomes unreachable without :meth:`finalize` is torn down as Finalize does, as upstream's
+    destructor does (docs/spec/SEMANTICS.md §3.1): its listen port closes at once (for a reference
+    cycle, when it is collected), its links and registrations are dropped soon after.
     """
 
     def __init__(self, cluster_id: int, role: int, *, backend: str | None = None) -> None:
@@ -76,6 +80,8 @@ class LlmDataDist(UnsupportedCalls):
         self._backend: Backend = create_backend(self._backend_name, self._cluster_id, self._role)
         # the backend's compiled path for common transfers, tried before the checked path
         self._fast: FastTransfers | None = fast_transfers(self._backend)
+        # registered here: cache id -> (stride, num_tensors), for the bytes of DEBUG call records
+        self._geometry: dict[int, tuple[int, int]] = {}
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -173,6 +179,8 @@ class LlmDataDist(UnsupportedCalls):
         -----
         A second call on an initialized instance succeeds and ignores its options.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("Initialize", self._cluster_id, None, None, self.initialize, options)
         opts = check_options(options)
         status = self._backend.initialize(opts)
         if status:
@@ -183,7 +191,10 @@ class LlmDataDist(UnsupportedCalls):
 
         Safe to call twice; never raises for a status (upstream's Finalize returns none).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("Finalize", self._cluster_id, None, None, self.finalize)
         self._backend.finalize()
+        self._geometry.clear()
 
     def set_role(self, role: int, options: Mapping[str, str] | None = None) -> None:
         """Change the role and listen address [SetRole, docs/spec/SEMANTICS.md §3.4].
@@ -206,6 +217,8 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("SetRole", self._cluster_id, None, None, self.set_role, role, options)
         role = check_int("role", role, INT32)
         opts = check_options(options)
         status = self._backend.set_role(role, opts)
@@ -235,6 +248,9 @@ class LlmDataDist(UnsupportedCalls):
             every cluster's status (``[]`` when the call failed before the per-cluster phase):
             LLMLinkFailedError, LLMAlreadyLinkError, LLMParamInvalidError, ...
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("LinkLlmClusters", self._cluster_id, peers_of(clusters), None,
+                          self.link_llm_clusters, clusters, timeout_ms)
         cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         status, rets = self._backend.link_llm_clusters(cl, timeout_ms)
@@ -267,6 +283,9 @@ class LlmDataDist(UnsupportedCalls):
             cannot be reached for a non-force unlink, LLMParamInvalidError for a non-positive timeout
             or an empty list.  Unlinking a cluster that was never linked succeeds.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("UnlinkLlmClusters", self._cluster_id, peers_of(clusters), None,
+                          self.unlink_llm_clusters, clusters, timeout_ms, force)
         cl = check_clusters(clusters)
         timeout_ms = check_int("timeout_ms", timeout_ms, INT32)
         if not isinstance(force, bool):
@@ -311,6 +330,9 @@ class LlmDataDist(UnsupportedCalls):
         -----
         Register before linking: a cache registered after a link is invisible over it (§2.4).
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("RegisterKvCache", self._cluster_id, None, cache_bytes(cache_desc),
+                          self.register_kv_cache, cache_desc, addrs, cfg)
         check_type("cache_desc", cache_desc, CacheDesc)
         checked = check_int_seq("addrs", addrs, UINT64)
         if cfg is None:
@@ -322,6 +344,10 @@ class LlmDataDist(UnsupportedCalls):
         status, cache_id = self._backend.register_kv_cache(cache_desc, passed, cfg)
         if status:
             raise_status(self._backend, status, "RegisterKvCache")
+        try:
+            self._geometry[cache_id] = (cache_desc.tensor_nbytes // cache_desc.shape[0], cache_desc.num_tensors)
+        except (ValueError, ZeroDivisionError, IndexError):  # a shape the backend accepted as it is
+            pass
         return cache_id
 
     def unregister_kv_cache(self, cache_id: int) -> None:
@@ -337,10 +363,14 @@ class LlmDataDist(UnsupportedCalls):
         LLMError
             LLM_FAILED when not initialized.
         """
+        if is_enabled(DEBUG) and not tracing():
+            return traced("UnregisterKvCache", self._cluster_id, None, None,
+                          self.unregister_kv_cache, cache_id)
         cache_id = check_int("cache_id", cache_id, INT64)
         status = self._backend.unregister_kv_cache(cache_id)
         if status:
             raise_status(self._backend, status, "UnregisterKvCache")
+        self._geometry.pop(cache_id, None)
 
     # -- transfers --------------------------------------------------------------------------
     def pull_kv_cache(self, src_cache_index: CacheIndex, dst_cache: Cache, batch_index: int = 0,
@@ -380,6 +410,10 @@ class LlmDataDist(UnsupportedCalls):
         fast = self._fast
         if fast is not None and fast.pull_kv_cache(src_cache_index, dst_cache, batch_index, size, ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PullKvCache", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, None, size, ext_param, 1),
+                          self.pull_kv_cache, src_cache_index, dst_cache, batch_index, size, ext_param)
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         batch_index = check_int("batch_index", batch_index, UINT32)
@@ -414,6 +448,10 @@ class LlmDataDist(UnsupportedCalls):
         if fast is not None and fast.pull_kv_blocks(src_cache_index, dst_cache, src_blocks, dst_blocks,
                                                     ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PullKvBlocks", self._cluster_id, peer_of(src_cache_index),
+                          transfer_bytes(self._geometry, dst_cache, dst_blocks, None, ext_param, 1),
+                          self.pull_kv_blocks, src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param)
         check_type("src_cache_index", src_cache_index, CacheIndex)
         check_type("dst_cache", dst_cache, Cache)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
@@ -453,6 +491,10 @@ class LlmDataDist(UnsupportedCalls):
         fast = self._fast
         if fast is not None and fast.push_kv_cache(src_cache, dst_cache_index, src_batch_index, size, ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PushKvCache", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, None, size, ext_param, 0),
+                          self.push_kv_cache, src_cache, dst_cache_index, src_batch_index, size, ext_param)
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src_batch_index = check_int("src_batch_index", src_batch_index, UINT32)
@@ -487,6 +529,10 @@ class LlmDataDist(UnsupportedCalls):
         if fast is not None and fast.push_kv_blocks(src_cache, dst_cache_index, src_blocks, dst_blocks,
                                                     ext_param):
             return
+        if is_enabled(DEBUG) and not tracing():  # (the compiled path declines while DEBUG is on)
+            return traced("PushKvBlocks", self._cluster_id, peer_of(dst_cache_index),
+                          transfer_bytes(self._geometry, src_cache, src_blocks, None, ext_param, 0),
+                          self.push_kv_blocks, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param)
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache_index", dst_cache_index, CacheIndex)
         src = check_int_seq("src_blocks", src_blocks, UINT64)
@@ -495,3 +541,4 @@ class LlmDataDist(UnsupportedCalls):
         status = self._backend.push_kv_blocks(src_cache, dst_cache_index, src, dst, ext)
         if status:
             raise_status(self._backend, status, "PushKvBlocks")
+

@@ -116,6 +116,29 @@ class DataType(enum.IntEnum):
             return None if attr is None else np.dtype(attr)
         return None
 
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy (or ml_dtypes) dtype, for typed code: :attr:`numpy_dtype` without the None.
+
+        Returns
+        -------
+        numpy.dtype
+            ``np.dtype(np.float16)`` for DT_FLOAT16, ``ml_dtypes.bfloat16`` for DT_BF16, ...
+
+        Raises
+        ------
+        ValueError
+            The type has no numpy dtype (sub-byte types such as DT_INT4, DT_UNDEFINED, ...); the
+            message names it and its element size.
+        """
+        dt = self.numpy_dtype
+        if dt is None:
+            bits = self.itemsize_bits
+            size = "no element size" if bits is None else f"{bits}-bit elements"
+            raise ValueError(f"{self.name} has no numpy dtype ({size}); use numpy_dtype, which is None "
+                             "for such types, or allocate bytes (np.uint8)")
+        return dt
+
 
 def element_size(data_type: int) -> int | tuple[str, int] | None:
     """Element size of a raw dtype value (docs/spec/SEMANTICS.md §5).

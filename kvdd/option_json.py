@@ -207,7 +207,11 @@ def adxl_engine_config(text: str) -> None:
         if m is None or not -(2**31) <= int(m.group(1)) < 2**31:
             raise ValueError("channel_pool.max_channel is not an int32")
         max_channel = int(m.group(1))
-        if not 0 < max_channel <= _MAX_CHANNEL:
+        # max_channel needs both waterlines, and below 3 channels they leave none between them:
+        # that rule refuses what this one does (so weakening this one changes nothing)
+        if max_channel < 1:  # mutation: equivalent
+            raise ValueError(f"channel_pool.max_channel must be in [1, {_MAX_CHANNEL}]")
+        if max_channel > _MAX_CHANNEL:
             raise ValueError(f"channel_pool.max_channel must be in [1, {_MAX_CHANNEL}]")
     ratios: list[float] = []
     for name in ("channel_pool.high_waterline", "channel_pool.low_waterline"):

@@ -11,6 +11,8 @@ table; the native backend leaves parsing to the real library.  A failing parse r
 
 from __future__ import annotations
 
+import difflib
+import logging
 import re
 import socket
 from collections.abc import Callable, Mapping
@@ -45,6 +47,8 @@ __all__ = [
     "parse_option",
     "to_number",
     "check_options",
+    "known_option_keys",
+    "warn_option_mistakes",
     "parse_device_id",
     "parse_listen_ip_info",
     "parse_sync_wait_time",
@@ -96,7 +100,43 @@ def check_options(options: object, name: str = "options") -> dict[str, str]:
         if not isinstance(value, str):
             raise TypeError(f"{name}[{key!r}] must be str, got {type(value).__name__}")
         out[key] = value
+    warn_option_mistakes(out)
     return out
+
+
+_log = logging.getLogger(__name__)
+
+
+def known_option_keys() -> frozenset[str]:
+    """Every option key some upstream component reads (:data:`OPTION_RULES` and the
+    ``OPTION_*`` constants)."""
+    return frozenset({r.key for r in OPTION_RULES} | {v for k, v in globals().items()
+                                                       if k.startswith("OPTION_") and isinstance(v, str)})
+
+
+def warn_option_mistakes(options: Mapping[str, str]) -> None:
+    """Log a warning for what upstream accepts in silence but is most likely a mistake.
+
+    * a key no component reads that is close to one that is read (``llm.DevceId``): upstream
+      ignores it, so the call keeps its status; the warning names the closest known key
+      (:func:`difflib.get_close_matches`);
+    * an ``llm.ListenIpInfo`` port above 65535: accepted upstream (SEMANTICS.md §3.2 step 4),
+      the socket layer keeps its low 16 bits.
+    """
+    known = known_option_keys()
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+            if close:
+                _log.warning("option %r is not one LLM-DataDist reads (ignored, as upstream does); "
+                             "did you mean %r?", key, close[0])
+    listen = options.get(OPTION_LISTEN_IP_INFO)
+    if listen is not None:
+        port_text = listen.rsplit(":", 1)[-1].strip()
+        if port_text.isdigit() and 65535 < int(port_text) <= 0xFFFFFFFF:
+            _log.warning("%s port %s is above 65535: accepted, as upstream does, but the socket "
+                         "uses its low 16 bits (port %d)", OPTION_LISTEN_IP_INFO, port_text,
+                         int(port_text) & 0xFFFF)
 
 
 # -- ToNumber ------------------------------------------------------------------------------------

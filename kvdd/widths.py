@@ -56,7 +56,8 @@ def check_int(name: str, value: object, width: tuple[int, int]) -> int:
     ValueError
         ``value`` does not fit the C++ field; the message names the C++ type and its range.
     """
-    if type(value) is int and width[0] <= value <= width[1]:  # fast path (bool is not int here)
+    # fast path (bool is not int here); the checks below give the same answers
+    if type(value) is int and width[0] <= value <= width[1]:  # mutation: equivalent
         return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not bool")
@@ -98,9 +99,9 @@ def check_int_seq(name: str, value: object, width: tuple[int, int]) -> tuple[int
     """
     if type(value) is list:  # one snapshot: the items checked are the items returned, even
         value = tuple(value)  # when another thread changes the list meanwhile
-    if ints_within(value, width[0], width[1]):
-        # fast path, one pass in C: a list or tuple of plain ints within the width (e.g. the
-        # 1024 block ids of a block-table pull)
+    # fast path, one pass in C: a list or tuple of plain ints within the width (e.g. the 1024
+    # block ids of a block-table pull); the checks below give the same answers
+    if ints_within(value, width[0], width[1]):  # mutation: equivalent
         return value  # type: ignore[return-value]
     if isinstance(value, np.ndarray):
         if value.ndim != 1:

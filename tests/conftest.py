@@ -18,14 +18,11 @@ os.environ.setdefault("PYTHONSAFEPATH", "1")
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import kvdd._native._copy  # noqa: F401
-    except ImportError as exc:
-        import kvdd
-
-        where = Path(kvdd.__file__).parent
+    except ImportError as exc:  # kvdd's own one line (from a source checkout) or what is missing
         raise pytest.UsageError(
-            f"kvdd is imported from {where} without its compiled modules ({exc}). Install it "
-            "(pip install '.[test]') and run the `pytest` command, not `python -m pytest`, which "
-            "puts the source tree first on sys.path; or use an editable install "
+            f"{exc}" if "source directory" in str(exc) else
+            f"kvdd cannot load its compiled modules ({exc}). Install it (pip install '.[test]') and "
+            "run the `pytest` command, or use an editable install "
             "(pip install --no-build-isolation -e '.[test]')."
         ) from None
 
@@ -55,6 +52,20 @@ def python_path_only() -> Iterator[None]:
     from kvdd.sim import _fastpath
 
     prev = _fastpath.set_enabled(False)
+    try:
+        yield
+    finally:
+        _fastpath.set_enabled(prev)
+
+
+@pytest.fixture
+def compiled_path_on() -> Iterator[None]:
+    """The simulator's compiled in-process transfer path on for one test, whatever
+    ``KVDD_SIM_FAST_PATH`` says: tests of that path itself use it, so the whole suite passes with
+    the variable set to 0 as well as without it (kvdd.sim._fastpath)."""
+    from kvdd.sim import _fastpath
+
+    prev = _fastpath.set_enabled(True)
     try:
         yield
     finally:

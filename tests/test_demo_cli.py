@@ -99,6 +99,7 @@ def test_cli_decode_that_reached_the_prefill_reports_the_run(capsys: pytest.Capt
     ready: list[Any] = []
     event = threading.Event()
     errors: list[BaseException] = []
+    cancel = threading.Event()
 
     def on_ready(info: Any) -> None:
         ready.append(info)
@@ -106,8 +107,8 @@ def test_cli_decode_that_reached_the_prefill_reports_the_run(capsys: pytest.Capt
 
     def prefill() -> None:
         try:
-            run_prefill(quick(), on_ready)
-        except BaseException as exc:  # the geometry disagreement, checked below
+            run_prefill(quick(), on_ready, cancel=cancel)
+        except BaseException as exc:  # stopped by cancel: it refused the mismatched decode side
             errors.append(exc)
             event.set()
 
@@ -117,15 +118,20 @@ def test_cli_decode_that_reached_the_prefill_reports_the_run(capsys: pytest.Capt
     host, port = ready[0].listen
     rc = cli_main(["demo", "--role", "decode", "--quick", "--tokens", "128", "--no-progress",
                    "--connect", f"{host}:{port}", "--control-port", str(ready[0].control[1])])
+    assert thread.is_alive()  # the prefill side refused that decode side and keeps waiting
+    cancel.set()
     thread.join(30)
     captured = capsys.readouterr()
     assert rc == 1
     lines = captured.out.splitlines()
-    assert lines[0] == "kvdd demo: Qwen2.5-7B KV cache, prefill -> decode, every byte verified"
+    assert lines[0] == "kvdd demo: Qwen2.5-7B KV cache, prefill -> decode; verifies every byte"
     assert "  (no transfer ran)" in lines
-    assert lines[-1].startswith("FAILED: prefill side failed: the two sides disagree on the geometry")
-    assert captured.err.splitlines() == ["kvdd demo: " + lines[-1]]  # stdout is no terminal here
-    assert len(errors) == 1 and "disagree" in str(errors[0])
+    assert lines[-1].startswith("FAILED: the prefill side refused this one: the two sides disagree on the geometry")
+    # stdout is no terminal here; the prefill side (a thread of this process) warns on stderr too
+    err = captured.err.splitlines()
+    assert [x for x in err if not x.startswith("kvdd demo [prefill] warning: refused decode")] == [
+        "kvdd demo: " + lines[-1]]
+    assert len(errors) == 1 and "gave up" in str(errors[0])
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -175,6 +181,7 @@ def test_quick_demo_two_commands(transfer_backend: str) -> None:
         assert [t["name"] for t in doc["transfers"]] == TRANSFERS
         out, err = prefill.communicate(timeout=60)
         assert prefill.returncode == 0, err
+        assert out.count("\n") == 1  # the ready line was read above; the result is one line too
         result = json.loads(out)
         assert result["event"] == "result" and result["ok"] is True
         assert result["prefill"]["source_intact"] is True

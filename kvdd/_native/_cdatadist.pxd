@@ -92,7 +92,7 @@ cdef extern from "llm_datadist/llm_datadist.h" namespace "llm_datadist" nogil:
     const char OPTION_GLOBAL_RESOURCE_CONFIG[]
 
     # Statuses (constexpr Status): the 18 codes llm_datadist.h defines (VENDOR.md).  The other
-    # twelve codes of kvdd.Status live only as ge::LLM_* in llm_datadist/llm_error_codes.h, which
+    # twelve codes of kvdd.Status live only as ge::LLM_* in ge/llm_error_codes.h, which
     # llm_datadist.h does not include: declaring them here would break a real build on first use.
     const Status LLM_SUCCESS
     const Status LLM_FAILED

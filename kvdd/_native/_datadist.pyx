@@ -37,6 +37,7 @@ from kvdd._native._cdatadist cimport (
     CachePlacement,
     ClusterInfo,
     DataType,
+    DT_UNDEFINED,
     IpInfo,
     KvCacheExtParam,
     LLM_FAILED,

@@ -10,6 +10,8 @@ _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
+cdef enum:
+    _DT_MAX = 43  # ge::DT_MAX, itself an enumerator
 
 
 cdef object _as_int(object value, str name, object lo, object hi, str ctype):
@@ -94,12 +96,21 @@ cdef int _fill_u64_vector(vector[uint64_t]& out, object values, str name) except
     return 0
 
 
+cdef inline bint _is_data_type_enumerator(int32_t value) noexcept:
+    """An enumerator of ge::DataType: 0..4 and 6..DT_MAX (43) (SEMANTICS.md §5, VENDOR.md)."""
+    return 0 <= value <= _DT_MAX and value != 5
+
+
 cdef int _fill_cache_desc(CacheDesc& out, object desc, str name) except -1:
-    # Out-of-enum values (API.md: placement any uint32, data_type any int32) go through the
-    # enums' integer types unchanged.
+    # placement: an enum class over uint32_t, so any uint32 is a valid value (API.md).  data_type:
+    # a plain enum, and converting an integer that is no enumerator into it is undefined (VENDOR.md):
+    # such a value becomes DT_UNDEFINED, which the library refuses with LLM_PARAM_INVALID at the
+    # very check that refuses the original (RegisterKvCache step 8, after the cache id is
+    # consumed, SEMANTICS.md §3.7), so the check order and the status stay upstream's.
     out.placement = <CachePlacement>_u32(desc.placement, f"{name}.placement")
     out.num_tensors = _u32(desc.num_tensors, f"{name}.num_tensors")
-    out.data_type = <DataType>_i32(desc.data_type, f"{name}.data_type")
+    cdef int32_t data_type = _i32(desc.data_type, f"{name}.data_type")
+    out.data_type = <DataType>data_type if _is_data_type_enumerator(data_type) else DT_UNDEFINED
     for i, dim in enumerate(desc.shape):
         out.shape.push_back(_i64(dim, f"{name}.shape[{i}]"))
     return 0

@@ -207,7 +207,7 @@ cdef void _run(_Job *job) noexcept nogil:
         # move the batch, resuming after partial transfers
         i = 0
         while i < n:
-            # the deadline right before every system call (issue #11 F4): a reader delayed before
+            # the deadline right before every system call: a reader delayed before
             # this point starts no copy once its lease is over
             if job.deadline >= 0 and _now_ns() > job.deadline:
                 job.timed_out = True

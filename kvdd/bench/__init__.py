@@ -46,7 +46,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._native import _copy
@@ -54,7 +54,8 @@ from ..models import BLOCK_TOKENS
 from .baselines import LIMIT_NAMES, STREAM_THRESHOLD, StreamingMemcpy
 from .harness import LoadMonitor, Row, environment
 from .overhead import measure_overhead
-from .report import print_report
+from .package import measure_package
+from .report import print_footer, print_machine, print_section
 from .targets import DEFAULT_SCALES, PER_LAYER_TOKENS, QUICK_SCALES, judge, measure_targets
 from .transfers import DEFAULT_GEOMETRIES, GEOMETRIES, KINDS, BenchGeometry, measure_transfers
 from .xproc import (
@@ -72,9 +73,11 @@ __all__ = [
     "SCHEMA",
     "BenchGeometry",
     "add_bench_arguments",
+    "geometry_names",
     "main",
     "measure_cross_process",
     "measure_overhead",
+    "measure_package",
     "measure_targets",
     "measure_transfers",
     "run",
@@ -93,7 +96,8 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
                     help="1024-token requests, short time budget (1-2 minutes on 2 cores with every section)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     ap.add_argument("--geometries", default=",".join(DEFAULT_GEOMETRIES),
-                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)} (default: all but "
+                    help=f"comma-separated subset of: {', '.join(GEOMETRIES)}, or model names as the demo "
+                         f"spells them (Qwen2.5-7B, DeepSeek-V3: both its caches; any case) (default: all but "
                          f"{', '.join(g for g in GEOMETRIES if g not in DEFAULT_GEOMETRIES)})")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of: {', '.join(KINDS)}")
     ap.add_argument("--tokens", type=int,
@@ -108,7 +112,7 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     tg = ap.add_mutually_exclusive_group()
     tg.add_argument("--targets", action="store_true",
                     help="measure only the targets section (the copy kernels against the best of numpy.copyto "
-                         "and glibc's streaming memcpy, 1 and 2 threads, on the workloads of issue 15); a plain "
+                         "and glibc's streaming memcpy, 1 and 2 threads, on the workloads the kernel targets name); a plain "
                          "run includes it")
     tg.add_argument("--no-targets", action="store_true", help="leave the targets section out")
     ap.add_argument("--scales", help=f"MiB per call of the targets' single-tensor rows, comma-separated (default "
@@ -121,6 +125,12 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
                          "paths against process_vm_readv, memcpy and a raw loopback socket); a plain run "
                          "includes it")
     xp.add_argument("--no-cross-process", action="store_true", help="leave the cross-process section out")
+    pk = ap.add_mutually_exclusive_group()
+    pk.add_argument("--package", action="store_true",
+                    help="measure only the package section (pull_blocks of a 1024-token Qwen2.5-7B request through "
+                         "kvdd.llm_datadist, CANN's Python package on the simulator, against kvdd's own "
+                         "LlmDataDist.pull_kv_blocks, same peer process); a plain run includes it")
+    pk.add_argument("--no-package", action="store_true", help="leave the package section out")
     ap.add_argument("--cross-process-bytes", type=int,
                     help=f"bytes of the cross-process row, a multiple of 64 KiB (default {XP_ROW_BYTES // MiB} MiB, "
                          f"--quick {XP_QUICK_ROW_BYTES // MiB} MiB)")
@@ -137,9 +147,37 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return names
 
 
+def geometry_names(text: str) -> list[str]:
+    """The geometries ``--geometries`` names: their own names (``qwen2.5-7b``) or the demo's model
+    names (``Qwen2.5-7B``; ``DeepSeek-V3`` and ``GLM-5`` stand for each of their caches), any case.
+
+    Raises
+    ------
+    ValueError
+        A name that is neither, listing the choices.
+    """
+    out: list[str] = []
+    bad: list[str] = []
+    for name in (x.strip() for x in text.split(",")):
+        if not name:
+            continue
+        key = name.lower()
+        found = [key] if key in GEOMETRIES else [  # a model: each of its caches
+            g for g, geom in GEOMETRIES.items() if geom.model.lower().startswith(key + " ")]
+        if not found:
+            bad.append(name)
+        out += [g for g in found if g not in out]
+    if bad or not out:
+        raise ValueError(f"unknown geometry {', '.join(bad) or '(none given)'}; choose from "
+                         f"{', '.join(GEOMETRIES)} (or a model: Qwen2.5-7B, Llama-3.1-8B, Llama-3.1-70B, "
+                         "DeepSeek-V3, GLM-5)")
+    return out
+
+
 def _command(args: argparse.Namespace) -> str:
     parts = ["kvdd bench"]
-    for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process"):
+    for opt in ("quick", "json", "targets", "no_targets", "cross_process", "no_cross_process", "package",
+                "no_package"):
         if getattr(args, opt, False):
             parts.append(f"--{opt.replace('_', '-')}")
     defaults = {"geometries": ",".join(DEFAULT_GEOMETRIES), "kinds": ",".join(KINDS), "seed": 0,
@@ -152,9 +190,19 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`)."""
-    names = _names(args.geometries, list(GEOMETRIES), "geometry")
+def run(args: argparse.Namespace,
+        on_section: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure what `args` asks for; the JSON document (see :data:`SCHEMA`).
+
+    ``on_section(name, doc)`` is called as each part is known, with the document so far:
+    ``"machine"`` before measuring, then ``"main"`` (overhead and transfers), ``"targets"``,
+    ``"cross_process"`` and ``"package"`` as each section finishes (so an interrupted run keeps what it measured).
+    """
+    def section(name: str, part: dict[str, Any]) -> None:
+        if on_section is not None:
+            on_section(name, part)
+
+    names = geometry_names(args.geometries)
     kinds = _names(args.kinds, KINDS, "transfer kind")
     tokens = args.tokens if args.tokens is not None else (1024 if args.quick else 2048)
     if tokens < BLOCK_TOKENS:
@@ -169,9 +217,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--overhead-calls must be at least 1")
     only_xp = bool(getattr(args, "cross_process", False))
     only_tg = bool(getattr(args, "targets", False))
-    with_main = not (only_xp or only_tg)
-    with_tg = only_tg or (not only_xp and not getattr(args, "no_targets", False))
-    with_xp = only_xp or (not only_tg and not getattr(args, "no_cross_process", False))
+    only_pk = bool(getattr(args, "package", False))
+    with_main = not (only_xp or only_tg or only_pk)
+    with_tg = only_tg or (not (only_xp or only_pk) and not getattr(args, "no_targets", False))
+    with_xp = only_xp or (not (only_tg or only_pk) and not getattr(args, "no_cross_process", False))
+    with_pk = only_pk or (not (only_xp or only_tg) and not getattr(args, "no_package", False))
     scales_text = getattr(args, "scales", None)
     scales = list(QUICK_SCALES if args.quick else DEFAULT_SCALES)
     if scales_text is not None:
@@ -195,6 +245,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not 1 <= xp_blocks <= xp_bytes // XP_BLOCK_BYTES:
             raise ValueError("--cross-process-blocks must lie in [1, --cross-process-bytes / 64 KiB]")
     progress = None if args.json else (lambda msg: print(f"# measuring {msg}", file=sys.stderr, flush=True))
+    partial: dict[str, Any] = {"environment": environment(), "config": _kernel_config(),
+                               "overhead": [], "transfers": [], "targets": None, "cross_process": None,
+                               "package": None}
+    section("machine", partial)
 
     t0 = time.perf_counter()
     stats0 = _copy.thread_stats()
@@ -202,12 +256,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     transfers: list[Row] = []
     targets: dict[str, Any] | None = None
     cross: dict[str, Any] | None = None
+    package: dict[str, Any] | None = None
     children: list[float] = []  # CPU time of the streaming-limit processes: this run, not other load
     with LoadMonitor() as load:
         if with_main:
             overhead = measure_overhead(calls, 7 if args.quick else 15)
             transfers = measure_transfers(names, tokens, args.blocks, budget, args.repeats, args.seed, kinds,
                                           progress, child_cpu=children)
+            partial.update(overhead=overhead, transfers=transfers)
+            section("main", partial)
         if with_tg:
             mine: list[float] = []
             with LoadMonitor() as tg_load:
@@ -215,6 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tg_load.add_own(sum(mine))
             judge(targets, tg_load.result().get("other_busy"))
             children += mine
+            partial["targets"] = targets
+            section("targets", partial)
         load.add_own(sum(children))
         if with_xp:
             try:
@@ -225,6 +284,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "error": f"{type(exc).__name__}: {exc}", "peers": [], "peer_cpu_s": 0.0, "rows": [],
                          "targets": []}
             load.add_own(float(cross["peer_cpu_s"]))  # the peers are this run, not other load
+            partial["cross_process"] = cross
+            section("cross_process", partial)
+        if with_pk:
+            package = measure_package(args.tokens, args.repeats, args.seed, bool(args.quick), progress)
+            partial["package"] = package
+            section("package", partial)
     stats1 = _copy.thread_stats()
     env = environment()
     env.update(load.result())
@@ -239,12 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "budget_s": budget,
             "repeats": args.repeats,
             "seed": args.seed,
-            "isa": _copy.get_isa(),
-            "streaming_threshold": _copy.get_streaming_threshold(),
-            "threads_threshold": _copy.get_threads_threshold(),
-            "threads_model": _copy.threads_model(),
-            "cache_sizes": _copy.cache_sizes(),
-            "cpu_features": _copy.cpu_features(),
+            **_kernel_config(),
             "limits": list(LIMIT_NAMES),
             "stream_limit_tunables": f"glibc.cpu.x86_non_temporal_threshold={STREAM_THRESHOLD:#x}"
                                      if StreamingMemcpy.available else None,
@@ -253,14 +313,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transfers": transfers,
         "targets": targets,
         "cross_process": cross,
+        "package": package,
         "two_thread_kernel_calls": {k: stats1[k] - stats0[k] for k in stats1},
         "elapsed_s": time.perf_counter() - t0,
     }
 
+def _kernel_config() -> dict[str, Any]:
+    """The copy kernels' configuration (the 2-thread model is learned from this run's calls)."""
+    return {"isa": _copy.get_isa(), "streaming_threshold": _copy.get_streaming_threshold(),
+            "threads_threshold": _copy.get_threads_threshold(), "threads_model": _copy.threads_model(),
+            "cache_sizes": _copy.cache_sizes(), "cpu_features": _copy.cpu_features()}
+
+
+def _print_section(name: str, doc: dict[str, Any]) -> None:
+    if name == "machine":
+        print_machine(doc["environment"], doc["config"])
+    else:
+        print_section(doc, name)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """``kvdd bench``: exit status 0, 2 for unusable arguments, 1 when ``--cross-process`` failed."""
+    """``kvdd bench``: exit status 0, 2 for unusable arguments, 1 when ``--cross-process`` failed.
+
+    Tables are printed as each section finishes (Ctrl-C keeps the finished ones); ``--json``
+    prints the whole document at the end."""
     try:
-        doc = run(args)
+        doc = run(args, None if args.json else _print_section)
     except ValueError as exc:
         print(f"kvdd bench: {exc}", file=sys.stderr)
         return 2
@@ -269,7 +347,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     else:
-        print_report(doc)
+        print_footer(doc)
     cross = doc.get("cross_process")
     if getattr(args, "cross_process", False) and cross is not None and cross.get("error"):
         print(f"kvdd bench: cross-process: {cross['error']}", file=sys.stderr)

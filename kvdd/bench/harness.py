@@ -19,11 +19,14 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 __all__ = [
+    "TABLE_WIDTH",
+    "say",
     "KiB",
     "MiB",
     "LoadMonitor",
@@ -244,10 +247,24 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+#: Widest table line ``kvdd bench`` prints (characters); wider tables are split into column groups.
+TABLE_WIDTH = 120
+
+
+def say(text: str, file: IO[str] | None = None) -> None:
+    """Print ``text`` wrapped at :data:`TABLE_WIDTH` (a ``# `` comment line stays a comment)."""
+    out = file if file is not None else sys.stdout
+    indent = "#   " if text.startswith("# ") else "  "
+    print(textwrap.fill(text, TABLE_WIDTH, subsequent_indent=indent, break_on_hyphens=False,
+                        break_long_words=False), file=out)
+
+
 def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None = None,
-                file: IO[str] | None = None, title: str | None = None) -> None:
+                file: IO[str] | None = None, title: str | None = None, width: int = TABLE_WIDTH,
+                keys: int = 2) -> None:
     """Print result rows as an aligned text table (columns: the given ones, or every key in order of
-    first appearance)."""
+    first appearance).  A table wider than ``width`` characters is printed as several tables of
+    consecutive columns, each starting with the first ``keys`` columns (which name the row)."""
     rows = list(rows)
     out = file if file is not None else sys.stdout
     if title:
@@ -263,8 +280,21 @@ def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None
         columns = list(seen)
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)), file=out)
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)
+    keys = min(keys, len(columns))
+    groups: list[list[int]] = []
+    used = sum(widths[:keys]) + 2 * keys
+    for i in range(keys, len(columns)):
+        if not groups or used + widths[i] > width and len(groups[-1]) > 0:
+            groups.append([])
+            used = sum(widths[:keys]) + 2 * keys
+        groups[-1].append(i)
+        used += widths[i] + 2
+    for n, group in enumerate(groups or [[]]):
+        idx = [*range(keys), *group]
+        if n:
+            print(file=out)
+        print("  ".join(columns[i].rjust(widths[i]) for i in idx), file=out)
+        for row in cells:
+            print("  ".join(row[i].rjust(widths[i]) for i in idx), file=out)
     out.flush()
 

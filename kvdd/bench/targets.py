@@ -1,4 +1,4 @@
-"""The targets section of ``kvdd bench`` (issue 15): the copy kernels against the limit, measured on
+"""The kernel targets section of ``kvdd bench``: the copy kernels against the limit, measured on
 the workloads the targets name, each row saying what limits it where a target is not met.
 
 ``scale``       one tensor, PullKvCache of one row of N bytes (L3 scale: 8-64 MiB; DRAM scale:

@@ -8,8 +8,8 @@ and times, interleaved with the raw mechanisms of the same bytes: process_vm_rea
 (``_xproc.pvm_bench``: one iovec each side, one thread), a local memcpy (1 and 2 threads) and,
 on the TCP path, the raw socket transfer (recv_into a preallocated buffer).
 
-The TCP path is forced with ``KVDD_SIM_XPROC=tcp`` (:data:`kvdd.sim.fabric.ENV_XPROC`); the data
-path each link really uses is read with :meth:`kvdd.sim.SimBackend.link_data_path`.
+The TCP path is forced with ``KVDD_SIM_XPROC=tcp`` (docs/backends.md); the data path each link
+really uses is read with :func:`kvdd.backend.link_data_path`.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ from .. import (
     tensor_addrs,
 )
 from .._native import _copy
-from ..sim import SimBackend
-from ..sim.fabric import ENV_XPROC
+from ..backend import link_data_path
 from .baselines import TwoThreadMemcpy, arena, fill_pattern, memcpy_limits
-from .harness import KiB, MiB, Row, Timing, fmt, gbps, interleaved, print_table, repeats_for
+from .harness import KiB, MiB, Row, Timing, fmt, gbps, interleaved, print_table, repeats_for, say
 from .transfers import LOCALHOST
 from .xproc_small import LAT_COLUMNS, CpuMeter, latency, xp_targets
 
@@ -55,12 +54,13 @@ __all__ = ["XP_BLOCKS", "XP_BLOCK_BYTES", "XP_COLUMNS", "XP_QUICK_BLOCKS", "XP_Q
            "measure_cross_process", "print_cross_process"]
 
 XP_BLOCK_BYTES = 64 * KiB
-XP_ROW_BYTES, XP_BLOCKS = 256 * MiB, 1024  # the targets of issue 6
+XP_ROW_BYTES, XP_BLOCKS = 256 * MiB, 1024  # the workload of the cross-process targets
 XP_QUICK_ROW_BYTES, XP_QUICK_BLOCKS = 64 * MiB, 256
 XP_LOCAL_ID = 20
 XP_PEER_IDS = {"process_vm": 21, "tcp": 22}
 XP_PATHS = ("process_vm", "tcp")
 XP_WAIT_MS = 60_000  # llm.SyncKvCacheWaitTime of both sides: no slow transfer times out
+ENV_XPROC = "KVDD_SIM_XPROC"  # "tcp": the simulator links other processes over TCP (docs/backends.md)
 XP_START_TIMEOUT_S = 120.0  # the peer must be ready within this (spawn, import, fill, listen)
 XP_RAW_CHUNK = 64 * KiB  # the raw socket limit receives in chunks of this
 XP_SMALL = 64  # bytes of the small-call latency pulls
@@ -212,8 +212,7 @@ def _xp_env(path: str) -> Iterator[None]:
 
 def _xp_data_path(dd: LlmDataDist, peer_cluster_id: int) -> str:
     """The data path the fabric chose for the link (``process_vm``, ``tcp``)."""
-    backend = dd.backend
-    path = backend.link_data_path(peer_cluster_id) if isinstance(backend, SimBackend) else None
+    path = link_data_path(dd.backend, peer_cluster_id)
     return path if path is not None else "unknown"
 
 
@@ -478,25 +477,25 @@ XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps
 
 
 def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -> None:
-    """The cross-process tables and the targets of issue 11."""
+    """The cross-process tables and the cross-process targets."""
     out = file if file is not None else sys.stdout
     cfg = cross["config"]
     print(file=out)
-    print(f"Cross-process (a spawned peer process, {fmt(cfg['row_bytes'])}B row, {cfg['blocks']} x 64 KiB "
+    say(f"Cross-process (a spawned peer process, {fmt(cfg['row_bytes'])}B row, {cfg['blocks']} x 64 KiB "
           "blocks; vs_X = transfer speed / X's speed on the same bytes, same run: pvm = one bare "
           "process_vm_readv/writev loop, pvm_iov = bare process_vm_readv/writev of the same iovecs, memcpy = "
           "1-thread local memcpy, socket = raw loopback TCP receiving in 64 KiB chunks; cpu_s_per_gb = CPU "
-          "seconds of both processes per GB moved):", file=out)
+          "seconds of both processes per GB moved):", out)
     if cross.get("error"):
         print(f"(not measured: {cross['error']})", file=out)
         return
     rows = [{k: v for k, v in r.items() if v is not None} for r in cross["rows"]]
     print_table(rows, XP_COLUMNS, out)
     print(file=out)
-    print(f"Small calls ({cfg.get('calls')} timed calls each, interleaved; in_process = the same pull from an "
+    say(f"Small calls ({cfg.get('calls')} timed calls each, interleaved; in_process = the same pull from an "
           "instance in this process (the simulator's compiled in-process path), in_process_python = the same "
           "with that path off (the engine's Python checks, which every cross-process call runs), socket_rr = "
-          "a raw blocking request/response of the same bytes over loopback):", file=out)
+          "a raw blocking request/response of the same bytes over loopback):", out)
     print_table(cross.get("latency", []), LAT_COLUMNS, out)
     for p in cross["peers"]:
         if p["data_path"] != p["path"]:

@@ -87,7 +87,7 @@ LAT_COLUMNS = ("path", "kind", "median_us", "p99_us", "in_process_median_us", "v
                "in_process_python_median_us", "in_process_python_p99_us", "vs_in_process_python_median",
                "vs_in_process_python_p99", "socket_rr_median_us", "vs_socket_rr_median", "calls", "verified")
 
-#: The targets of issue 11: (path, table, kind, key, at least / at most, bound, what). The same-host
+#: The cross-process targets: (path, table, kind, key, at least / at most, bound, what). The same-host
 #: latency targets measure what the fabric adds to a call: against the in-process pull through the
 #: same engine path (the Python checks; the compiled path takes in-process calls only), the
 #: comparison with the compiled in-process pull is printed beside it (vs_in_process_median).
@@ -108,7 +108,7 @@ _TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
 
 
 def xp_targets(rows: list[dict[str, Any]], lat: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The targets of issue 11 against what this run measured (as a ratio, whether met)."""
+    """The cross-process targets against what this run measured (as a ratio, whether met)."""
     out: list[dict[str, Any]] = []
     for path, table, kind, key, sense, bound, what in _TARGETS:
         for r in (rows if table == "rows" else lat):

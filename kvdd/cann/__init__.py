@@ -26,7 +26,12 @@ __all__ = [
     "sources_digest",
     "package_dir",
     "simulated_root_status",
+    "PYTHON_PACKAGE_DIR",
+    "llm_datadist_status",
 ]
+
+#: Where a simulated root keeps CANN's Python package name (``llm_datadist``), relative to it.
+PYTHON_PACKAGE_DIR = os.path.join("python", "site-packages")
 
 #: The marker file at the top of a simulated root (``key=value`` lines).
 MARKER_NAME = "kvdd_simulated_root"
@@ -122,3 +127,29 @@ def simulated_root_status() -> list[str]:
                      f"{'can' if marker.get('libpython') else 'cannot (no shared libpython)'} "
                      f"start it; {state}")
     return lines
+
+
+def llm_datadist_status() -> str:
+    """``kvdd doctor``: which ``llm_datadist`` an ``import llm_datadist`` would load here, and
+    whether it is kvdd's simulator.  Found with :func:`importlib.util.find_spec`, which does not
+    run the package (CANN's real one has import-time side effects)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("llm_datadist")
+    except (ImportError, ValueError) as exc:
+        return f"cannot tell ({exc})"
+    if spec is None or spec.origin is None:
+        return ("not importable: neither CANN's set_env.sh nor a simulated root's "
+                "(`source DEST/set_env.sh` after `kvdd cann-root DEST`) put it on PYTHONPATH")
+    origin = os.path.abspath(spec.origin)
+    kvdd_dir = str(Path(__file__).resolve().parent.parent)
+    if origin.startswith(kvdd_dir + os.sep):
+        return f"kvdd's simulator: kvdd.llm_datadist ({origin}), through its import alias"
+    package_dir = os.path.dirname(origin)
+    root = os.path.normpath(os.path.join(package_dir, os.pardir, os.pardir, os.pardir))
+    if os.path.join(root, PYTHON_PACKAGE_DIR, "llm_datadist") == package_dir \
+            and is_simulated_root(root):
+        return (f"kvdd's simulator: the package of the simulated CANN root {root}, which loads "
+                "kvdd.llm_datadist")
+    return f"NOT the simulator: {origin} (CANN's package, or another one)"

@@ -4,11 +4,14 @@ The root has CANN's install layout, so C++ programs written for LLM-DataDist bui
 unchanged (``source DEST/set_env.sh``; ``-I$ASCEND_HOME_PATH/include -L$ASCEND_HOME_PATH/lib64
 -lllm_datadist -lmetadef -lascendcl``)::
 
-    DEST/include/          llm_datadist/llm_datadist.h (+ llm_error_codes.h), graph/, external/ge_common/, acl/acl.h
+    DEST/include/          llm_datadist/llm_datadist.h, ge/llm_error_codes.h, ge/llm_engine_types.h,
+                           graph/, exe_graph/runtime/, utils/, external/ge_common/, acl/acl.h
     DEST/lib64/            libllm_datadist.so, libmetadef.so, libascendcl.so (SONAMEs as in CANN),
                            libkvdd_simbridge.so, libkvdd_pyembed.so (kvdd's own, loaded by libllm_datadist.so)
+    DEST/python/site-packages/llm_datadist/   CANN's Python package name: kvdd.llm_datadist
     DEST/share/cmake/LlmDataDist/LlmDataDistConfig.cmake   find_package(LlmDataDist)
-    DEST/set_env.sh        ASCEND_HOME_PATH, LD_LIBRARY_PATH, CMAKE_PREFIX_PATH
+    DEST/set_env.sh        ASCEND_HOME_PATH, LD_LIBRARY_PATH, CMAKE_PREFIX_PATH, PYTHONPATH (the
+                           root is the script's own directory: a copied or moved root works)
     DEST/kvdd_simulated_root   the marker (kvdd version, sources digest, the Python and libpython)
 
 The libraries are compiled here, by the system's C/C++ compiler, from the sources shipped in the
@@ -178,8 +181,13 @@ def write_root(dest: str | os.PathLike[str], *, cxx11_abi: int = 0, force: bool 
         _build(work, cxx11_abi)
         python = sys.executable
         values = {"VERSION": __version__, "PYTHON": shlex.quote(python),
-                  "ROOT": shlex.quote(str(root)), "CXX11_ABI": str(cxx11_abi)}
+                  "CXX11_ABI": str(cxx11_abi)}
         (work / "set_env.sh").write_text(_render("set_env.sh.in", values), encoding="utf-8")
+        package = work / "python" / "site-packages" / "llm_datadist"
+        package.mkdir(parents=True)
+        written_by = repr(f"kvdd {__version__} for {python}")
+        (package / "__init__.py").write_text(
+            _render("llm_datadist_init.py.in", {"WRITTEN_BY": written_by}), encoding="utf-8")
         (work / "share" / "cmake" / "LlmDataDist" / "LlmDataDistConfig.cmake").write_text(
             _render("LlmDataDistConfig.cmake.in", values), encoding="utf-8")
         marker = {

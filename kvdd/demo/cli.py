@@ -81,6 +81,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--transfer-backend", choices=("comm", "hixl"), default="comm",
                    help="llm.TransferBackend: comm (HCCL, default, bidirectional links) or hixl "
                         "(one-way links: for the push, decode listens and prefill links to it)")
+    r.add_argument("--api", choices=("kvdd", "llm_datadist"), default="kvdd",
+                   help="whose calls move the bytes: kvdd's own LlmDataDist (default) or those of CANN's "
+                        "Python package llm_datadist (register_blocks_cache, link_clusters, pull_blocks per "
+                        "layer, pull_cache, push_blocks), on the simulator")
+    r.add_argument("--link", choices=("clusters", "rank-table"), default="clusters",
+                   help="with --api llm_datadist: how decode and prefill link: link_clusters (default) or a "
+                        "rank-table link that both sides make (link, query_register_mem_status, unlink; "
+                        "docs/llm_datadist.md)")
     r.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="how long one side waits for the other (default 60; 600 for --role prefill, "
                         "which waits for a decode command to be started)")
@@ -122,9 +130,17 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     if listen[1] == 65535 and args.control_port is None:
         raise ConfigError("pass --control-port (the default, the listen port + 1, does not exist)")
     progress = args.progress if args.progress is not None else sys.stderr.isatty()
-    return DemoOptions(geometry=geom, backend=args.backend, transfer_backend=args.transfer_backend,
+    opts = DemoOptions(geometry=geom, backend=args.backend, transfer_backend=args.transfer_backend,
                        seed=args.seed, timeout=timeout, listen=listen, control_port=args.control_port,
-                       connect=args.connect, decode_listen=decode_listen, progress=progress)
+                       connect=args.connect, decode_listen=decode_listen, progress=progress,
+                       api=getattr(args, "api", "kvdd"), link=getattr(args, "link", "clusters"))
+    if opts.api == "llm_datadist":
+        from .package import check_package_options
+
+        check_package_options(opts, bool(args.in_process))
+    elif opts.link != "clusters":
+        raise ConfigError("--link rank-table is a call of CANN's package: add --api llm_datadist")
+    return opts
 
 
 def _check_backend(backend: str | None) -> None:
@@ -135,7 +151,9 @@ def _check_backend(backend: str | None) -> None:
     except (ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     if problem is not None:
-        raise ConfigError(f"--backend {backend}: {problem}")
+        name = backend or "auto"  # the demo passes None for --backend auto
+        raise ConfigError(f"--backend {name}: {problem}" if backend else
+                          f"--backend auto selects native, which is unusable: {problem}")
 
 
 def _check_memory(opts: DemoOptions, both: bool) -> None:
@@ -235,10 +253,11 @@ def _run_prefill_cli(opts: DemoOptions, as_json: bool, out: IO[str]) -> int:
     except (DemoError, LLMError, OSError, BackendUnavailableError) as exc:
         result = {"role": "prefill"}
         error = exc.message if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
-    if as_json:
-        _print_json({"schema": JSON_SCHEMA, "event": "result", "ok": error is None, "mode": "prefill",
-                     "geometry": opts.geometry.to_json(), "prefill": result,
-                     "wall_seconds": time.perf_counter() - t0, "error": error}, out)
+    if as_json:  # one line, as the ready event: a JSON-lines stream
+        out.write(json.dumps({"schema": JSON_SCHEMA, "event": "result", "ok": error is None, "mode": "prefill",
+                              "geometry": opts.geometry.to_json(), "prefill": result,
+                              "wall_seconds": time.perf_counter() - t0, "error": error}) + "\n")
+        out.flush()
     elif error is None:
         push = result.get("push", {})
         out.write(f"prefill done: served decode (push {mib(push.get('bytes', 0))} in "
@@ -271,6 +290,10 @@ def _geometry_args(opts: DemoOptions) -> str:
         parts.append(f"--transfer-backend {opts.transfer_backend}")
     if opts.backend != "sim":
         parts.append(f"--backend {opts.backend}")
+    if opts.api != "kvdd":
+        parts.append(f"--api {opts.api}")
+    if opts.link != "clusters":
+        parts.append(f"--link {opts.link}")
     return "".join(" " + p for p in parts)
 
 

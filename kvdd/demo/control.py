@@ -3,7 +3,7 @@ docstring for the messages), and where a ready prefill side can be reached.
 
 Nothing that listens trusts the network (docs/security.md): before any line is read, both sides
 run the fabric's mutual challenge-response with the fabric secret
-(:func:`kvdd.sim.fabric.authenticate_socket`, ``KVDD_FABRIC_AUTH=off`` honoured as there), within
+(:func:`kvdd.secret.authenticate_socket`, ``KVDD_FABRIC_AUTH=off`` honoured as there), within
 :data:`AUTH_TIMEOUT_S`; the prefill side authenticates one connection at a time and refuses (and
 logs) any that fails, then keeps waiting for the real decode side until its own deadline.  Every
 line is bounded by :data:`MAX_LINE` bytes."""
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..sim.fabric import AuthError, Secret, SecretError, authenticate_socket, load_secret
+from ..secret import AuthError, Secret, SecretError, authenticate_socket, load_secret
 from .errors import DemoError, Json
 from .options import Address
 from .text import Progress
@@ -40,7 +40,7 @@ _REPORTED_REFUSALS = 5
 
 
 def control_secret() -> Secret:
-    """The fabric secret the control channel proves (:func:`kvdd.sim.fabric.load_secret`).
+    """The fabric secret the control channel proves (:func:`kvdd.secret.load_secret`).
 
     Raises
     ------
@@ -98,6 +98,8 @@ class Control:
             raise DemoError(f"the {self.peer} side sent a malformed control message: {line[:80]!r}")
         kind = msg.get("type")
         if kind == "error":
+            if msg.get("refused"):  # the other side goes on (waiting for a matching peer)
+                raise DemoError(f"the {self.peer} side refused this one: {msg.get('message')}")
             raise DemoError(f"{self.peer} side failed: {msg.get('message')}")
         if kind not in expected:
             raise DemoError(f"control protocol: expected {' or '.join(expected)} from the {self.peer} "

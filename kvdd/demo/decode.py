@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import numpy as np
 
@@ -29,21 +30,28 @@ from .pattern import Pattern
 from .report import DemoReport, TransferResult
 from .text import Progress, mib
 
-__all__ = ["DecodeSide", "run_decode", "run_decode_side"]
+__all__ = ["DecodeCalls", "DecodeSide", "DecodeState", "decode_calls", "run_decode", "run_decode_side"]
 
 _log = logging.getLogger(__name__)
 
-class DecodeSide:
-    """The decode side's state during a run."""
+class DecodeState:
+    """The decode side's state during a run, whichever API moves the bytes: its caches, what
+    every byte must hold, the prefill's ids and block tables, the control channel and the push
+    (which prefill performs).  Subclasses add the four pulls through their API."""
 
-    def __init__(self, opts: DemoOptions, dd: LlmDataDist, report: DemoReport, log: Progress) -> None:
+    #: What a failed call of this API raises (reported as the transfer's error).
+    api_errors: tuple[type[BaseException], ...] = (LLMError,)
+    #: The prefill's push call, for the report.
+    push_api = "PushKvBlocks"
+
+    def __init__(self, opts: DemoOptions, report: DemoReport, log: Progress,
+                 paged: list[CacheImage], contig: list[CacheImage]) -> None:
         self.opts = opts
         self.geom = opts.geometry
-        self.dd = dd
         self.report = report
         self.log = log
         self.pattern = Pattern(opts.seed)
-        self.paged, self.contig = allocate("decode", dd, self.geom)
+        self.paged, self.contig = paged, contig
         rng = np.random.default_rng([opts.seed, 2])
         bpr = self.geom.blocks_per_request
         # Decode's block allocations for the three block transfers: random, non-contiguous ids of
@@ -73,9 +81,6 @@ class DecodeSide:
     def images(self) -> list[CacheImage]:
         return [*self.paged, *self.contig]
 
-    def _remote(self, img: CacheImage, batch_index: int = 0) -> CacheIndex:
-        return CacheIndex(self.prefill_id, self.remote_ids[img.fam.name][img.layout], batch_index)
-
     def _request(self, k: int) -> int:
         return k % self.geom.requests
 
@@ -92,7 +97,7 @@ class DecodeSide:
         self.log(f"{result.name}: {result.what} ...")
         try:
             yield
-        except LLMError as exc:
+        except self.api_errors as exc:
             result.error = str(exc)
             raise DemoError(f"{result.name} ({result.api}) failed: {exc}", transfer=result.name) from exc
         except DemoError as exc:
@@ -116,6 +121,68 @@ class DecodeSide:
                     img.expect[i][d] = prefill_block_expect(self.geom, img.fam_index, i, s, self.owner, img.token_words)
                     targets.add((img.name, i, d))
         return targets
+
+    def _row_expect(self, req: int, row: int, tokens: int | None) -> set[tuple[str, int, int]]:
+        targets = set()
+        for img in self.contig:
+            for i in range(img.n):
+                runs = prefill_row_expect(self.geom, img.fam_index, i, req, img.token_words, tokens)
+                if tokens is None:
+                    src = f"prefill row {req} (request {req})"
+                else:
+                    init = img.expect[i][row].runs[0]
+                    done = tokens * img.token_words
+                    runs.append((done, img.unit_words - done, init[2] + done - init[0]))
+                    src = (f"prefill row {req} tokens 0-{tokens - 1}, then decode's own data "
+                           f"from token {tokens}")
+                img.expect[i][row] = UnitExpect(runs, src)
+                targets.add((img.name, i, row))
+        return targets
+
+    def block_pull(self) -> None:
+        """The paged block pull of request 0 (all layers)."""
+        raise NotImplementedError
+
+    def layer_pull(self) -> None:
+        """The layer-by-layer block pull of request 1."""
+        raise NotImplementedError
+
+    def row_pull(self) -> None:
+        """The batch-row pull of request 2."""
+        raise NotImplementedError
+
+    def prefix_pull(self) -> None:
+        """The prefix pull (first tokens of a row) of request 3."""
+        raise NotImplementedError
+
+    def push(self, decode_listen: Address | None) -> None:
+        req, dst = self._request(4), self.alloc[2]
+        src = self.block_tables[req]
+        r = TransferResult("push prefill -> decode", self.push_api,
+                           f"request {req}: {len(src)} blocks into decode-chosen ids")
+        assert self.ctl is not None
+        with self.transfer(r):
+            self.ctl.send({"type": "push", "cluster_id": DECODE_CLUSTER_ID, "request": req, "dst_blocks": dst,
+                           "caches": {img.fam.name: img.cache_id for img in self.paged},
+                           "listen": list(decode_listen) if decode_listen else None})
+            msg = self.ctl.recv("pushed")
+            r.calls = int(msg["calls"])
+            r.bytes = int(msg["bytes"])
+            r.seconds = float(msg["seconds"])
+            r.tensors = sum(img.n for img in self.paged)
+            self._verify(r, self._blocks_expect(req, dst))
+
+
+
+class DecodeSide(DecodeState):
+    """The decode side through kvdd's own API (``LlmDataDist``: PullKvBlocks, PullKvCache)."""
+
+    def __init__(self, opts: DemoOptions, dd: LlmDataDist, report: DemoReport, log: Progress) -> None:
+        self.dd = dd
+        super().__init__(opts, report, log, *allocate("decode", dd, opts.geometry))
+
+    def _remote(self, img: CacheImage, batch_index: int = 0) -> CacheIndex:
+        return CacheIndex(self.prefill_id, self.remote_ids[img.fam.name][img.layout], batch_index)
 
     def block_pull(self) -> None:
         req, dst = self._request(0), self.alloc[0]
@@ -152,23 +219,6 @@ class DecodeSide:
             r.tensors = sum(img.n for img in self.paged)
             self._verify(r, self._blocks_expect(req, dst, range(layers)))
 
-    def _row_expect(self, req: int, row: int, tokens: int | None) -> set[tuple[str, int, int]]:
-        targets = set()
-        for img in self.contig:
-            for i in range(img.n):
-                runs = prefill_row_expect(self.geom, img.fam_index, i, req, img.token_words, tokens)
-                if tokens is None:
-                    src = f"prefill row {req} (request {req})"
-                else:
-                    init = img.expect[i][row].runs[0]
-                    done = tokens * img.token_words
-                    runs.append((done, img.unit_words - done, init[2] + done - init[0]))
-                    src = (f"prefill row {req} tokens 0-{tokens - 1}, then decode's own data "
-                           f"from token {tokens}")
-                img.expect[i][row] = UnitExpect(runs, src)
-                targets.add((img.name, i, row))
-        return targets
-
     def row_pull(self) -> None:
         req, row = self._request(2), 1
         r = TransferResult("batch-row pull", "PullKvCache", f"row {req} -> row {row}, contiguous layout")
@@ -200,22 +250,69 @@ class DecodeSide:
             # The initial run of the row must be read before it is replaced.
             self._verify(r, self._row_expect(req, row, n))
 
-    def push(self, decode_listen: Address | None) -> None:
-        req, dst = self._request(4), self.alloc[2]
-        src = self.block_tables[req]
-        r = TransferResult("push prefill -> decode", "PushKvBlocks",
-                           f"request {req}: {len(src)} blocks into decode-chosen ids")
-        assert self.ctl is not None
-        with self.transfer(r):
-            self.ctl.send({"type": "push", "cluster_id": DECODE_CLUSTER_ID, "request": req, "dst_blocks": dst,
-                           "caches": {img.fam.name: img.cache_id for img in self.paged},
-                           "listen": list(decode_listen) if decode_listen else None})
-            msg = self.ctl.recv("pushed")
-            r.calls = int(msg["calls"])
-            r.bytes = int(msg["bytes"])
-            r.seconds = float(msg["seconds"])
-            r.tensors = sum(img.n for img in self.paged)
-            self._verify(r, self._blocks_expect(req, dst))
+
+
+class DecodeCalls(Protocol):
+    """The decode side's LLM-DataDist calls outside the transfers, through one API."""
+
+    backend_name: str
+    listen_port: int | None
+
+    def state(self, report: DemoReport, log: Progress) -> DecodeState: ...
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None: ...
+
+    def link(self, prefill_id: int, local_ip: str, prefill: Address, mode: str) -> None: ...
+
+    def unlink(self) -> None: ...
+
+
+class _KvddDecode:
+    """:class:`DecodeCalls` through kvdd's own ``LlmDataDist``."""
+
+    def __init__(self, opts: DemoOptions, dd: LlmDataDist) -> None:
+        self.opts = opts
+        self.dd = dd
+        self.backend_name = dd.backend_name
+        self.listen_port = dd.listen_port
+        self.cluster: ClusterInfo | None = None
+
+    def state(self, report: DemoReport, log: Progress) -> DecodeState:
+        return DecodeSide(self.opts, self.dd, report, log)
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None:
+        fill_and_register(self.dd, images, pattern, log)
+
+    def link(self, prefill_id: int, local_ip: str, prefill: Address, mode: str) -> None:
+        self.cluster = ClusterInfo(remote_cluster_id=prefill_id, remote_role_type=LlmRole.PROMPT,
+                                   local_ip_infos=(IpInfo(local_ip),), remote_ip_infos=(IpInfo(*prefill),))
+        try:
+            self.dd.link_llm_clusters([self.cluster], timeout_ms=LINK_TIMEOUT_MS)
+        except LLMLinkFailedError as exc:
+            hint = ""
+            if mode == "decode":
+                hint = " (is the prefill side still running, and is that port reachable from here?)"
+            raise DemoError(f"LinkLlmClusters to prefill at {prefill[0]}:{prefill[1]} failed: {exc}{hint}",
+                            transfer="link") from exc
+
+    def unlink(self) -> None:
+        assert self.cluster is not None
+        self.dd.unlink_llm_clusters([self.cluster], timeout_ms=LINK_TIMEOUT_MS)
+
+
+@contextmanager
+def decode_calls(opts: DemoOptions, decode_listen: Address | None) -> Iterator[DecodeCalls]:
+    """The decode side's engine through ``opts.api``, initialized (listening on ``decode_listen``
+    when given), finalized on exit."""
+    if opts.api == "llm_datadist":
+        from .package import package_decode  # the package's one engine per process
+
+        with package_decode(opts, decode_listen) as calls:
+            yield calls
+        return
+    with LlmDataDist(DECODE_CLUSTER_ID, LlmRole.DECODER, backend=opts.backend_arg) as dd:
+        dd.initialize(datadist_options(decode_listen, opts.transfer_backend))
+        yield _KvddDecode(opts, dd)
 
 
 def run_decode(opts: DemoOptions, prefill: Address, control: Address, log: Progress | None = None,
@@ -277,14 +374,13 @@ def run_decode_side(opts: DemoOptions, prefill_host: str, locate: Callable[[], R
         decode_listen: Address | None = None
         if opts.transfer_backend == "hixl":  # hixl: every instance listens (§3.2 step 8)
             decode_listen = opts.decode_listen or (local_ip, 0)
-        with LlmDataDist(DECODE_CLUSTER_ID, LlmRole.DECODER, backend=opts.backend_arg) as dd:
-            report.backend_name = dd.backend_name
-            dd.initialize(datadist_options(decode_listen, opts.transfer_backend))
+        with decode_calls(opts, decode_listen) as calls:
+            report.backend_name = calls.backend_name
             if decode_listen is not None:
-                decode_listen = (decode_listen[0], dd.listen_port or 0)
-            state = DecodeSide(opts, dd, report, log)
+                decode_listen = (decode_listen[0], calls.listen_port or 0)
+            state = calls.state(report, log)
             t0 = time.perf_counter()
-            fill_and_register(dd, state.images, state.pattern, log)
+            calls.register(state.images, state.pattern, log)
             report.setup_seconds = time.perf_counter() - t0
             if ready is None or ctl is None:
                 ready = locate()
@@ -297,24 +393,14 @@ def run_decode_side(opts: DemoOptions, prefill_host: str, locate: Callable[[], R
                       "cluster_id": DECODE_CLUSTER_ID})
             state.attach(ctl, ctl.recv("welcome"))
             prefill_ip = ipv4(prefill[0])
-            cluster = ClusterInfo(remote_cluster_id=state.prefill_id, remote_role_type=LlmRole.PROMPT,
-                                  local_ip_infos=(IpInfo(ipv4(local_ip)),),
-                                  remote_ip_infos=(IpInfo(prefill_ip, prefill[1]),))
-            try:
-                dd.link_llm_clusters([cluster], timeout_ms=LINK_TIMEOUT_MS)
-            except LLMLinkFailedError as exc:
-                hint = ""
-                if mode == "decode":
-                    hint = " (is the prefill side still running, and is that port reachable from here?)"
-                raise DemoError(f"LinkLlmClusters to prefill at {prefill_ip}:{prefill[1]} failed: {exc}{hint}",
-                                transfer="link") from exc
+            calls.link(state.prefill_id, ipv4(local_ip), (prefill_ip, prefill[1]), mode)
             log(f"linked to prefill cluster {state.prefill_id} at {prefill_ip}:{prefill[1]}")
             state.block_pull()
             state.layer_pull()
             state.row_pull()
             state.prefix_pull()
             state.push(decode_listen)
-            dd.unlink_llm_clusters([cluster], timeout_ms=LINK_TIMEOUT_MS)
+            calls.unlink()
             log("unlinked")
             ctl.send({"type": "done", "ok": True, "error": None})
             bye = ctl.recv("bye")

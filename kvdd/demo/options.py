@@ -40,6 +40,8 @@ class DemoOptions:
     connect: Address | None = None  # decode: the prefill's LLM-DataDist address
     decode_listen: Address | None = None  # decode's llm.ListenIpInfo (hixl); None: its control-socket IP, port 0
     progress: bool = False
+    api: str = "kvdd"  # "kvdd" (kvdd's own LlmDataDist) or "llm_datadist" (CANN's Python package's calls)
+    link: str = "clusters"  # --api llm_datadist: "clusters" (link_clusters) or "rank-table" (link + query)
 
     @property
     def backend_arg(self) -> str | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from .options import LINK_TIMEOUT_MS, PREFILL_CLUSTER_ID, PROTOCOL, DemoOptions,
 from .pattern import Pattern
 from .text import Progress, mib
 
-__all__ = ["run_prefill"]
+__all__ = ["PrefillCalls", "prefill_calls", "run_prefill"]
 
 def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None = None,
                 log: Progress | None = None, cancel: threading.Event | None = None) -> Json:
@@ -60,12 +61,9 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
     result: Json = {"role": "prefill", "cluster_id": PREFILL_CLUSTER_ID}
     secret = control_secret()  # a missing or unusable secret fails before any setup
     try:
-        with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
-            dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
-            port = dd.listen_port
-            assert port is not None
-            listen = (opts.listen[0], port)
-            paged, contig = allocate("prefill", dd, geom)
+        with prefill_calls(opts) as calls:
+            listen = (opts.listen[0], calls.listen_port)
+            paged, contig = calls.allocate()
             # Each request's block table: random, non-contiguous physical blocks of the pool.
             tables = rng.permutation(geom.prefill_blocks).reshape(geom.requests, geom.blocks_per_request)
             block_tables = [[int(b) for b in row] for row in tables]
@@ -80,7 +78,7 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                         img.expect[i][r] = UnitExpect(prefill_row_expect(geom, img.fam_index, i, r, img.token_words),
                                                       f"prefill row {r} (request {r})")
             t0 = time.perf_counter()
-            fill_and_register(dd, [*paged, *contig], pattern, log)
+            calls.register([*paged, *contig], pattern, log)
             result["setup_seconds"] = time.perf_counter() - t0
 
             family = socket.AF_INET6 if ":" in opts.listen[0] else socket.AF_INET
@@ -98,30 +96,49 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
                 f"{ready.to_json()['control']}; waiting for decode")
             if on_ready is not None:
                 on_ready(ready)
-            ctl, peer_addr, refused = accept_control(server, opts.timeout, secret, log.warn, cancel)
+            # A decode side that does not match (geometry, seed, transfer backend, protocol) is told
+            # why and refused, as one without the secret is; prefill keeps waiting for the real one.
+            deadline = time.monotonic() + opts.timeout
+            refused = 0
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DemoError(f"no matching decode side connected within {opts.timeout:g} s "
+                                    f"({refused} refused)")
+                ctl, peer_addr, failed_auth = accept_control(server, left, secret, log.warn, cancel)
+                ctl.timeout = opts.timeout
+                ctl.sock.settimeout(opts.timeout)
+                refused += failed_auth
+                try:
+                    hello = ctl.recv("hello")
+                    problem = _hello_problem(hello, geom, opts)
+                except DemoError as exc:
+                    hello, problem = {}, exc.message
+                if problem is None:
+                    break
+                refused += 1
+                log.warn(f"refused decode from {peer_addr[0]}: {problem}; still waiting for decode")
+                try:
+                    ctl.send({"type": "error", "refused": True, "message": problem})
+                except DemoError:
+                    pass  # that side has gone already
+                ctl.close()
+                ctl = None
             server.close()
             server = None
             result["refused_control"] = refused
-            hello = ctl.recv("hello")
-            if hello.get("protocol") != PROTOCOL:
-                raise DemoError(f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}")
-            theirs = Geometry.from_json(hello["geometry"])
-            if theirs.agreement_key() != geom.agreement_key() or hello.get("seed") != opts.seed:
-                raise DemoError(_disagreement(geom, theirs, opts.seed, hello.get("seed")))
-            if hello.get("transfer_backend") != opts.transfer_backend:
-                raise DemoError(f"decode uses transfer backend {hello.get('transfer_backend')}, "
-                                f"prefill {opts.transfer_backend}: pass the same --transfer-backend to both")
             decode_id = int(hello["cluster_id"])
             log(f"decode cluster {decode_id} connected from {peer_addr[0]}")
             ctl.send({"type": "welcome", "cluster_id": PREFILL_CLUSTER_ID,
                       "caches": {img.fam.name: {"paged": paged[k].cache_id, "contiguous": contig[k].cache_id}
                                  for k, img in enumerate(paged)},
                       "block_tables": block_tables})
+            calls.decode_connected(decode_id, log)
             while True:
                 msg = ctl.recv("push", "done")
                 if msg["type"] == "done":
                     break
-                result["push"] = _serve_push(dd, opts, paged, block_tables, msg, log)
+                result["push"] = calls.serve_push(paged, block_tables, msg, log)
                 ctl.send({"type": "pushed", **result["push"]})
             result["decode_ok"] = bool(msg.get("ok"))
             result["decode_error"] = msg.get("error")
@@ -156,6 +173,62 @@ def run_prefill(opts: DemoOptions, on_ready: Callable[[ReadyInfo], None] | None 
             server.close()
         if ctl is not None:
             ctl.close()
+
+
+
+class PrefillCalls(Protocol):
+    """The prefill side's LLM-DataDist calls, through one API."""
+
+    listen_port: int
+
+    def allocate(self) -> tuple[list[CacheImage], list[CacheImage]]: ...
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None: ...
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """The decode side has the welcome (a rank-table link is made by both sides now)."""
+        ...
+
+    def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
+                   msg: Mapping[str, Any], log: Progress) -> Json: ...
+
+
+class _KvddPrefill:
+    """:class:`PrefillCalls` through kvdd's own ``LlmDataDist``."""
+
+    def __init__(self, opts: DemoOptions, dd: LlmDataDist) -> None:
+        self.opts = opts
+        self.dd = dd
+        port = dd.listen_port
+        assert port is not None
+        self.listen_port = port
+
+    def allocate(self) -> tuple[list[CacheImage], list[CacheImage]]:
+        return allocate("prefill", self.dd, self.opts.geometry)
+
+    def register(self, images: Sequence[CacheImage], pattern: Pattern, log: Progress) -> None:
+        fill_and_register(self.dd, images, pattern, log)
+
+    def decode_connected(self, decode_id: int, log: Progress) -> None:
+        """Nothing: decode links to us with LinkLlmClusters."""
+
+    def serve_push(self, paged: Sequence[CacheImage], block_tables: Sequence[Sequence[int]],
+                   msg: Mapping[str, Any], log: Progress) -> Json:
+        return _serve_push(self.dd, self.opts, paged, block_tables, msg, log)
+
+
+@contextmanager
+def prefill_calls(opts: DemoOptions) -> Iterator[PrefillCalls]:
+    """The prefill side's engine through ``opts.api``, initialized and listening, finalized on exit."""
+    if opts.api == "llm_datadist":
+        from .package import package_prefill  # the package's one engine per process
+
+        with package_prefill(opts) as calls:
+            yield calls
+        return
+    with LlmDataDist(PREFILL_CLUSTER_ID, LlmRole.PROMPT, backend=opts.backend_arg) as dd:
+        dd.initialize(datadist_options(opts.listen, opts.transfer_backend))
+        yield _KvddPrefill(opts, dd)
 
 
 def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],
@@ -193,6 +266,23 @@ def _serve_push(dd: LlmDataDist, opts: DemoOptions, paged: Sequence[CacheImage],
         dd.unlink_llm_clusters([linked], timeout_ms=LINK_TIMEOUT_MS)
     log(f"pushed request {req}: {mib(nbytes)} in {seconds * 1e3:.1f} ms")
     return {"calls": calls, "bytes": nbytes, "seconds": seconds, "src_blocks": src, "dst_blocks": dst}
+
+
+def _hello_problem(hello: Mapping[str, Any], geom: Geometry, opts: DemoOptions) -> str | None:
+    """Why prefill refuses a decode side's ``hello`` (None: it matches this prefill)."""
+    if hello.get("protocol") != PROTOCOL:
+        return f"decode speaks control protocol {hello.get('protocol')}, prefill {PROTOCOL}"
+    try:
+        theirs = Geometry.from_json(hello["geometry"])
+        int(hello["cluster_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"malformed hello from decode ({type(exc).__name__}: {exc})"
+    if theirs.agreement_key() != geom.agreement_key() or hello.get("seed") != opts.seed:
+        return _disagreement(geom, theirs, opts.seed, hello.get("seed"))
+    if hello.get("transfer_backend") != opts.transfer_backend:
+        return (f"decode uses transfer backend {hello.get('transfer_backend')}, prefill "
+                f"{opts.transfer_backend}: pass the same --transfer-backend to both")
+    return None
 
 
 def _disagreement(mine: Geometry, theirs: Geometry, my_seed: int, their_seed: object) -> str:

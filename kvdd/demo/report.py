@@ -67,6 +67,7 @@ class DemoReport:
             "mode": self.mode,
             "backend": self.backend_name or self.options.backend,
             "transfer_backend": self.options.transfer_backend,
+            **({} if self.options.api == "kvdd" else {"api": self.options.api}),
             "seed": self.options.seed,
             "geometry": self.options.geometry.to_json(),
             "prefill": {"cluster_id": PREFILL_CLUSTER_ID, "address": self.prefill_address, **{
@@ -87,7 +88,7 @@ def render_geometry(opts: DemoOptions, mode: str, out: IO[str]) -> None:
     w = out.write
     col = max(10, *(len(f.name) + 8 for f in geom.families))
     src = "built-in" if m.source == "built-in" else f"from {m.source}"
-    w(f"kvdd demo: {m.name} KV cache, prefill -> decode, every byte verified\n")
+    w(f"kvdd demo: {m.name} KV cache, prefill -> decode; verifies every byte\n")
     w(f"  {'model':<{col}}{m.name} ({src}): {m.describe()}\n")
     for note in m.notes:
         w(f"  {'':<{col}}note: {note}\n")
@@ -110,8 +111,9 @@ def render_geometry(opts: DemoOptions, mode: str, out: IO[str]) -> None:
           f"{mib(n * geom.decode_rows * geom.row_bytes(f))}\n")
     where = {"processes": "two processes", "threads": "two threads of one process",
              "decode": "decode side of a two-command run"}.get(mode, mode)
+    api = "" if opts.api == "kvdd" else ", the calls of CANN's llm_datadist package"
     w(f"  {'total':<{col}}prefill {mib(geom.side_bytes('prefill'))}, decode {mib(geom.side_bytes('decode'))} "
-      f"registered; {opts.backend} backend, {opts.transfer_backend} transfer backend, {where}\n")
+      f"registered; {opts.backend} backend, {opts.transfer_backend} transfer backend, {where}{api}\n")
 
 
 def render_text(report: DemoReport, out: IO[str]) -> None:

@@ -8,8 +8,9 @@ pull), as much as a sixth of an 8 MiB copy (docs/benchmarks.md, "The compiled ca
 
 This path **accepts** a call only when it can show, from C values, that the call passes every check
 of the facade and of SEMANTICS.md §3.10 - §3.13 as kvdd.sim implements them (the comments
-name the steps), that the link's peer is an instance of this process, and that no fault injection
-is armed. It then takes the same locks and leases as :func:`kvdd.sim.transfers.run` and copies
+name the steps), that the link's peer is an instance of this process, that no fault injection
+is armed, and that DEBUG call records are off (:mod:`kvdd.calllog`: a dictionary lookup here; with
+them on, the facade records every call and runs it on the Python path). It then takes the same locks and leases as :func:`kvdd.sim.transfers.run` and copies
 through the region tables of both caches (:class:`kvdd._native._copy.RegionTable`), whose kernels
 check every run against every region again. Anything else, including every call that fails, it
 **declines** having done nothing, and the Python path runs: statuses, exceptions and their order
@@ -35,6 +36,7 @@ from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_r
 from kvdd.sim.checks import REQUEST_LIMIT
 from kvdd.sim.fabric.peers import InProcessPeer
 from kvdd.sim.faults import injections as _injections
+from kvdd.calllog import DEBUG, known_off
 from kvdd.types import Cache, CacheIndex, CachePlacement, KvCacheExtParam
 
 __all__ = ["ENV_VAR", "FastTransfers", "MAX_PAIRS", "set_enabled"]
@@ -50,6 +52,8 @@ ENV_VAR = "KVDD_SIM_FAST_PATH"
 MAX_PAIRS = 1 << 16
 
 cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+cdef dict _calls_known_off = known_off  # the call logger's cached answers: {DEBUG: False} when off
+cdef object _DEBUG = DEBUG
 cdef int64_t _request_limit = REQUEST_LIMIT
 cdef int64_t _device = int(CachePlacement.DEVICE)
 cdef uint64_t _U32 = 1 << 32
@@ -101,7 +105,9 @@ cdef bint _int(object v, int64_t lo, int64_t hi, int64_t *out) except -1:
     return True
 
 
-cdef int64_t I32_MIN = -(1 << 31), I32_MAX = (1 << 31) - 1, I64_MIN = -(1 << 63), I64_MAX = (1 << 63) - 1
+cdef int64_t I32_MIN = -(1 << 31), I32_MAX = (1 << 31) - 1, I64_MAX = (1 << 63) - 1
+# not the literal -(1 << 63): C reads 9223372036854775808 as an unsigned constant (a warning)
+cdef int64_t I64_MIN = -I64_MAX - 1
 
 
 cdef bint _index(object idx, int64_t *cache_id, int64_t *row) except -1:
@@ -330,7 +336,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Pull p
         cdef int64_t bi, cache_id, row, rn, stride, rT, nbytes, l_off, r_off
-        if not (_enabled and self.enabled):
+        if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
                 or not _int(batch_index, 0, _U32 - 1, &bi) or type(size) is not int
@@ -378,7 +384,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
-        if not (_enabled and self.enabled):
+        if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
         try:
@@ -437,7 +443,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
-        if not (_enabled and self.enabled):
+        if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
         try:
@@ -486,7 +492,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Push q
         cdef int64_t sbi, cache_id, bd, stride, rT, l_off, r_off
-        if not (_enabled and self.enabled):
+        if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
                 or not _int(src_batch_index, 0, _U32 - 1, &sbi) or type(size) is not int

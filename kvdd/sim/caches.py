@@ -39,6 +39,10 @@ class CacheTable:
         # §3.7 step 10: the cache table peers read, i.e. the last one that fit 1 MiB
         self.published: dict[int, CacheEntry] = {}
         self.retiring: dict[int, CacheEntry] = {}  # unregistering now (later callers wait too)
+        # CANN's Python package (docs/spec/PYPKG.md §4.0, §4.1): key identity -> (cache id, batch
+        # position); the req map is published with the entries, the prefix map never
+        self.req_keys: dict[tuple[int, int], tuple[int, int]] = {}
+        self.prefix_keys: dict[tuple[int, int], tuple[int, int]] = {}
 
     def register(self, cache_desc: CacheDesc, addrs: Sequence[int], owner: Registrant) -> int:
         """§3.7 steps 2-10 (the caller holds the lock and checked step 1): the new cache id."""
@@ -75,10 +79,23 @@ class CacheTable:
                    "registered as upstream, but peers keep reading the last table that fit")
         return cache_id
 
+    def take_id(self) -> int:
+        """Consume the next cache id (the caller holds the lock): PYPKG.md §4.1 step 3."""
+        cache_id = self.next_cache_id
+        self.next_cache_id += 1
+        return cache_id
+
+    def insert(self, entry: CacheEntry, publish: bool = True) -> int:
+        """Add an entry registered through CANN's Python package (the caller holds the lock and
+        indexed its keys) and re-publish the table when ``publish``: PYPKG.md §4.1 step 7.
+        Returns the table's size in bytes (0 when not published)."""
+        self.caches[entry.cache_id] = entry
+        return self.publish() if publish else 0
+
     def publish(self) -> int:
         """§3.7 step 10: re-serialize the cache table; peers read it only when it fits 1 MiB
         (else they keep the last one that fit).  Returns its size in bytes."""
-        table = 24 + sum(64 + 8 * e.n for e in self.caches.values())
+        table = 24 + sum(64 + 8 * e.n + 24 * len(e.keys) for e in self.caches.values())
         if table <= CACHE_TABLE_LIMIT:
             self.published = dict(self.caches)
         return table
@@ -108,7 +125,11 @@ class CacheTable:
 
     def snapshot(self) -> tuple[dict[int, RemoteCache], dict[int, CacheEntry]]:
         """The caches a peer linking now may use: registered before the link (§10 rule 3), in the
-        last cache table that fit 1 MiB (§3.7 step 10)."""
+        last cache table that fit 1 MiB (§3.7 step 10).  A cache registered with
+        ``remote_accessible=False`` (CANN's Python package, PYPKG.md §4.1 step 5) is listed in the
+        views but never served: the fabric cannot lease it to any peer."""
         with self.lock:
             entries = dict(self.published)
-        return {cid: e.remote_view() for cid, e in entries.items()}, entries
+            views = {cid: e.remote_view() for cid, e in entries.items()}
+        served = {cid: e for cid, e in entries.items() if e.remote_accessible}
+        return views, served

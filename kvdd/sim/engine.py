@@ -12,13 +12,15 @@ status once.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from ..options import OptionError, is_ipv4_literal, is_ipv6_literal
 from ..status import FAILED, PARAM_INVALID, S_OK, Status
 from ..types import Cache, CacheDesc, CacheIndex, ClusterInfo, KvCacheExtParam, RegisterCfg
-from . import fabric, faults, pulls, pushes
+from . import fabric, faults, pulls, pushes, reaper
 from ._fastpath import FastTransfers
 from .checks import (
     CACHE_TABLE_LIMIT,
@@ -46,18 +48,53 @@ __all__ = ["SimBackend", "CacheEntry", "Entity", "CACHE_TABLE_LIMIT", "REQUEST_L
 class SimBackend:
     """The simulator backend: one LLM-DataDist instance on host memory.
 
-    Implements :class:`kvdd.backend.Backend`; statuses are returned, never raised.
+    Implements :class:`kvdd.backend.Backend`; statuses are returned, never raised.  An instance
+    that becomes unreachable without :meth:`finalize` is torn down as upstream's destructor does
+    (§3.1, :meth:`destroy`, :mod:`kvdd.sim.reaper`): the fabric holds it only weakly.
     """
 
     def __init__(self, cluster_id: int, role: int) -> None:
+        faults.load_env()  # KVDD_SIM_FAULTS, once per process (FaultSpecError when malformed)
         self.cluster_id = int(cluster_id)
         self.role = int(role)
         self._lock = threading.RLock()
         self._local = threading.local()
         self._finalizing: threading.Event | None = None
+        # §3.2 step 10: the listener of an Initialize that failed after it started listening
+        self._failed_listener: fabric.Listener | None = None
+        self.dropped = False  # unreachable, waiting for the reaper: refuses links (§3.1)
+        self._pid = os.getpid()  # a forked child never tears down its parent's instances
         self._reset()
+        reaper.start()
         #: the compiled path of common in-process transfers (kvdd.backend.FastTransfers)
         self.fast_transfers = FastTransfers(self)
+
+    def __del__(self) -> None:
+        # §3.1: the last reference is gone (or a collected cycle).  Only lock-free steps here;
+        # the reaper thread runs destroy() and then lets the object go (kvdd.sim.reaper).
+        if sys.is_finalizing() or self.__dict__.get("_pid") != os.getpid():
+            return  # exiting, half constructed, or the parent's instance in a forked child
+        listeners = [lst for lst in (self.__dict__.get("listener"),
+                                     self.__dict__.get("_failed_listener")) if lst is not None]
+        if not listeners and not self.__dict__.get("initialized"):
+            return
+        self.dropped = True
+        for listener in listeners:
+            listener.stop_accepting()
+        reaper.submit(self)
+
+    def destroy(self) -> None:
+        """What upstream's destructor does (§3.1): :meth:`finalize` when initialized, and free a
+        port that a failed Initialize left bound (§3.2 step 10).  The instance is not usable
+        afterwards only in the sense that it is uninitialized; it may be initialized again."""
+        self.finalize()
+        with self._lock:
+            self._release_failed_listener()
+
+    def _release_failed_listener(self) -> None:
+        listener, self._failed_listener = self._failed_listener, None
+        if listener is not None:
+            listener.close()
 
     # -- state ------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -132,8 +169,8 @@ class SimBackend:
             return S_OK
         if self.role not in (1, 2, 3):  # step 2
             reject(PARAM_INVALID, f"role {self.role} is not PROMPT(1), DECODER(2) or MIX(3)")
-        try:
-            plan = plan_initialize(options)  # steps 3-8 up to listening (kvdd.sim.options)
+        try:  # steps 3-8 up to listening (kvdd.sim.options); a port left bound goes at step 6
+            plan = plan_initialize(options, engine_replaced=self._release_failed_listener)
         except OptionError as exc:
             reject(exc.status, str(exc))
         if plan.listen is not None:  # step 8: start listening (bind failure -> FAILED)
@@ -141,7 +178,9 @@ class SimBackend:
         try:
             sync_wait_ms = cache_engine_options(options)  # step 9
         except OptionError as exc:
-            self._stop_listening()
+            # step 10: the failure cleanup skips the transfer engine, so the port stays bound by
+            # this instance until it is initialized again or destroyed (not by Finalize)
+            self._failed_listener, self.listener = self.listener, None
             reject(exc.status, str(exc))
         self.transfer_backend = plan.backend
         self.device_id = plan.device_id
@@ -306,7 +345,8 @@ class SimBackend:
         old: Entity | None = None
         try:
             with self._lock:
-                if not self.initialized or peer.transfer_backend != self.transfer_backend:
+                if (not self.initialized or self.dropped
+                        or peer.transfer_backend != self.transfer_backend):
                     return (Status.LLM_LINK_FAILED, "the peer is not initialized or uses another "
                             "transfer backend", None)
                 if self.transfer_backend == "comm":

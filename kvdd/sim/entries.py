@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .fabric import PeerHandle, RemoteCache
+from .fabric import KIND_BLOCKS, KIND_MIX, PeerHandle, RemoteCache
 from .memory import Region, RegionTable
 
 __all__ = ["CacheEntry", "Entity"]
@@ -16,19 +16,51 @@ _NO_REGIONS = RegionTable(())  # what an unregistered entry keeps: no regions, n
 _NO_REGIONS.close(threading.Event())
 
 
+class _Unserved:
+    """The token of a view on a cache registered with ``remote_accessible=False`` (CANN's Python
+    package, PYPKG.md §4.1 step 5): listed in the peer's snapshot, never leased (no regions)."""
+
+    __slots__ = ()
+    table = _NO_REGIONS
+    regions: list[Region] = []
+
+    def acquire(self) -> bool:
+        return False
+
+    def release(self) -> None:  # pragma: no cover - never acquired
+        pass
+
+
+_UNSERVED = _Unserved()
+
+
 class CacheEntry:
-    """A registered cache on its owner (SEMANTICS.md §2.1)."""
+    """A registered cache on its owner (SEMANTICS.md §2.1).
+
+    The C++ face registers MIX entries (``B = N = shape[0]``); CANN's Python package registers
+    CACHE (``B = shape[0]``, ``N = 0``) or BLOCKS (``B = 1``, ``N = shape[0]``, ``S = T / N``)
+    entries with a per-cache ``remote_accessible`` flag (docs/spec/PYPKG.md §4.1 step 6).
+    ``keys`` are the ``(req_id, model_id, batch position)`` identities of the owner's key map
+    that point at this entry now (published with it; PYPKG.md §4.1).
+    """
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions", "table",
-                 "owners", "_lock", "registered", "_drains", "_drains_done")
+                 "owners", "_lock", "registered", "_drains", "_drains_done", "kind", "N",
+                 "remote_accessible", "keys")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
-                 addrs: Sequence[int], owners: tuple[object, ...]) -> None:
+                 addrs: Sequence[int], owners: tuple[object, ...], kind: int = KIND_MIX,
+                 num_blocks: int = 0, remote_accessible: bool = True) -> None:
         self.cache_id = cache_id
         self.n = n
         self.T = T
         self.B = B
-        self.S = T // B if B else 0
+        self.kind = kind
+        self.N = num_blocks if kind == KIND_BLOCKS else (B if kind == KIND_MIX else 0)
+        self.remote_accessible = remote_accessible
+        self.keys: list[tuple[int, int, int]] = []
+        rows = self.N if kind == KIND_BLOCKS else B
+        self.S = T // rows if rows else 0
         self.ragged = self.S == 0 or T % self.S != 0
         self.placement = placement
         self.addrs = tuple(addrs)
@@ -46,7 +78,9 @@ class CacheEntry:
         return self.table.inflight
 
     def remote_view(self) -> RemoteCache:
-        return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, self)
+        token: object = self if self.remote_accessible else _UNSERVED
+        return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, token,
+                           self.kind, self.N, self.remote_accessible, tuple(self.keys))
 
     # the lease count lives in the region table: changed in C with the GIL held (atomic without a
     # lock), which the compiled transfer path uses directly (kvdd.sim._fastpath)
@@ -92,7 +126,7 @@ class CacheEntry:
             finally:
                 drains_done.set()
         # every caller waits for the first one's drains (a same-host reader's copy they revoke may
-        # still read the memory: review4 F2), then for the leases
+        # still read the memory), then for the leases
         deadline = None if timeout is None else time.monotonic() + timeout
         if not drains_done.wait(timeout):
             return False

@@ -11,7 +11,7 @@ way, so a user passing the internal keys directly gets what upstream gives.  Eve
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..option_json import (
@@ -69,9 +69,14 @@ def _internal_map(options: Mapping[str, str], listen: tuple[str, int] | None) ->
     return out
 
 
-def plan_initialize(options: Mapping[str, str], environ: Mapping[str, str] | None = None) -> InitPlan:
+def plan_initialize(options: Mapping[str, str], environ: Mapping[str, str] | None = None,
+                    engine_replaced: Callable[[], None] | None = None) -> InitPlan:
     """§3.2 steps 3-8 up to listening: llm_datadist_impl.cc ``Initialize``, the engine factory,
-    then the comm (llm_link_manager.cc) or hixl (hixl_transfer_engine.cc) engine's option reads."""
+    then the comm (llm_link_manager.cc) or hixl (hixl_transfer_engine.cc) engine's option reads.
+
+    ``engine_replaced`` is called once steps 3-4 passed, where llm_datadist_v2.cc ``DoInitialize``
+    replaces the transfer engine (step 6): a port a failed Initialize left bound is freed there
+    (§3.2 step 10), whatever the later steps decide."""
     env = os.environ if environ is None else environ
     parse_option("initialize", OPTION_DEVICE_ID, options)  # step 3 (absent: checked below)
     if OPTION_DEVICE_ID not in options:
@@ -80,6 +85,8 @@ def plan_initialize(options: Mapping[str, str], environ: Mapping[str, str] | Non
     listen = listen_ip_info if isinstance(listen_ip_info, tuple) else None
     m = _internal_map(options, listen)
     m[_EXEC_DEVICE_ID] = options[OPTION_DEVICE_ID]
+    if engine_replaced is not None:
+        engine_replaced()
     backend = "hixl" if parse_option("factory", OPTION_TRANSFER_BACKEND, m) else "comm"  # step 6
     device_id = parse_option("factory", _EXEC_DEVICE_ID, m)  # the single-int32 re-parse
     assert isinstance(device_id, int)

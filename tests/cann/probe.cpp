@@ -4,8 +4,13 @@
 //   probe strict    KVDD_CANN_STRICT_RESERVED: non-zero reserved bytes -> LLM_FAILED + reason
 //   probe acl       the libascendcl.so stand-in: contexts, memory, copies, error codes, messages
 //   probe broken    the simulator cannot start: construction works, every call is LLM_FAILED
+//   probe hook      the exception hook's cluster ids are ordinary ids unless the test suite arms it
+//   probe hook-armed  ... and with KVDD_TESTDOUBLE_THROW_HOOK=1 they throw
+//   probe where     the path of the libllm_datadist.so this process loaded
 //
 // Prints one line per check; exit status 0 when all passed, 1 otherwise.
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -20,8 +25,9 @@
 
 using namespace llm_datadist;
 
-// Hook of kvdd's simulated root (not in CANN): the port an instance listens on.
+// Hooks of kvdd's simulated root (not in CANN): the port an instance listens on, its ABI.
 extern "C" int kvdd_testdouble_listen_port(void *llm_datadist);
+extern "C" int kvdd_testdouble_cxx11_abi(void);
 
 namespace {
 
@@ -250,6 +256,37 @@ int Broken() {
   return g_failures == 0 ? 0 : 1;
 }
 
+// The cluster id the exception hook knows (throws std::runtime_error when armed).
+constexpr uint64_t kThrowingId = 0xFFFFFFFFFFFFFF00ULL;
+
+int Hook(bool armed) {
+  LlmDataDist dd(kThrowingId, LlmRole::kPrompt);
+  bool threw = false;
+  Status status = LLM_FAILED;
+  try {
+    status = dd.Initialize({{OPTION_DEVICE_ID, "0"}});
+  } catch (const std::exception &) {
+    threw = true;
+  }
+  if (armed) {
+    Expect(threw, "armed: Initialize of the hook's cluster id throws");
+  } else {
+    Expect(!threw && status == LLM_SUCCESS, "not armed: an ordinary cluster id (Initialize succeeds)");
+  }
+  dd.Finalize();
+  return g_failures == 0 ? 0 : 1;
+}
+
+int Where() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void *>(&kvdd_testdouble_cxx11_abi), &info) == 0 ||
+      info.dli_fname == nullptr) {
+    return 1;
+  }
+  std::printf("%s\n", info.dli_fname);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -258,6 +295,9 @@ int main(int argc, char **argv) {
   if (mode == "strict") return Strict();
   if (mode == "acl") return Acl();
   if (mode == "broken") return Broken();
-  std::fprintf(stderr, "usage: probe pull|strict|acl|broken\n");
+  if (mode == "hook") return Hook(false);
+  if (mode == "hook-armed") return Hook(true);
+  if (mode == "where") return Where();
+  std::fprintf(stderr, "usage: probe pull|strict|acl|broken|hook|hook-armed|where\n");
   return 2;
 }

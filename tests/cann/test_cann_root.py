@@ -12,7 +12,6 @@ import ctypes
 import os
 import shutil
 import subprocess
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,36 +23,7 @@ from kvdd.cann import MARKER_NAME, is_simulated_root, read_marker, root_problem,
 from kvdd.cann.root import CannRootError, write_root
 from kvdd.cli import main as kvdd_main
 
-HERE = Path(__file__).resolve().parent
-CXX = os.environ.get("CXX", "g++")
-LIBS = ("libllm_datadist.so", "libmetadef.so", "libascendcl.so")
-
-
-def _can_build() -> str | None:
-    if shutil.which(CXX) is None or shutil.which(os.environ.get("CC", "gcc")) is None:
-        return f"no C/C++ compiler ({CXX})"
-    if not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
-        return "no Python.h (python3-dev)"
-    return None
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    why = _can_build()
-    if why is not None:
-        pytest.skip(why)
-    return write_root(tmp_path_factory.mktemp("cann") / "root")
-
-
-@pytest.fixture(scope="module")
-def probe(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("probe") / "probe"
-    subprocess.run(
-        [CXX, "-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=0", "-O1", "-Wall", "-Wextra", "-Werror",
-         f"-I{root / 'include'}", str(HERE / "probe.cpp"), f"-L{root / 'lib64'}", "-lllm_datadist",
-         "-lmetadef", "-lascendcl", "-lpthread", "-o", str(out)], check=True)
-    return out
-
+from .conftest import CXX, HERE, LIBS
 
 def _run(probe: Path, root: Path, mode: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVDD_"))}
@@ -73,16 +43,23 @@ def _copy_with_marker(root: Path, dest: Path, **changes: str) -> Path:
 # ---- layout and marker ---------------------------------------------------------------------------
 
 def test_layout(root: Path) -> None:
-    for header in ("llm_datadist/llm_datadist.h", "llm_datadist/llm_error_codes.h", "acl/acl.h",
-                   "graph/ascend_string.h", "graph/types.h", "external/ge_common/api_error_codes.h",
+    for header in ("llm_datadist/llm_datadist.h", "ge/llm_error_codes.h", "ge/llm_engine_types.h",
+                   "acl/acl.h", "graph/ascend_string.h", "graph/types.h", "graph/tensor.h",
+                   "exe_graph/runtime/shape.h", "exe_graph/runtime/tensor.h",
+                   "utils/extern_math_util.h", "external/ge_common/ge_api_types.h",
+                   "external/ge_common/api_error_codes.h",
                    "external/ge_common/ge_api_error_codes.h"):
         assert (root / "include" / header).is_file(), header
+    # a CANN install has no llm_datadist/llm_error_codes.h (VENDOR.md)
+    assert not (root / "include/llm_datadist/llm_error_codes.h").exists()
     for lib in LIBS:
         assert (root / "lib64" / lib).is_file(), lib
     assert (root / "share/cmake/LlmDataDist/LlmDataDistConfig.cmake").is_file()
     text = (root / "set_env.sh").read_text()
     assert "export ASCEND_HOME_PATH=" in text and "export LD_LIBRARY_PATH=" in text
-    assert "export PYTHONPATH" not in text and "export PYTHONHOME" not in text
+    assert "export PYTHONHOME" not in text
+    assert str(root) not in text  # the root is found from the script's own path
+    assert (root / "python/site-packages/llm_datadist/__init__.py").is_file()
 
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="no readelf")
@@ -98,8 +75,9 @@ def test_header_declares_only_canns_status_codes(root: Path) -> None:
     header = (root / "include/llm_datadist/llm_datadist.h").read_text()
     assert header.count("constexpr Status LLM_") == 18
     assert "LLM_ENGINE_FINALIZED" not in header and "LLM_REPEAT_REQUEST" not in header
-    assert "constexpr Status LLM_ENGINE_FINALIZED" in (
-        root / "include/llm_datadist/llm_error_codes.h").read_text()
+    codes = (root / "include/ge/llm_error_codes.h").read_text()
+    assert "constexpr Status LLM_ENGINE_FINALIZED" in codes
+    assert codes.count("constexpr Status LLM_") == 28  # every code of API.md, as ge::LLM_*
     # reserved bytes have no default initializer, except RegisterCfg's (as in CANN)
     assert header.count("reserved[128] = {};") == 1 and "reserved[127] = {}" not in header
 

@@ -1,14 +1,19 @@
 """Fixtures of the conformance suite (SEMANTICS.md on every available backend).
 
-* ``backend``: parametrized over :func:`kvdd.available_backends`, or only ``$KVDD_BACKEND`` when
-  that is set (CI's native run sets ``KVDD_BACKEND=native`` and runs only native; an unavailable
-  backend named there is an error, never a silent skip).
-* ``sim_only(reason)`` marker: skipped, with the reason, unless the backend under test is ``sim``.
-* ``peer_factory``: makes the peers (``Node``); ``KVDD_PEER`` selects how:
+The suite runs on kvdd's pytest plugin (:mod:`kvdd.testing.pytest_plugin`), as a user's suite does:
 
-  - ``inproc`` (the default): simulator peers in this process;
+* ``backend``: the plugin's ``kvdd_backend``, parametrized over every available backend, or only
+  the one ``--kvdd-backend`` / ``$KVDD_BACKEND`` names (CI's native run sets
+  ``KVDD_BACKEND=native`` and runs only native; an unavailable backend named there is an error,
+  never a silent skip).
+* ``kvdd_sim_only(reason)`` marker (the plugin's): skipped, with the reason, on native.
+* ``peer_factory``: makes the peers (``Node``); the plugin's ``--kvdd-peer`` / ``$KVDD_PEER``
+  selects how:
+
+  - ``inprocess`` (the default): simulator peers in this process;
   - ``process``: peers **of the backend under test** (native peers on native) in other Python
-    processes (``tests/sim/peer_proc.py``: the peers' methods become RPCs over a private control
+    processes (``tests/sim/peer_proc.py`` on the plugin's process host,
+    :class:`kvdd.testing.process.ProcessHost`: the peers' methods become RPCs over a private control
     pipe; links and transfers cross processes through the backend itself).  A peer allocates,
     fills and reads its memory through :mod:`kvdd.testing` (ACL device memory on native).  Peer
     processes are reused by the tests of a module (:class:`PeerPool`).  Native peers have one
@@ -23,7 +28,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,39 +38,17 @@ import pytest
 
 import kvdd
 import kvdd.testing as kt
+from kvdd.testing.pytest_plugin import peer_mode
 
 from .harness import Node, World, port_reported
 
 PeerFactory = Callable[[int, int], Node]
 
 
-def selected_backends() -> tuple[str, ...]:
-    env = os.environ.get("KVDD_BACKEND")
-    if env:
-        return (env,)
-    return kvdd.available_backends()
-
-
-@pytest.fixture(params=selected_backends())
-def backend(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
-
-
-@pytest.fixture(autouse=True)
-def _sim_only(request: pytest.FixtureRequest) -> None:
-    marker = request.node.get_closest_marker("sim_only")
-    if marker is None:
-        return
-    callspec = getattr(request.node, "callspec", None)
-    name = callspec.params.get("backend") if callspec is not None else None
-    if name is None:
-        if "sim" in selected_backends():
-            return
-    elif name == "sim":
-        return
-    reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
-    pytest.skip(f"simulator only: {reason}")
+@pytest.fixture
+def backend(kvdd_backend: str) -> str:
+    """The backend under test (the plugin's ``kvdd_backend``)."""
+    return kvdd_backend
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -169,7 +151,7 @@ def _peer_pools() -> Iterator[dict[str, PeerPool]]:
 
 @pytest.fixture
 def peer_factory(request: pytest.FixtureRequest, backend: str) -> Iterator[PeerFactory]:
-    mode = os.environ.get("KVDD_PEER", "inproc")
+    mode = peer_mode(request.config)
     if mode == "process":
         pools: dict[str, PeerPool] = request.getfixturevalue("_peer_pools")
         pool = pools.get(backend)
@@ -180,8 +162,6 @@ def peer_factory(request: pytest.FixtureRequest, backend: str) -> Iterator[PeerF
         finally:
             pool.end_test()
         return
-    if mode != "inproc":
-        pytest.skip(f"KVDD_PEER={mode!r}: unknown mode (inproc or process)")
     made: list[Node] = []
 
     def make(cluster_id: int, role: int) -> Node:
@@ -195,9 +175,9 @@ def peer_factory(request: pytest.FixtureRequest, backend: str) -> Iterator[PeerF
 
 
 @pytest.fixture
-def inproc_peers() -> None:
+def inproc_peers(request: pytest.FixtureRequest) -> None:
     """Requested by tests that need the peers in this process (shared memory between nodes)."""
-    if os.environ.get("KVDD_PEER", "inproc") != "inproc":
+    if peer_mode(request.config) != "inprocess":
         pytest.skip("needs peers in this process (shares memory between nodes)")
 
 

@@ -415,11 +415,11 @@ class World:
 
     def dut(self, cluster_id: int = 2, role: int = LlmRole.DECODER) -> Node:
         """The node under test (backend of the ``backend`` fixture).  At most one per test unless
-        the backend is the simulator (several native instances per process: sim_only)."""
+        the backend is the simulator (several native instances per process: kvdd_sim_only)."""
         self._duts += 1
         if self._duts > 1 and self.backend != "sim":
             raise AssertionError("a second instance of the backend under test: mark the test "
-                                 "sim_only")
+                                 "kvdd_sim_only")
         node = Node(cluster_id, role, backend=self.backend)
         self.nodes.append(node)
         return node

@@ -150,7 +150,7 @@ def test_sub_byte_cache_that_is_not_ragged_transfers(world: World, transfer: str
 # -- kvdd rule 11: overlapping memory behaves as memmove ----------------------------------------------
 
 
-@pytest.mark.sim_only(reason="two instances in one process registering the same memory")
+@pytest.mark.kvdd_sim_only(reason="two instances in one process registering the same memory")
 def test_rule11_overlapping_source_and_destination(world: World, inproc_peers: None) -> None:
     d, p = pair(world)
     ph = p.register(num_tensors=1)

@@ -1,4 +1,4 @@
-"""Attacks on a listening instance from raw sockets speaking the fabric's wire protocol (issue 11).
+"""Attacks on a listening instance from raw sockets speaking the fabric's wire protocol.
 
 The victim ``P`` lives in its own process (:mod:`peer_proc`); a legitimate peer ``D`` lives here and
 is linked to it.  Every test checks, besides its own assertions:

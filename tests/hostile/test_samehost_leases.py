@@ -294,7 +294,7 @@ def test_a_lease_hog_cannot_hold_unregister() -> None:
     """A living reader that announced a 10-minute wait and keeps a slot counted forever: the
     owner's unregister aborts it after DRAIN_PATIENCE_MS, waits for the still-counted living
     reader (§10 rule 5) up to the owner's cap (60 s; shortened to 2 s here) + grace, and returns;
-    the link's one-sided access is closed for good (issue #11 review F2/F4)."""
+    the link's one-sided access is closed for good (capped reader waits, no copy past a deadline)."""
     from kvdd.sim.fabric.samehost_path import DRAIN_GRACE_MS
     entries = [FakeEntry(1, _arena(1))]
     served = ServedTable({1: entries[0]}, 2000)  # type: ignore[dict-item]

@@ -1,4 +1,4 @@
-"""Hostile peers against the one-request small path (LEASE_READ / LEASE_WRITE, issue 11).
+"""Hostile peers against the one-request small path (LEASE_READ / LEASE_WRITE).
 
 * As an *owner* answering our small READ: the caller reads its own reply from the socket now, so
   a peer's DATA for it reaches the caller's memory only when the owner's DONE says LLM_SUCCESS and

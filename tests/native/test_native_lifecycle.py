@@ -2,10 +2,11 @@
 concurrent finalize, and one transfer through the whole chain (facade -> binding -> library).
 
 Runs against kvdd's CI test double.  Test-double-only hooks used here (never in the real library):
-instances constructed with cluster id ``2**64 - 256`` / ``- 255`` / ``- 254`` throw
-``std::runtime_error`` / ``std::bad_alloc`` / a non-``std::exception`` from every method except
-the constructor, the destructor and ``Finalize``; a Python exception raised by the engine comes
-back as ``std::runtime_error``.
+with ``KVDD_TESTDOUBLE_THROW_HOOK=1`` in the environment (set by this module's fixture; the
+simulated root ships the hook disarmed), instances constructed with cluster id ``2**64 - 256`` /
+``- 255`` / ``- 254`` throw ``std::runtime_error`` / ``std::bad_alloc`` / a
+non-``std::exception`` from every method except the constructor, the destructor and
+``Finalize``; a Python exception raised by the engine comes back as ``std::runtime_error``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ THROW_RUNTIME_ERROR = 2**64 - 256
 THROW_BAD_ALLOC = 2**64 - 255
 THROW_NON_STD = 2**64 - 254
 DEVICE = {kvdd.OPTION_DEVICE_ID: "0"}
+
+
+@pytest.fixture(autouse=True)
+def _throw_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arm the simulated root's exception hook (read when an instance is constructed)."""
+    monkeypatch.setenv("KVDD_TESTDOUBLE_THROW_HOOK", "1")
 
 DESC = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(4, 8))
 IDX = CacheIndex(1, 1, 0)

@@ -3,8 +3,10 @@
 Runs against kvdd's CI test double: the double rebuilds kvdd value types from the C++ structs the
 binding filled and hands them to the (recording) simulator engine, so comparing what the engine
 received with what the test passed checks the Python -> C++ -> Python round trip of every field,
-including the values API.md lets through unchecked (role 4, placement 7, dtype 99, ...).  Expected
-values are the literals of each test, never recomputed by the code under test.
+including the values API.md lets through unchecked (role 4, placement 7, ...).  A data_type that is
+no ge::DataType enumerator (dtype 99) reaches the library as DT_UNDEFINED (VENDOR.md: the cast would
+be undefined).  Expected values are the literals of each test, never recomputed by the code under
+test.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ ODD_DESC = CacheDesc(num_tensors=U32_MAX, data_type=99, shape=(I64_MAX, -1, 0, I
 ODD_CACHE = Cache(cache_id=I64_MIN, tensor_addrs=(1, U64_MAX, 0x7F00_0000_1000),
                   cache_desc=CacheDesc(num_tensors=3, data_type=-(2**31), shape=(4, 16),
                                        placement=U32_MAX))
+# ... as the engine receives them: data_type 99 and -(2**31) are no enumerators -> DT_UNDEFINED (28)
+ODD_DESC_SEEN = CacheDesc(num_tensors=U32_MAX, data_type=28, shape=(I64_MAX, -1, 0, I64_MIN),
+                          placement=7)
+ODD_CACHE_SEEN = Cache(cache_id=I64_MIN, tensor_addrs=(1, U64_MAX, 0x7F00_0000_1000),
+                       cache_desc=CacheDesc(num_tensors=3, data_type=28, shape=(4, 16),
+                                            placement=U32_MAX))
 ODD_INDEX = CacheIndex(cluster_id=U64_MAX, cache_id=I64_MAX, batch_index=U32_MAX)
 ODD_EXT = KvCacheExtParam(src_layer_range=(0, 3), dst_layer_range=(-1, 5),
                           tensor_num_per_layer=255)
@@ -128,7 +136,7 @@ def test_register_arguments_reach_the_engine(recorders: list[Any]) -> None:
     addrs = [1, U64_MAX, 0]
     status, cache_id = nb.register_kv_cache(ODD_DESC, addrs, RegisterCfg())
     call = rec.last("register_kv_cache")
-    assert call.args[0] == ODD_DESC
+    assert call.args[0] == ODD_DESC_SEEN
     assert list(call.args[1]) == addrs
     assert call.args[2] == RegisterCfg()
     assert (status, cache_id) == (PARAM_INVALID, -1) == call.result
@@ -169,7 +177,7 @@ def test_unregister_and_deallocate_ids(recorders: list[Any]) -> None:
 def test_allocate_cache_output(recorders: list[Any]) -> None:
     nb, rec = make(recorders)
     assert nb.allocate_cache(ODD_DESC) == (FEATURE_NOT_ENABLED, None)
-    assert rec.last("allocate_cache").args == (ODD_DESC,)
+    assert rec.last("allocate_cache").args == (ODD_DESC_SEEN,)
     # A library that supported it would fill the Cache: every field must come back.
     rec.overrides["allocate_cache"] = lambda desc: (0, ODD_CACHE)
     assert nb.allocate_cache(ODD_DESC) == (0, ODD_CACHE)
@@ -186,15 +194,15 @@ def test_transfer_arguments_reach_the_engine(recorders: list[Any],
     dst_blocks = np.array([5, 2**63, 7], dtype=np.uint64)
     cases: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = [
         ("pull_kv_cache", (ODD_INDEX, ODD_CACHE, U32_MAX, -1, ext),
-         (ODD_INDEX, ODD_CACHE, U32_MAX, -1, expected_ext)),
+         (ODD_INDEX, ODD_CACHE_SEEN, U32_MAX, -1, expected_ext)),
         ("pull_kv_cache", (CacheIndex(0, I64_MIN, 0), Cache(), 0, I64_MAX, ext),
          (CacheIndex(0, I64_MIN, 0), Cache(), 0, I64_MAX, expected_ext)),
         ("pull_kv_blocks", (ODD_INDEX, ODD_CACHE, src_blocks, dst_blocks, ext),
-         (ODD_INDEX, ODD_CACHE, src_blocks, [5, 2**63, 7], expected_ext)),
+         (ODD_INDEX, ODD_CACHE_SEEN, src_blocks, [5, 2**63, 7], expected_ext)),
         ("push_kv_cache", (ODD_CACHE, ODD_INDEX, U32_MAX, I64_MIN, ext),
-         (ODD_CACHE, ODD_INDEX, U32_MAX, I64_MIN, expected_ext)),
+         (ODD_CACHE_SEEN, ODD_INDEX, U32_MAX, I64_MIN, expected_ext)),
         ("push_kv_blocks", (ODD_CACHE, ODD_INDEX, [], [U64_MAX], ext),
-         (ODD_CACHE, ODD_INDEX, [], [U64_MAX], expected_ext)),
+         (ODD_CACHE_SEEN, ODD_INDEX, [], [U64_MAX], expected_ext)),
     ]
     for name, args, expected in cases:
         status = getattr(nb, name)(*args)
@@ -207,12 +215,13 @@ def test_transfer_arguments_reach_the_engine(recorders: list[Any],
 def test_copy_arguments_reach_the_engine(recorders: list[Any]) -> None:
     nb, rec = make(recorders)
     status = nb.copy_kv_cache(ODD_CACHE, Cache(), U32_MAX, 0, U64_MAX, I64_MIN)
-    assert rec.last("copy_kv_cache").args == (ODD_CACHE, Cache(), U32_MAX, 0, U64_MAX, I64_MIN)
+    assert rec.last("copy_kv_cache").args == (ODD_CACHE_SEEN, Cache(), U32_MAX, 0, U64_MAX,
+                                              I64_MIN)
     assert status == FEATURE_NOT_ENABLED
     dst_list = [[1, 2], [], [U64_MAX]]
     status = nb.copy_kv_blocks(Cache(), ODD_CACHE, [0, U64_MAX], dst_list)
     call = rec.last("copy_kv_blocks")
-    assert call.args[0] == Cache() and call.args[1] == ODD_CACHE
+    assert call.args[0] == Cache() and call.args[1] == ODD_CACHE_SEEN
     assert list(call.args[2]) == [0, U64_MAX]
     assert [list(b) for b in call.args[3]] == dst_list
     assert status == FEATURE_NOT_ENABLED

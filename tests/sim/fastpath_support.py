@@ -1,6 +1,6 @@
 """The on/off comparison of the compiled in-process path (kvdd.sim._fastpath), shared by
-test_fastpath.py and the test_review4_*.py files: a call runs with the path on, then off, from the
-same bytes, and must give equal outcomes and equal memory on every side."""
+test_fastpath*.py and test_region_leases.py: a call runs with the path on, then off, from the same
+bytes, and must give equal outcomes and equal memory on every side."""
 
 from __future__ import annotations
 

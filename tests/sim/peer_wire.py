@@ -1,5 +1,6 @@
-"""The RPC between the test process and a peer process (:mod:`peer_proc`, :mod:`peer_child`): the
-child's environment variables, the codec of arguments and results, and a call in flight.
+"""The conformance suite's side of its peer processes (:mod:`peer_proc`, :mod:`peer_child`, on
+kvdd's test kit :mod:`kvdd.testing.process`): the child's environment variables and the codec of
+arguments and results.
 
 Arguments and results are plain picklable values (ints, kvdd value types, bytes, ``CacheHandle``
 sent as a tuple), exactly what the conformance harness promises for ``Node`` methods; kvdd
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from conformance.harness import CacheHandle  # noqa: E402
 
 __all__ = ["CALL_TIMEOUT", "ENV_BACKEND", "ENV_DEVICE_ID", "encode", "decode", "PeerError", "Call"]
 
-#: Seconds any single RPC may take before the test fails (transfers are far faster).
-CALL_TIMEOUT = 60.0
+from kvdd.testing.process import CALL_TIMEOUT, Call, PeerError  # noqa: E402
+
 #: Environment of the child: the backend of its nodes and their NPU (see PeerProcess).
 ENV_BACKEND = "KVDD_PEER_BACKEND"
 ENV_DEVICE_ID = "KVDD_PEER_DEVICE_ID"
@@ -53,27 +53,3 @@ def decode(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(decode(v) for v in value)
     return value
-
-
-class PeerError(RuntimeError):
-    """A non-kvdd exception raised in the peer process (its type and message)."""
-
-
-class Call:
-    """An RPC in flight (see :meth:`PeerProcess.start`)."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.ok = False
-        self.value: Any = None
-
-    def result(self, timeout: float = CALL_TIMEOUT) -> Any:
-        if not self.event.wait(timeout):
-            raise TimeoutError(f"the peer process did not answer within {timeout} s")
-        if not self.ok:
-            raise self.value
-        return self.value
-
-    def done(self) -> bool:
-        return self.event.is_set()
-

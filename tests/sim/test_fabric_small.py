@@ -1,4 +1,4 @@
-"""The compiled small path of the TCP fabric (kvdd/_native/_small.pyx, issue 11).
+"""The compiled small path of the TCP fabric (kvdd/_native/_small.pyx).
 
 * :class:`kvdd.sim.fabric.rx.Rx` (a compiled ``FrameReader``) refuses every header
   :func:`~kvdd.sim.fabric.wire.check_header` refuses, with the same error, and delivers payloads

@@ -39,6 +39,9 @@ from kvdd.sim import _fastpath, faults
 
 from fastpath_support import both_ways, fast, outcome
 
+#: tests of the compiled path force it on (they pass with KVDD_SIM_FAST_PATH=0 too)
+pytestmark = pytest.mark.usefixtures("compiled_path_on")
+
 LOCALHOST = "127.0.0.1"
 U8 = DataType.DT_UINT8
 

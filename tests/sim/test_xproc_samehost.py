@@ -226,7 +226,7 @@ def test_pvm_copy_stops_when_its_lease_is_aborted() -> None:
     table.revoke(1, _xproc.LEASE_ABORT)
     with pytest.raises(ConnectionAbortedError, match="after 0 bytes"):
         _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=1)
-    assert not dst.any()  # checked before every system call (#11 review F4): not even one
+    assert not dst.any()  # checked before every system call: not even one
     assert _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=0) == 1 << 16  # another slot
     table.revoke(-1, _xproc.LEASE_ABORT)  # the whole link
     with pytest.raises(ConnectionAbortedError):

@@ -1,8 +1,10 @@
-// kvdd CI test double: ge::AscendString, defined out of line as in CANN's libmetadef.so.
-// Written by the kvdd project; see testdouble/include/graph/ascend_string.h.
+// kvdd's simulated CANN root: ge::AscendString, defined out of line as in CANN's libmetadef.so.
+// Written by the kvdd project; see include/graph/ascend_string.h.
 #include "graph/ascend_string.h"
 
 #include <cstring>
+#include <functional>
+#include <string>
 
 namespace ge {
 
@@ -41,5 +43,22 @@ bool AscendString::operator==(const AscendString &other) const { return Compare(
 bool AscendString::operator!=(const AscendString &other) const { return Compare(value_, other.value_) != 0; }
 bool AscendString::operator<=(const AscendString &other) const { return Compare(value_, other.value_) <= 0; }
 bool AscendString::operator>=(const AscendString &other) const { return Compare(value_, other.value_) >= 0; }
+
+bool AscendString::operator==(const char *name) const {
+  return std::strcmp(GetString(), name == nullptr ? "" : name) == 0;
+}
+
+bool AscendString::operator!=(const char *name) const { return !(*this == name); }
+
+size_t AscendString::Find(const AscendString &ascend_string) const {
+  static const std::string kEmpty;
+  const std::string &haystack = value_ == nullptr ? kEmpty : *value_;
+  return haystack.find(ascend_string.GetString(), 0, ascend_string.GetLength());
+}
+
+size_t AscendString::Hash() const {
+  static const std::string kEmpty;
+  return std::hash<std::string>()(value_ == nullptr ? kEmpty : *value_);
+}
 
 }  // namespace ge

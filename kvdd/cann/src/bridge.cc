@@ -47,8 +47,10 @@ class SimEngine final : public Engine {
     }
     Gil gil;
     if (engine_.get() != nullptr) {
-      // Upstream's destructor tears a still-initialized instance down.
-      Ref r(PyObject_CallMethod(engine_.get(), "finalize", nullptr));
+      // Upstream's destructor tears a still-initialized instance down, and frees a port that a
+      // failed Initialize left bound (SEMANTICS.md §3.1, §3.2 step 10): SimBackend.destroy().
+      const char *method = PyObject_HasAttrString(engine_.get(), "destroy") ? "destroy" : "finalize";
+      Ref r(PyObject_CallMethod(engine_.get(), method, nullptr));
       if (r.get() == nullptr) {
         PyErr_Clear();
       }

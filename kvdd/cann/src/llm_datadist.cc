@@ -14,24 +14,28 @@
 // one clear message on stderr and every method returns LLM_FAILED (the reason is also the
 // calling thread's aclGetRecentErrMsg()); it never crashes.
 //
-// KVDD_CANN_STRICT_RESERVED=1 (read at every call): every struct argument's reserved bytes must be
-// zero, as code that value-initializes its structs guarantees (on CANN they are left
-// uninitialized otherwise); a non-zero byte makes the call return LLM_FAILED with the reason as
-// the call's error detail, before the simulator sees it.
+// KVDD_CANN_STRICT_RESERVED=1 (read at every call): kvdd's lint, stricter than CANN.  Every struct
+// argument's reserved bytes must be zero, as code that value-initializes its structs guarantees;
+// a non-zero byte makes the call return LLM_FAILED with the reason as the call's error detail,
+// before the simulator sees it.  Real CANN accepts non-zero reserved bytes (the vendor's own C++
+// samples leave stack garbage there and run on hardware), so this mode is off by default.
 //
 // After a successful Initialize, llm.DeviceId is the calling thread's current ACL device
 // (libascendcl.so of the same root), as CANN's Initialize sets the device.  The explanation of
 // each failed call is recorded for aclGetRecentErrMsg() on the calling thread.
 //
-// Hooks for kvdd's own tests (never present in a real CANN install):
+// Hooks for kvdd's own tests (never present in a real CANN install; none changes what a call does
+// unless kvdd's test suite asks for it):
 //   * extern "C" int kvdd_testdouble_listen_port(void *llm_datadist): the port the simulator
 //     bound; -1 not listening, -2 on error or unknown instance.
 //   * extern "C" int kvdd_testdouble_cxx11_abi(void): the _GLIBCXX_USE_CXX11_ABI it was built with.
 //   * extern "C" const char *kvdd_testdouble_last_error(void): why the calling thread's last
 //     LlmDataDist call failed ("" after a success or without an explanation); valid until the
 //     thread's next call.
-//   * Instances constructed with one of the kThrow* cluster ids below throw a C++ exception from
-//     every method except the constructor, the destructor and Finalize.
+//   * Only when KVDD_TESTDOUBLE_THROW_HOOK=1 is set in the environment at construction (kvdd's
+//     test suite sets it, in the tests that need it; nothing else should): instances constructed
+//     with one of the kThrow* cluster ids below throw a C++ exception from every method except the
+//     constructor, the destructor and Finalize.  Without it those ids are ordinary cluster ids.
 #include "llm_datadist/llm_datadist.h"
 
 #include <dlfcn.h>
@@ -74,7 +78,16 @@ void SetError(const std::string &message) {
   kvdd_acl_record_error(message.c_str());
 }
 
-void MaybeThrowInjected(uint64_t cluster_id, const char *method) {
+// Whether kvdd's test suite armed the exception hook (KVDD_TESTDOUBLE_THROW_HOOK=1).
+bool ThrowHookArmed() {
+  const char *v = std::getenv("KVDD_TESTDOUBLE_THROW_HOOK");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
+void MaybeThrowInjected(bool armed, uint64_t cluster_id, const char *method) {
+  if (!armed) {
+    return;
+  }
   switch (cluster_id) {
     case kThrowRuntimeErrorClusterId:
       throw std::runtime_error(std::string("kvdd test double: injected C++ exception in ") + method);
@@ -207,8 +220,9 @@ std::string CheckZero(const uint8_t (&bytes)[N], const char *type, const std::st
       char hex[8];
       std::snprintf(hex, sizeof hex, "0x%02x", bytes[i]);
       return std::string("KVDD_CANN_STRICT_RESERVED=1: reserved byte ") + std::to_string(i) +
-             " of " + what + " (" + type + ") is " + hex + ", not 0; value-initialize the struct (" +
-             type + " x{}; or " + type + "()) so that its reserved bytes are zero, as CANN expects";
+             " of " + what + " (" + type + ") is " + hex + ", not 0 (kvdd's lint, stricter than CANN, "
+             "which accepts non-zero reserved bytes); value-initialize the struct (" + type +
+             " x{}; or " + type + "()) so that its reserved bytes are zero";
     }
   }
   return "";
@@ -275,7 +289,8 @@ std::unordered_map<const void *, ListenPortSource *> *g_registry = nullptr;
 
 class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
  public:
-  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : cluster_id_(cluster_id) {
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role)
+      : cluster_id_(cluster_id), throw_hook_(ThrowHookArmed()) {
     Runtime &rt = GetRuntime();
     error_ = rt.error;
     if (rt.create != nullptr) {
@@ -309,7 +324,7 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
   template <typename Call>
   Status Run(const char *method, const std::string &strict_problem, Call &&call) {
     t_last_error.clear();
-    MaybeThrowInjected(cluster_id_, method);
+    MaybeThrowInjected(throw_hook_, cluster_id_, method);
     if (engine_ == nullptr) {
       SetError(error_);
       return LLM_FAILED;
@@ -334,6 +349,7 @@ class LlmDataDist::LlmDataDistImpl : public ListenPortSource {
   }
 
   uint64_t cluster_id_;
+  bool throw_hook_;
   std::unique_ptr<kvdd_cann::Engine> engine_;
   std::string error_;
 };

@@ -53,12 +53,15 @@ from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, AuthError, Secret, Sec
 from .extensions import register_extension, unregister_extension
 from .listener import Listener
 from .peers import InProcessPeer, RemotePeer, in_process_peer
-from .protocol import (Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle,
-                       RemoteCache, ServedCache, Snapshot)
+from .protocol import (KIND_BLOCKS, KIND_CACHE, KIND_MIX, Connection, DataPath, LinkOffer,
+                       LinkOwner, LinkResult, PeerHandle, RemoteCache, ServedCache, Snapshot)
 from .registry import lookup_listener
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
+    "KIND_MIX",
+    "KIND_CACHE",
+    "KIND_BLOCKS",
     "RemoteCache",
     "PeerHandle",
     "ServedCache",

@@ -23,11 +23,13 @@ import time
 from dataclasses import dataclass, field
 
 from .secret import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, MIN_SECRET_BYTES, Secret, SecretError,
-                     default_secret_path, describe_secret, generate_secret, load_secret)
+                     check_private_dir, default_secret_path, describe_secret, generate_secret,
+                     load_secret)
 
 __all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ENV_AUTH", "SecretError", "Secret", "Session",
            "load_secret", "generate_secret", "describe_secret", "default_secret_path", "mac", "session_key",
-           "NONCE_BYTES", "MIN_SECRET_BYTES", "AuthError", "authenticate_socket"]
+           "NONCE_BYTES", "MIN_SECRET_BYTES", "AuthError", "authenticate_socket",
+           "check_private_dir"]
 
 _log = logging.getLogger(__name__)
 

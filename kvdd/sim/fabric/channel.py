@@ -54,7 +54,7 @@ from .calls import Calls
 from .endpoints import add_endpoint, close_channels, close_endpoint, discard_endpoint, take_endpoint
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
-from .protocol import LinkOwner, ServedCache
+from .protocol import LinkOffer, LinkOwner, PeerHandle, ServedCache, Snapshot
 from .rx import Goodbye, Pending, Rx, Sink
 from .serving import serve_read, serve_write
 from .small import serve_small_read, serve_small_write
@@ -87,13 +87,38 @@ _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _RECEIVER = object()  # the leader token of the receiver thread
 
 
+class GoneOwner:
+    """Stands for an instance that was dropped (SEMANTICS.md §3.1) on the connections it had: it
+    serves nothing, as a finalized instance (its teardown closes them soon)."""
+
+    transfer_backend = "comm"
+    comm_res_text: str | None = None
+    sync_wait_ms = 0
+    initialized = False
+
+    def __init__(self, cluster_id: int) -> None:
+        self.cluster_id = cluster_id
+
+    def snapshot_for_link(self) -> Snapshot:
+        return {}, {}
+
+    def serve_link(self, peer: LinkOffer, force_link: bool,
+                   make_handle: Callable[[], PeerHandle]) -> tuple[int, str, Snapshot | None]:
+        return Status.LLM_LINK_FAILED, "the instance was destroyed", None
+
+    def peer_unlinked(self, peer_cluster_id: int) -> int:
+        return S_OK
+
+
 class Channel(Calls):
     """One end of a link's TCP connection: serves the peer's requests on ``owner``'s caches and
     carries this end's requests (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, owner: LinkOwner, label: str) -> None:
         self.sock = sock
-        self.owner = owner
+        # held weakly: a connection never keeps its instance alive (SEMANTICS.md §3.1)
+        self._owner = weakref.ref(owner)
+        self._gone = GoneOwner(owner.cluster_id)
         self.label = label
         self.served: Mapping[int, ServedCache] = {}  # our caches visible to the peer over this link
         self.peer_wait_ms = 1000
@@ -125,6 +150,12 @@ class Channel(Calls):
         self._started = False
         self._running = threading.Event()  # set by start(): the socket may be read from then
         self.on_dead: Callable[[], None] | None = None  # the listener's link count (gate.py)
+
+    @property
+    def owner(self) -> LinkOwner:
+        """The instance whose caches this connection serves (a :class:`GoneOwner` once dropped)."""
+        owner = self._owner()
+        return self._gone if owner is None else owner
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,7 +237,7 @@ class Channel(Calls):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
         with contextlib.suppress(OSError):
             self.sock.close()
-        discard_endpoint(self.owner, self)
+        discard_endpoint(self._owner(), self)
         hook = self.on_dead
         if hook is not None:
             try:
@@ -337,7 +368,7 @@ class Channel(Calls):
         wait; a peer sending more (one that does not read our answers) loses its connection.
         Answers already prepared (small replies waiting for the send side) count in the bytes
         only, each as at least ANSWER_CHARGE: a peer that reads, only late, may have many small
-        requests in flight (review 2, F3), and one that never reads is still cut off."""
+        requests in flight, and one that never reads is still cut off."""
         jobs, size = _charge(ftype, payload)
         with self._lock:
             if (self._queued_jobs + jobs > MAX_JOBS

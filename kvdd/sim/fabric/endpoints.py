@@ -1,9 +1,9 @@
-"""Which connections each local instance has (finalize closes them; a dead one leaves)."""
+"""Which connections each local instance has (finalize, or the teardown of a dropped instance,
+closes them)."""
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,26 +17,39 @@ __all__ = ["add_endpoint", "discard_endpoint", "take_endpoint", "close_channels"
 
 
 _lock = threading.Lock()
-_endpoints: weakref.WeakKeyDictionary[LinkOwner, set[Channel]] = weakref.WeakKeyDictionary()
+# by id() of the instance, not a weak key: a cycle's collector clears weak references before the
+# instance's __del__ runs its teardown, which must still find its connections here (SEMANTICS.md
+# §3.1, kvdd.sim.reaper); the connections hold their instance only weakly
+_endpoints: dict[int, set[Channel]] = {}
+_key_of: dict[Channel, int] = {}
 
 
 def add_endpoint(owner: LinkOwner, chan: Channel) -> None:
     with _lock:
-        _endpoints.setdefault(owner, set()).add(chan)
+        key = id(owner)
+        _endpoints.setdefault(key, set()).add(chan)
+        _key_of[chan] = key
 
 
-def discard_endpoint(owner: LinkOwner, chan: Channel) -> None:
+def discard_endpoint(owner: LinkOwner | None, chan: Channel) -> None:
+    """``chan`` ended (``owner`` may already be gone: the connection knows whose it is)."""
     with _lock:
-        chans = _endpoints.get(owner)
-        if chans is not None:
+        key = _key_of.pop(chan, None)
+        chans = None if key is None else _endpoints.get(key)
+        if key is not None and chans is not None:
             chans.discard(chan)
+            if not chans:
+                del _endpoints[key]
 
 
 def take_endpoint(owner: LinkOwner) -> list[Channel]:
     """Finalize, first half: the connections of ``owner`` (to close once its caches are retired;
     until then they keep serving lease releases)."""
     with _lock:
-        return list(_endpoints.pop(owner, ()))
+        chans = list(_endpoints.pop(id(owner), ()))
+        for chan in chans:
+            _key_of.pop(chan, None)
+        return chans
 
 
 def close_channels(chans: Sequence[Channel]) -> None:

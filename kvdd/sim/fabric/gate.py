@@ -116,8 +116,8 @@ class HandshakeGate:
 
     Parameters
     ----------
-    owner : LinkOwner
-        The listening instance.
+    owner : callable
+        The listening instance (a weak reference: None once it is gone).
     finish : callable
         Takes an answered connection that is not a link (the listener reads it until the peer
         closes, then closes it).
@@ -125,9 +125,9 @@ class HandshakeGate:
         For thread names and logs.
     """
 
-    def __init__(self, owner: LinkOwner, finish: Callable[[socket.socket], None],
-                 label: str) -> None:
-        self.owner = owner
+    def __init__(self, owner: Callable[[], LinkOwner | None],
+                 finish: Callable[[socket.socket], None], label: str) -> None:
+        self._owner = owner  # a weak reference: never keeps the instance alive (SEMANTICS.md §3.1)
         self._finish = finish
         self._label = label
         self._lock = threading.Lock()
@@ -173,9 +173,12 @@ class HandshakeGate:
                                if not rec[2] and rec[3]), None)
         if cluster_id is None:
             return False
+        owner = self._owner()
+        if owner is None:
+            return False
         logger.info("kvdd fabric %s: dropping the broken link of cluster %d from %s to make room",
                     self._label, cluster_id, source)
-        self.owner.peer_unlinked(cluster_id)
+        owner.peer_unlinked(cluster_id)
         return True
 
     def _charge(self, source: str, caches: int) -> bool:
@@ -303,22 +306,27 @@ class HandshakeGate:
                payload: bytearray | mmap.mmap,
                source: str) -> None:
         keep = handed = False
+        owner = self._owner()
         try:
             conn.setblocking(True)
-            if ftype == F_HELLO_LINK:
-                keep = serve_link(self.owner, conn, memoryview(payload), session,
+            if owner is None:  # the instance was dropped: the connection closes
+                handed = False
+            elif ftype == F_HELLO_LINK:
+                keep = serve_link(owner, conn, memoryview(payload), session,
                                   Ticket(self, source), self._finish)
+                handed = True  # a link, or given to ``finish``
             elif ftype == F_HELLO_UNLINK:
-                serve_unlink(self.owner, conn, memoryview(payload), self._finish)
+                serve_unlink(owner, conn, memoryview(payload), self._finish)
+                handed = True
             else:
                 raise ProtocolError(f"frame type {ftype} instead of a hello")
-            handed = True  # a link, or given to ``finish``
-        except (OSError, ProtocolError, ValueError, struct.error) as exc:  # malformed, truncated, too slow
+        except (OSError, ProtocolError, ValueError, struct.error) as exc:  # malformed, too slow
             warn_limited(logger, "hello", "kvdd fabric: a handshake on %s ended: %s",
                          self._label, exc)
         except Exception:  # a bug: log it; the connection closes
             logger.exception("kvdd fabric: handshake failed")
         finally:
+            del owner
             if not keep and not handed:
                 with contextlib.suppress(OSError):
                     conn.close()

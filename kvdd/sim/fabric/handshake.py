@@ -2,7 +2,8 @@
 
 * :func:`connect` — "dial" a peer address and get a :class:`~.protocol.Connection` whose ``link`` /
   ``notify_unlink`` work identically for a peer in this process (:class:`InProcessConnection`) and
-  one elsewhere (:class:`RemoteConnection`); refused → LINK_FAILED at once, silence → TIMEOUT;
+  one elsewhere (:class:`RemoteConnection`); refused → LINK_FAILED at once, silence → TIMEOUT,
+  accepted then closed without an answer → LLM_FAILED (SEMANTICS.md §3.5 g, §3.6);
 * :func:`serve_link` / :func:`serve_unlink` — the acceptor's side, run by a handshake worker
   (:mod:`.gate`) on the whole hello of an authenticated connection.
 """
@@ -33,7 +34,8 @@ from .registry import lookup_listener
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_AUTH_REFUSED,
                    F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, REPLY_TIMEOUT_S,
                    MAX_HELLO, ProtocolError, Reader, VersionMismatch, Writer, decode_extensions,
-                   decode_offer, decode_snapshot, encode_extensions, encode_offer, encode_snapshot,
+                   decode_offer, decode_snapshot, decode_table_extras, encode_extensions,
+                   encode_offer, encode_snapshot, encode_table_extras,
                    frame, read_header, recv_exact)
 
 logger = logging.getLogger(__name__)
@@ -155,9 +157,12 @@ class RemoteConnection:
         except VersionMismatch as exc:
             raise _Failed(Status.LLM_LINK_FAILED, str(exc)) from None
         except ConnectionError:
-            raise _Failed(Status.LLM_LINK_FAILED,
-                          "the peer closed the connection during the handshake (is it a kvdd "
-                          "speaking another fabric protocol version?)") from None
+            # accepted, then closed without answering: upstream's RecvMsg fails -> ge::FAILED
+            # (SEMANTICS.md §3.5 g, §3.6); LINK_FAILED is for connect failures and refusals
+            raise _Failed(Status.LLM_FAILED,
+                          "the peer accepted the connection and closed it without answering "
+                          "(a kvdd of another fabric protocol version, or one that is shutting "
+                          "down?)") from None
         except (OSError, ProtocolError, struct.error) as exc:
             raise _Failed(Status.LLM_LINK_FAILED, f"the handshake failed: {exc}") from None
 
@@ -214,6 +219,7 @@ class RemoteConnection:
         w.text(BOOT_ID)
         encode_snapshot(w, entries)
         encode_extensions(w, offer_extensions(session, local))
+        encode_table_extras(w, entries, snap)
         if len(w.buf) > MAX_HELLO:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")
@@ -231,6 +237,7 @@ class RemoteConnection:
             boot_id = r.text() or ""
             peer_snap, addrs = decode_snapshot(r)
             exts = decode_extensions(r)
+            decode_table_extras(r, peer_snap)
             r.end()
         except (ProtocolError, struct.error) as exc:
             return LinkResult(Status.LLM_LINK_FAILED, f"malformed handshake reply: {exc}")
@@ -262,6 +269,8 @@ class RemoteConnection:
             return self._guarded(run)
         except _Failed as exc:
             logger.info("kvdd fabric: unlink of cluster %d: %s", local.cluster_id, exc.detail)
+            # kvdd's own refusals (authentication) keep their documented UNLINK_FAILED; a peer
+            # that hung up gives LLM_FAILED (SEMANTICS.md §3.6)
             return Status.LLM_UNLINK_FAILED if exc.status == Status.LLM_LINK_FAILED else exc.status
 
     def close(self) -> None:
@@ -371,6 +380,7 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray | memor
             r.pos -= 4
         snap, addrs = decode_snapshot(r)
         exts = decode_extensions(r)
+        decode_table_extras(r, snap)
         r.end()
         return _serve_link(owner, conn, offer, force_link, boot_id, snap, addrs, exts, session,
                            ticket, finish)
@@ -408,6 +418,7 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
             w.text(BOOT_ID)
             encode_snapshot(w, mine[1])
             encode_extensions(w, offer_extensions(session, owner))
+            encode_table_extras(w, mine[1], mine[0])
             if len(w.buf) > MAX_HELLO:
                 w = Writer().pack("I", Status.LLM_FAILED).text(
                     f"the peer's cache table is too large to link (over {MAX_HELLO} bytes)")

@@ -76,7 +76,8 @@ class Lease:
 
     def drop(self) -> None:
         with self.lock:
-            if self.dropped:
+            # a second drop is a no-op without this too (released, unwatch cleared, timer gone)
+            if self.dropped:  # mutation: equivalent
                 return
             self.dropped = True
             WATCHDOG.cancel(self.timer)

@@ -31,6 +31,7 @@ import selectors
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 
 from ...status import Status
@@ -132,7 +133,8 @@ class Listener:
         self._ipv4 = family == socket.AF_INET  # the address is its own source (admission.py)
         self.ip = norm_ip(ip)
         self.port: int = sock.getsockname()[1]
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # never keeps the instance alive (SEMANTICS.md §3.1)
+        self.cluster_id = owner.cluster_id
         self._closed = False
         self.accepted = 0  # connections accepted (diagnostics)
         self.dropped = 0  # of them closed at accept: closed already, or silent without room
@@ -147,21 +149,32 @@ class Listener:
         self._buffered = 0  # hello bytes announced by the connections in ``_post``
         self._drain: OrderedDict[_Draining, None] = OrderedDict()
         self._handback: deque[socket.socket] = deque()  # answered by a worker: to drain
-        self.gate = HandshakeGate(owner, self._finish, f"{self.ip}:{self.port}")
+        self.gate = HandshakeGate(self._owner, self._finish, f"{self.ip}:{self.port}")
         register(self.ip, self.port, owner)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"kvdd-sim-listen {self.ip}:{self.port}")
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop accepting (links already made stay until unlink / finalize)."""
-        unregister(self.ip, self.port, self.owner)
+    @property
+    def owner(self) -> LinkOwner | None:
+        """The instance this listener serves, None once it is gone."""
+        return self._owner()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket and stop the loop without taking any lock (safe in a
+        finalizer, :mod:`kvdd.sim.reaper`): a new connection is refused from now on; the loop
+        closes what it holds and stops the handshake workers as it ends."""
         self._closed = True
         self._wake()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.gate.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def close(self) -> None:
+        """Stop accepting (links already made stay until unlink / finalize)."""
+        unregister(self.ip, self.port, self._owner())
+        self.stop_accepting()
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
@@ -224,6 +237,7 @@ class Listener:
             self._sel.close()
             self._wake_r.close()
             self._wake_w.close()
+            self.gate.close()
 
     def _next_deadline(self) -> float:
         soonest = time.monotonic() + 1.0
@@ -441,7 +455,7 @@ class Listener:
             raise ProtocolError("the peer does not read")
         transcript = hashlib.sha256(t1 + answer).digest()
         session = Session(session_key(state.key, state.nonce_i, state.nonce_a, transcript),
-                          transcript, False, self.owner.cluster_id, 0, "", state.auth_off,
+                          transcript, False, self.cluster_id, 0, "", state.auth_off,
                           channel_binding(state.sock, initiator=False))
         self._pre.remove(state)
         hello = _Hello(state, session)

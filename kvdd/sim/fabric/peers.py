@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -36,15 +37,24 @@ class InProcessPeer:
 
     def __init__(self, peer: LinkOwner, snapshot: dict[int, RemoteCache],
                  entries: Mapping[int, ServedCache]) -> None:
-        self.peer = peer
+        self._peer = weakref.ref(peer)  # a link never keeps the peer alive (SEMANTICS.md §3.1)
         self.peer_cluster_id = peer.cluster_id
         self.transfer_backend = peer.transfer_backend
         self._snapshot = snapshot
         self._entries = entries  # token -> live entry objects at snapshot time
         self.closed = False  # unlinked here (read by the compiled path: kvdd.sim._fastpath)
 
+    @property
+    def peer(self) -> LinkOwner | None:
+        """The peer instance, None once it is gone (its caches were retired by its teardown)."""
+        return self._peer()
+
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
+
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        entry = self._entries.get(cache_id)
+        return () if entry is None else entry.addrs
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         if self.closed:  # a local unlink won the race for the link (§10 rule 5)
@@ -142,6 +152,9 @@ class RemotePeer:
 
     def snapshot(self) -> dict[int, RemoteCache]:
         return self._snapshot
+
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        return self._addrs.get(cache_id, ())
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:
         if self._closed:  # a local unlink won the race for the link (§10 rule 5)

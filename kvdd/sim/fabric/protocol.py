@@ -16,13 +16,21 @@ import numpy as np
 
 from ..memory import Region, RegionTable
 
-__all__ = ["RemoteCache", "PeerHandle", "ServedCache", "LinkOwner", "LinkOffer", "LinkResult",
+__all__ = ["KIND_MIX", "KIND_CACHE", "KIND_BLOCKS", "RemoteCache", "PeerHandle", "ServedCache", "LinkOwner", "LinkOffer", "LinkResult",
            "Connection", "Snapshot", "DataPath"]
+
+
+#: Entry types (docs/spec/PYPKG.md §4.1 step 6): the C++ face registers MIX entries (B = N =
+#: shape[0]); CANN's Python package CACHE (B = shape[0], no blocks) or BLOCKS (B = 1, N = shape[0]).
+KIND_MIX = 0
+KIND_CACHE = 1
+KIND_BLOCKS = 2
 
 
 @dataclass(frozen=True)
 class RemoteCache:
-    """What a link's snapshot knows of one of the peer's caches (SEMANTICS.md §2.4)."""
+    """What a link's snapshot knows of one of the peer's caches (SEMANTICS.md §2.4; the last four
+    fields: PYPKG.md §4.1 "remote-visible cache table", defaults = a C++-face MIX entry)."""
 
     cache_id: int
     num_tensors: int
@@ -31,6 +39,15 @@ class RemoteCache:
     stride_nbytes: int  # S (0 when B > T: only possible for ragged sub-byte caches)
     ragged: bool  # T % S != 0 or S == 0 (kvdd rule 10)
     token: object  # identifies this registration on its owner (ids restart after re-Initialize)
+    kind: int = KIND_MIX
+    num_blocks: int = -1  # N; -1 = B (a MIX entry)
+    remote_accessible: bool = True  # False: listed, never served (PYPKG.md §4.4)
+    keys: tuple[tuple[int, int, int], ...] = ()  # (req_id, model_id, batch position) -> this entry
+
+    @property
+    def blocks(self) -> int:
+        """N: the block count (``B`` for a MIX entry, 0 for a CACHE entry)."""
+        return self.batch_size if self.num_blocks < 0 else self.num_blocks
 
 
 class ServedCache(Protocol):
@@ -91,6 +108,12 @@ class PeerHandle(Protocol):
 
     def snapshot(self) -> dict[int, RemoteCache]:
         """The peer's caches registered before this link was created (visibility rule)."""
+        ...
+
+    def addresses(self, cache_id: int) -> tuple[int, ...]:
+        """The tensor addresses of the peer's served cache ``cache_id`` as its snapshot announced
+        them (empty when not served): for writes to raw destination addresses, which the simulator
+        maps onto a served tensor (CANN's Python package, PYPKG.md §4.10)."""
         ...
 
     def acquire(self, rc: RemoteCache, timeout_ms: int) -> tuple[int, object]:

@@ -21,7 +21,7 @@ How a link gets the path
    afterwards), requires the uid to equal its own, and holds that pidfd for the link's life
    (copies re-check it: a pid reused by a later process is never read).  ``SO_PEERCRED`` is not
    used for identity: it names the process that called ``listen()`` / ``connect()``, which need
-   not be the one answering (issue #11, finding F1); ``SCM_CREDENTIALS`` alone is not either (a
+   not be the one answering (the pid-reuse attack); ``SCM_CREDENTIALS`` alone is not either (a
    sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
 3. Each side, as the owner of the caches it serves over the link, creates the link's lease table
    (a sealed memfd: :mod:`.samehost_path`) and passes it over the socket with SCM_RIGHTS.

@@ -1,4 +1,4 @@
-"""Which process sent a message: the kernel's word for the same-host proof (issue #11, F1).
+"""Which process sent a message: the kernel's word for the same-host proof.
 
 ``SO_PASSPIDFD`` (Linux >= 6.5) makes the kernel attach to every message an AF_UNIX socket
 receives a pidfd (``SCM_PIDFD``) on the process that *sent* that message.  The same-host proof

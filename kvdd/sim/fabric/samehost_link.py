@@ -23,6 +23,7 @@ import logging
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,11 +103,16 @@ class _LinkState:
     """One handshake's same-host state between this side's two extension callbacks."""
 
     def __init__(self, owner: LinkOwner | None, hints: bytes, peer_wait_ms: int) -> None:
-        self.owner = owner
+        # weak: an abandoned handshake's state never keeps the instance alive (SEMANTICS.md §3.1)
+        self._owner = None if owner is None else weakref.ref(owner)
         self.hints = hints
         self.peer_wait_ms = peer_wait_ms
         self.path = SameHostPath()
         self.created = time.monotonic()
+
+    @property
+    def owner(self) -> LinkOwner | None:
+        return None if self._owner is None else self._owner()
 
 
 _lock = threading.Lock()

@@ -18,7 +18,7 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   void), and at the latest after ``MAX_LEASE_MS + DRAIN_GRACE_MS`` (the cap the TCP path uses too: a
   living reader is waited for, SEMANTICS.md §10 rule 5, but not forever).  Once a wait ended
   because the reader died or the cap passed, the link is closed for good (no new copy starts) and
-  no later unregister / unlink / finalize waits on this table again (issue #11 F2).  A reader's
+  no later unregister / unlink / finalize waits on this table again.  A reader's
   lease never outlives ``min(its own time limit, MAX_LEASE_MS)``, and it checks that deadline right
   before every ``process_vm`` system call, so only a reader stopped inside one system call (or
   between that check and the call) for longer than the cap can still move bytes (at most

@@ -29,7 +29,7 @@ from pathlib import Path
 
 __all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ENV_AUTH", "SecretError", "Secret", "load_secret",
            "generate_secret", "describe_secret", "default_secret_path", "MIN_SECRET_BYTES",
-           "SECRET_BYTES"]
+           "SECRET_BYTES", "check_private_dir"]
 
 ENV_SECRET = "KVDD_FABRIC_SECRET"
 ENV_SECRET_FILE = "KVDD_FABRIC_SECRET_FILE"
@@ -120,7 +120,7 @@ def default_secret_path() -> Path:
 
     ``$XDG_RUNTIME_DIR`` is used only when it is an absolute path to a real directory (no
     symbolic link) owned by this user, not under a world-writable directory such as ``/tmp``
-    (issue #11 finding F3: another user could own ``kvdd/`` there)."""
+    (another user could own ``kvdd/`` there)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isabs(runtime):
         try:
@@ -137,23 +137,31 @@ def _check_secret_dir(directory: Path) -> None:
     """The automatic secret's directory must be a real directory (no symbolic link) of this user
     with mode 0700, not under a world-writable directory; SecretError (saying what to set)
     otherwise."""
-    fix = (f"set {ENV_SECRET_FILE} to a file of yours (mode 0600) in a directory only you can "
-           f"write, or {ENV_SECRET}")
+    check_private_dir(directory, "secret directory",
+                      f"set {ENV_SECRET_FILE} to a file of yours (mode 0600) in a directory only "
+                      f"you can write, or {ENV_SECRET}")
+
+
+def check_private_dir(directory: Path, what: str, fix: str) -> None:
+    """``directory`` must be a real directory (no symbolic link) of this user with mode 0700, not
+    under a world-writable directory; else :class:`SecretError` naming ``what`` it is and
+    ending with ``fix`` (what to set instead).  The fabric's secret directory and the rank-table
+    rendezvous (:mod:`kvdd.sim.pypkg.rendezvous`) use it."""
     try:
         st = os.lstat(directory)
     except OSError as exc:
-        raise SecretError(f"secret directory {directory}: {exc.strerror}; {fix}") from None
+        raise SecretError(f"{what} {directory}: {exc.strerror}; {fix}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise SecretError(f"secret directory {directory} is not a directory (a symbolic link?); "
+        raise SecretError(f"{what} {directory} is not a directory (a symbolic link?); "
                           f"refusing it; {fix}")
     if st.st_uid != os.geteuid():
-        raise SecretError(f"secret directory {directory} belongs to uid {st.st_uid}, not to this "
+        raise SecretError(f"{what} {directory} belongs to uid {st.st_uid}, not to this "
                           f"user (uid {os.geteuid()}); refusing it; {fix}")
     if stat.S_IMODE(st.st_mode) != 0o700:
-        raise SecretError(f"secret directory {directory} has mode {stat.S_IMODE(st.st_mode):o}, "
+        raise SecretError(f"{what} {directory} has mode {stat.S_IMODE(st.st_mode):o}, "
                           f"not 700; run `chmod 700 {directory}` or {fix}")
     if _world_writable(str(directory.parent)):
-        raise SecretError(f"secret directory {directory} lies under a world-writable directory "
+        raise SecretError(f"{what} {directory} lies under a world-writable directory "
                           f"(e.g. /tmp); refusing it; {fix}")
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ...status import Status
-from .protocol import LinkOffer, RemoteCache, ServedCache
+from .protocol import KIND_BLOCKS, KIND_MIX, LinkOffer, RemoteCache, ServedCache
 
 #: Version 2: mutual authentication before anything else (version 1 had none).  Version 3: the
 #: one-round-trip LEASE_READ / LEASE_WRITE requests for small transfers.
@@ -104,6 +104,10 @@ SMALL_MAX_RUNS = 256
 
 BACKENDS = ("comm", "hixl")
 RC = struct.Struct("<QIQIQBB")  # cache_id, n, T, B, S, ragged, placement
+# CANN's Python package (PYPKG.md §4.1): an entry's type, N, remote-accessible flag, key count;
+# then per key (req_id, model_id, batch position)
+RC_EXTRA = struct.Struct("<BQBI")
+RC_KEY = struct.Struct("<QQI")
 REQ = struct.Struct("<QII")  # lease id, K tensors, J runs
 
 
@@ -313,6 +317,50 @@ def decode_snapshot(r: Reader) -> tuple[dict[int, RemoteCache], dict[int, tuple[
         snap[cid] = RemoteCache(cid, n, t, b, s, bool(ragged), cid)
         addrs[cid] = tuple(int(x) for x in a)
     return snap, addrs
+
+
+def encode_table_extras(w: Writer, entries: Mapping[int, ServedCache],
+                        views: Mapping[int, RemoteCache]) -> None:
+    """The cache-table fields of CANN's Python package (PYPKG.md §4.1), after the extensions of a
+    hello or its reply, only when some view needs them (a C++-face table adds no byte): for every
+    view that is not a plain served MIX entry, its type, N, remote-accessible flag and keys; a
+    view not served is listed without addresses (it is never leased)."""
+    extras = [v for cid, v in views.items()
+              if v.kind != KIND_MIX or not v.remote_accessible or v.keys or cid not in entries]
+    if not extras:
+        return
+    w.pack("I", len(extras))
+    for v in extras:
+        w.raw(RC.pack(v.cache_id, v.num_tensors, v.tensor_nbytes, v.batch_size, v.stride_nbytes,
+                      int(v.ragged), 0))
+        w.raw(RC_EXTRA.pack(v.kind, v.blocks, int(v.remote_accessible), len(v.keys)))
+        for key in v.keys:
+            w.raw(RC_KEY.pack(*key))
+
+
+def decode_table_extras(r: Reader, snap: dict[int, RemoteCache]) -> None:
+    """Merge :func:`encode_table_extras` (when present: the payload continues) into ``snap``."""
+    if r.pos == len(r.mv):
+        return
+    extras = r.u("I")
+    if extras > MAX_SNAPSHOT_CACHES or extras * (RC.size + RC_EXTRA.size) > len(r.mv) - r.pos:
+        raise ProtocolError(f"a snapshot of {extras} listed caches (at most {MAX_SNAPSHOT_CACHES})")
+    seen: set[int] = set()
+    for _ in range(extras):
+        cid, n, t, b, s, ragged, _placement = RC.unpack(r.take(RC.size))
+        kind, blocks, ra, nkeys = RC_EXTRA.unpack(r.take(RC_EXTRA.size))
+        if nkeys * RC_KEY.size > len(r.mv) - r.pos:
+            raise ProtocolError("malformed cache snapshot keys")
+        keys = tuple(RC_KEY.unpack(r.take(RC_KEY.size)) for _ in range(nkeys))
+        served = snap.get(cid)
+        if (cid in seen or kind > KIND_BLOCKS or n == 0 or t >= 1 << 62
+                or (served is None and ra)  # a remote-accessible cache is served
+                or (served is not None and (served.num_tensors, served.tensor_nbytes,
+                                            served.batch_size, served.stride_nbytes) != (n, t, b, s))):
+            raise ProtocolError("malformed cache snapshot extras")
+        seen.add(cid)
+        snap[cid] = RemoteCache(cid, n, t, b, s, bool(ragged), cid, kind,
+                                -1 if kind == KIND_MIX else blocks, bool(ra), keys)
 
 
 def encode_request(lease: int, tensors: Sequence[int], off: np.ndarray,

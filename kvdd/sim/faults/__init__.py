@@ -102,8 +102,10 @@ Environment variable
 Keys: ``status`` (a status name with or without ``LLM_``, or a number, e.g. ``0x5010B01A``),
 ``count``, ``after``, ``probability`` (or ``p``), ``seed``, ``instance``, ``peer``, ``delay_ms``,
 ``bandwidth`` (bytes/s; suffixes ``k M G`` = 10^3, 10^6, 10^9 and ``Ki Mi Gi`` = 2^10, 2^20,
-2^30), ``serve`` (``0``/``1``).  The variable is read once, when this module is imported (the first time a simulator
-instance is created); a malformed value raises ``ValueError`` naming the variable.
+2^30), ``serve`` (``0``/``1``).  The variable is read once per process, when the first simulator
+instance is created; a malformed value makes that creation raise :class:`FaultSpecError` (a
+``ValueError``) naming the variable, and the ``kvdd`` commands that run the simulator (``demo``,
+``bench``) stop with that one line and exit status 2.
 
 Layout
 ------
@@ -114,16 +116,21 @@ the decision of a call), :mod:`.making` (:func:`inject`, :func:`lose_peer`), :mo
 
 from __future__ import annotations
 
-from .envspec import ENV_VAR, env_value, load, load_env, parse
-from .hooks import on_link, on_register, on_serve, on_transfer, on_unlink
+from .envspec import ENV_VAR, FaultSpecError, check_env, env_value, load, load_env, parse
+from .hooks import on_call, on_link, on_register, on_serve, on_transfer, on_unlink
 from .injections import Injection, active, clear, paused
-from .kinds import CALL_KINDS, KIND_GROUPS, TRANSFER_KINDS, CallKind
+from .kinds import CALL_KINDS, KIND_GROUPS, PACKAGE_KINDS, PACKAGE_TRANSFER_KINDS, TRANSFER_KINDS, CallKind
 from .making import inject, lose_peer
 
 __all__ = [
     "ENV_VAR",
+    "FaultSpecError",
+    "check_env",
+    "load_env",
     "CALL_KINDS",
     "TRANSFER_KINDS",
+    "PACKAGE_KINDS",
+    "PACKAGE_TRANSFER_KINDS",
     "KIND_GROUPS",
     "CallKind",
     "Injection",
@@ -140,6 +147,6 @@ __all__ = [
     "on_register",
     "on_transfer",
     "on_serve",
+    "on_call",
 ]
 
-load_env()

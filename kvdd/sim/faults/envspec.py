@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import os
+import threading
 
 from .injections import Injection, active, add
 from .kinds import NETWORK_KINDS, parse_kinds
 from .making import make
 
-__all__ = ["ENV_VAR", "parse", "load", "env_value", "load_env"]
+__all__ = ["ENV_VAR", "FaultSpecError", "check_env", "env_value", "load", "load_env", "parse"]
 
-#: The environment variable read at import (see the :mod:`kvdd.sim.faults` docstring for its syntax).
+#: The environment variable read when the first simulator instance is created (its syntax: the
+#: :mod:`kvdd.sim.faults` docstring).
 ENV_VAR = "KVDD_SIM_FAULTS"
 
 _SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9,
@@ -97,15 +99,49 @@ def load(text: str) -> list[Injection]:
     return [add(inj) for inj in parse(text)]
 
 
+class FaultSpecError(ValueError):
+    """:data:`ENV_VAR` is malformed: the message names the variable, its value and the mistake."""
+
+
+_env_loaded = False
+_env_lock = threading.Lock()
+
+
 def load_env() -> None:
-    """Activate the injections of :data:`ENV_VAR`, if set (at the import of :mod:`kvdd.sim.faults`)."""
+    """Activate the injections of :data:`ENV_VAR`, if set: once per process, when the first
+    simulator instance is created (:class:`kvdd.sim.SimBackend`); later calls do nothing.
+
+    Raises
+    ------
+    FaultSpecError
+        The variable is malformed (it stays unread: the next instance raises the same).
+    """
+    global _env_loaded
+    with _env_lock:
+        if _env_loaded:
+            return
+        text = os.environ.get(ENV_VAR)
+        if text:
+            try:
+                injections = parse(text)
+            except ValueError as exc:
+                raise FaultSpecError(f"{ENV_VAR}={text!r}: {exc} (see docs/faults.md for the syntax)") from None
+            for inj in injections:
+                add(inj)
+        _env_loaded = True
+
+
+def check_env() -> str | None:
+    """The :class:`FaultSpecError` message when :data:`ENV_VAR` is set and malformed, else None
+    (parses only; activates nothing)."""
     text = os.environ.get(ENV_VAR)
     if not text:
-        return
+        return None
     try:
-        load(text)
+        parse(text)
     except ValueError as exc:
-        raise ValueError(f"{ENV_VAR}={text!r}: {exc} (see kvdd.sim.faults for the syntax)") from None
+        return f"{ENV_VAR}={text!r}: {exc} (see docs/faults.md for the syntax)"
+    return None
 
 
 def env_value() -> str:

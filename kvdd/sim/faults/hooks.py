@@ -12,7 +12,7 @@ from . import injections as _registry
 from .injections import Decision, decide, serve_delay_ms
 
 __all__ = ["FaultTarget", "LinkState", "Server", "on_link", "on_unlink", "on_register",
-           "on_transfer", "on_serve"]
+           "on_transfer", "on_serve", "on_call"]
 
 _layers = threading.local()  # the bandwidth cap of the current multi-layer push, per thread
 
@@ -85,6 +85,19 @@ def on_register(owner: FaultTarget) -> int:
         return S_OK
     d = decide("register", owner.cluster_id, None, False)
     return _timed(owner, d, 0, float("inf"), "memory registration")
+
+
+def on_call(owner: FaultTarget, kind: str, peer: int | None = None,
+            budget_ms: float = float("inf"), network: bool = False) -> int:
+    """Hook for the calls of CANN's Python package that are not transfers (``register_cache``,
+    ``register_blocks_cache``, ``query_register_mem_status``, rank-table ``link`` / ``unlink``):
+    after the call's own checks, in place of what the transport would do.  ``budget_ms`` bounds
+    an injected delay (then LLM_TIMEOUT); ``network``: whether peer loss applies."""
+    if not _registry.armed:
+        return S_OK
+    d = decide(kind, owner.cluster_id, peer, network)
+    what = kind.replace("_", " ") if peer is None else f"{kind} of cluster {peer}"
+    return _timed(owner, d, 0, budget_ms, what)
 
 
 def on_transfer(owner: FaultTarget, kind: str, peer: int, link: LinkState, nbytes: int,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from ...status import S_OK, Status
-from .kinds import CALL_KINDS, NETWORK_KINDS, TRANSFER_KINDS, peer_loss_status
+from .kinds import KNOWN_KINDS, NETWORK_KINDS, PACKAGE_TRANSFER_KINDS, TRANSFER_KINDS, peer_loss_status
 
 __all__ = ["Injection", "Decision", "armed", "add", "clear", "active", "paused", "decide",
            "serve_delay_ms"]
@@ -88,7 +88,7 @@ class Injection:
         if self.peer_loss:
             head = "peer_loss"
         else:
-            head = ",".join(k for k in CALL_KINDS if k in self.kinds)
+            head = ",".join(k for k in KNOWN_KINDS if k in self.kinds)
         items = [head]
         if self.status is not None:
             known = Status(self.status)
@@ -112,7 +112,7 @@ class Injection:
         if self.serve:
             items.append("serve=1")
         if self.peer_loss and set(self.kinds) != set(NETWORK_KINDS):
-            items.append("kinds=" + "+".join(k for k in CALL_KINDS if k in self.kinds))
+            items.append("kinds=" + "+".join(k for k in KNOWN_KINDS if k in self.kinds))
         return ":".join(items)
 
     def __repr__(self) -> str:
@@ -230,8 +230,10 @@ def serve_delay_ms(me: int, what: str, nbytes: int) -> float:
     :func:`kvdd.sim.faults.on_serve`); counts ``count`` / ``after`` / ``probability`` on leases."""
     if getattr(_tls, "on", False):
         return 0.0
-    kinds = frozenset({"lease": TRANSFER_KINDS, "read": ("pull_kv_cache", "pull_kv_blocks"),
-                       "write": ("push_kv_cache", "push_kv_blocks")}[what])
+    kinds = frozenset({"lease": (*TRANSFER_KINDS, *PACKAGE_TRANSFER_KINDS),
+                       "read": ("pull_kv_cache", "pull_kv_blocks", "pull_cache", "pull_blocks"),
+                       "write": ("push_kv_cache", "push_kv_blocks", "push_cache", "push_blocks",
+                                 "transfer_cache_async")}[what])
     spent = 0.0
     with _lock:
         for inj in _injections:

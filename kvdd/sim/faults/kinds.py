@@ -8,7 +8,8 @@ from typing import Literal
 from ...status import TIMEOUT, Status
 
 __all__ = ["CallKind", "CALL_KINDS", "TRANSFER_KINDS", "KIND_GROUPS", "NETWORK_KINDS",
-           "parse_kinds", "peer_loss_status"]
+           "PACKAGE_KINDS", "PACKAGE_TRANSFER_KINDS", "KNOWN_KINDS", "parse_kinds",
+           "peer_loss_status"]
 
 CallKind = Literal["link", "unlink", "register", "pull_kv_cache", "pull_kv_blocks",
                    "push_kv_cache", "push_kv_blocks"]
@@ -26,8 +27,26 @@ KIND_GROUPS: Mapping[str, tuple[str, ...]] = {
     "all": CALL_KINDS,
     "*": CALL_KINDS,
 }
+#: The transfers of CANN's Python package (kvdd.llm_datadist), by its method names; a layer of
+#: ``transfer_cache_async`` counts as ``push_blocks`` / ``push_cache`` by its config's key, as
+#: ``transfer_cache_async`` for raw destination addresses.
+PACKAGE_TRANSFER_KINDS: tuple[str, ...] = ("pull_cache", "pull_blocks", "push_cache", "push_blocks",
+                                           "transfer_cache_async")
+#: The calls of CANN's Python package that have kinds of their own.  Its ``link_clusters`` /
+#: ``unlink_clusters`` (per cluster) and rank-table ``link`` / ``unlink`` are ``link`` /
+#: ``unlink`` calls, as LinkLlmClusters / UnlinkLlmClusters are.
+PACKAGE_KINDS: tuple[str, ...] = (*PACKAGE_TRANSFER_KINDS, "register_cache", "register_blocks_cache",
+                                  "query_register_mem_status")
+#: Every kind name an injection may hold, in the order :meth:`Injection.spec` lists them.
+KNOWN_KINDS: tuple[str, ...] = (*CALL_KINDS, *PACKAGE_KINDS)
+#: Groups of the package's calls (its method names; ``package`` = all of them).
+PACKAGE_GROUPS: Mapping[str, tuple[str, ...]] = {
+    "package": PACKAGE_KINDS,
+    "link_clusters": ("link",),
+    "unlink_clusters": ("unlink",),
+}
 #: The kinds a lost peer affects (registration is local).
-NETWORK_KINDS: tuple[str, ...] = ("link", "unlink", *TRANSFER_KINDS)
+NETWORK_KINDS: tuple[str, ...] = ("link", "unlink", *TRANSFER_KINDS, *PACKAGE_TRANSFER_KINDS)
 
 
 def peer_loss_status(kind: str) -> int:
@@ -49,11 +68,13 @@ def parse_kinds(kinds: str | Iterable[str]) -> frozenset[str]:
         key = name.strip()
         if key in KIND_GROUPS:
             out.update(KIND_GROUPS[key])
-        elif key in CALL_KINDS:
+        elif key in PACKAGE_GROUPS:
+            out.update(PACKAGE_GROUPS[key])
+        elif key in KNOWN_KINDS:
             out.add(key)
         else:
-            raise ValueError(f"unknown call kind {name!r}; use one of {', '.join(CALL_KINDS)} "
-                             f"or a group ({', '.join(KIND_GROUPS)})")
+            raise ValueError(f"unknown call kind {name!r}; use one of {', '.join(KNOWN_KINDS)} "
+                             f"or a group ({', '.join((*KIND_GROUPS, *PACKAGE_GROUPS))})")
     if not out:
         raise ValueError("no call kind given")
     return frozenset(out)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from ...status import Status
 from .injections import Injection, add
-from .kinds import NETWORK_KINDS, TRANSFER_KINDS, parse_kinds
+from .kinds import NETWORK_KINDS, PACKAGE_TRANSFER_KINDS, TRANSFER_KINDS, parse_kinds
 
 __all__ = ["make", "inject", "lose_peer"]
 
@@ -96,7 +96,7 @@ def make(kinds: str | Iterable[str], *, status: int | str | None = None, delay_m
         if instance is not None:
             raise ValueError("serve=True injections cannot filter by instance (the serving side "
                              "does not know the caller); use peer= for the serving instance")
-        if not ks & frozenset(TRANSFER_KINDS):
+        if not ks & frozenset((*TRANSFER_KINDS, *PACKAGE_TRANSFER_KINDS)):
             raise ValueError("serve=True injections apply to transfer kinds only")
     return Injection(ks, status=st, delay_ms=float(delay_ms),
                      bandwidth=None if bandwidth is None else float(bandwidth), peer_loss=peer_loss,

@@ -8,8 +8,8 @@
  * Every struct ends in a reserved byte array that user code does not touch (128 bytes; 127 in
  * KvCacheExtParam); as in CANN, only RegisterCfg's is zero-initialized by default, so code must
  * value-initialize the structs it fills (`CacheDesc desc{};`).  Only the 18 status codes CANN's
- * llm_datadist.h has are declared here; the other twelve are ge::LLM_* in
- * llm_datadist/llm_error_codes.h.  The implementation (kvdd/cann/src/) forwards each call to
+ * llm_datadist.h has are declared here; all thirty are ge::LLM_* in ge/llm_error_codes.h, which this
+ * header does not include.  The implementation (kvdd/cann/src/) forwards each call to
  * kvdd's simulator engine.
  */
 #ifndef KVDD_CANN_LLM_DATADIST_LLM_DATADIST_H_
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "external/ge_common/api_error_codes.h"
+#include "external/ge_common/ge_api_types.h"
 
 namespace llm_datadist {
 

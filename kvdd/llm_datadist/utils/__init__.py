@@ -1,0 +1,1 @@
+"""Argument checks and logging of the ``llm_datadist`` package (PYPKG.md §1.1, §2.1)."""
