@@ -168,8 +168,9 @@ def initialize_v2(cluster_id: int, options: Mapping[str, str]) -> int:
 
 
 def _discard(instance: PkgInstance) -> None:
-    """A failed engine is destroyed upstream: nothing of it stays (its listen port closes)."""
-    instance.finalize()
+    """A failed engine is destroyed upstream: nothing of it stays (its listen port closes, also
+    one a failed Initialize kept, §3.2 step 10: not left to the garbage collector)."""
+    instance.destroy()
     listener = instance.listener
     if listener is not None:
         listener.close()
