@@ -22,7 +22,9 @@ detection), :mod:`.watchdog` (deadlines), :mod:`.streams` (byte streams of a tra
 requests on it), :mod:`.rx` (its frame reader, compiled: :mod:`kvdd._native._small`),
 :mod:`.small` (one-request small transfers, served by the connection's reader), :mod:`.peers`
 (peer handles and
-data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.registry` and
+data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.secret` and
+:mod:`.auth` (the shared secret, the challenge-response), :mod:`.admission` and :mod:`.gate`
+(what a listener lets peers hold: fair tables, handshake workers, link bounds), :mod:`.registry` and
 :mod:`.listener` (listening).
 
 Data paths, chosen per link and direction

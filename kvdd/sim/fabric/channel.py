@@ -149,6 +149,7 @@ class Channel(Calls):
         self.peer_user = False  # the peer's PeerHandle on us uses it
         self._started = False
         self._running = threading.Event()  # set by start(): the socket may be read from then
+        self.on_dead: Callable[[], None] | None = None  # the listener's link count (gate.py)
 
     @property
     def owner(self) -> LinkOwner:
@@ -237,6 +238,12 @@ class Channel(Calls):
         with contextlib.suppress(OSError):
             self.sock.close()
         discard_endpoint(self._owner(), self)
+        hook = self.on_dead
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # a bug: log it; the connection is closed anyway
+                logger.exception("kvdd fabric %s: the end-of-link hook failed", self.label)
 
     def _fail(self, exc: BaseException) -> None:
         """Reading failed (the leader's exception): the connection ends."""
@@ -314,6 +321,11 @@ class Channel(Calls):
         if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
             with self._lock:
                 p = self._pending.get(req)
+                if p is None and req and (self._req_ids - req) & 0xFFFFFFFF < 1 << 31:
+                    # a request of ours that has its answer (its caller may have returned): a
+                    # second reply (DONE after DONE) breaks the link; the first one stands.  (A
+                    # reply to an id never used is dropped, as before.)
+                    raise ProtocolError(f"a second reply to request {req}")
                 if p is not None:
                     if p.done and not p.failed:  # the first reply decides; more is a violation
                         raise ProtocolError("a second reply to one request")

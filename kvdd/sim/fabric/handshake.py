@@ -4,8 +4,8 @@
   ``notify_unlink`` work identically for a peer in this process (:class:`InProcessConnection`) and
   one elsewhere (:class:`RemoteConnection`); refused → LINK_FAILED at once, silence → TIMEOUT,
   accepted then closed without an answer → LLM_FAILED (SEMANTICS.md §3.5 g, §3.6);
-* :func:`serve_link` / :func:`serve_unlink` — the acceptor's side, run by the listener on the first
-  frame of an accepted connection.
+* :func:`serve_link` / :func:`serve_unlink` — the acceptor's side, run by a handshake worker
+  (:mod:`.gate`) on the whole hello of an authenticated connection.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import logging
 import secrets
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ...status import S_OK, TIMEOUT, Status
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretError, Session,
@@ -29,11 +28,11 @@ from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretErr
 from .channel import Channel
 from .extensions import accept_extensions, offer_extensions
 from .peers import InProcessPeer, RemotePeer
-from .protocol import Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle
+from .protocol import (Connection, DataPath, LinkOffer, LinkOwner, LinkResult, PeerHandle,
+                       RemoteCache)
 from .registry import lookup_listener
-from .watchdog import WATCHDOG
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_AUTH_REFUSED,
-                   F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, HANDSHAKE_TIMEOUT_S,
+                   F_HELLO_LINK, F_HELLO_UNLINK, F_LINK_REPLY, F_UNLINK_REPLY, REPLY_TIMEOUT_S,
                    MAX_HELLO, ProtocolError, Reader, VersionMismatch, Writer, decode_extensions,
                    decode_offer, decode_snapshot, decode_table_extras, encode_extensions,
                    encode_offer, encode_snapshot, encode_table_extras,
@@ -41,7 +40,7 @@ from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_AU
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InProcessConnection", "RemoteConnection", "connect", "serve_session", "serve_link",
+__all__ = ["InProcessConnection", "RemoteConnection", "connect", "serve_link", "LinkAdmission",
            "serve_unlink", "linger", "transcript_of", "auth_refusal", "mode_mismatch", "BOOT_ID"]
 
 _T = TypeVar("_T")
@@ -322,55 +321,78 @@ def connect(ip: str, port: int, timeout_ms: int) -> tuple[int, Connection | None
 # ---- the acceptor's side (after authentication) ------------------------------------------------
 
 
-def serve_session(owner: LinkOwner, conn: socket.socket, session: Session) -> bool:
-    """The first frame of an authenticated connection (a link or unlink request, within
-    HANDSHAKE_TIMEOUT_S); True when the connection became a link."""
-    gate = threading.Lock()
-    reading = [True]
+class LinkAdmission(Protocol):
+    """The listener's link bounds for one hello (:class:`~.gate.Ticket`)."""
 
-    def too_slow() -> None:
-        with gate:
-            if reading[0]:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+    def reserve(self, cluster_id: int) -> str | None: ...  # None: admitted; else why not
 
-    timer = WATCHDOG.schedule(HANDSHAKE_TIMEOUT_S, too_slow)
-    try:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        ftype, _req, length = read_header(conn)
-        payload = recv_exact(conn, length)
-    finally:
-        with gate:
-            reading[0] = False
-        WATCHDOG.cancel(timer)
-    if ftype == F_HELLO_LINK:
-        return serve_link(owner, conn, payload, session)
-    if ftype == F_HELLO_UNLINK:
-        serve_unlink(owner, conn, payload)
-        return False
-    raise ProtocolError(f"frame type {ftype} instead of a hello")
+    def charge(self, caches: int) -> str | None: ...  # the peer's table; None: within bounds
+
+    def attach(self, chan: Channel, cluster_id: int, handle: RemotePeer | None) -> None: ...
+
+    def cancel(self) -> None: ...
 
 
-def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray) -> None:
-    """The acceptor's side of a non-force unlink (§3.6), from an authenticated peer."""
+def serve_unlink(owner: LinkOwner, conn: socket.socket, payload: bytearray | memoryview,
+                 finish: Callable[[socket.socket], None] | None = None) -> None:
+    """The acceptor's side of a non-force unlink (§3.6), from an authenticated peer; the
+    connection then goes to ``finish`` (default: :func:`linger` here)."""
     r = Reader(payload)
     cluster_id = r.u("Q")
     r.end()
     status = owner.peer_unlinked(cluster_id)
+    conn.settimeout(REPLY_TIMEOUT_S)
     conn.sendall(frame(F_UNLINK_REPLY, 0, struct.pack("<I", status)))
-    linger(conn)
+    (finish or linger)(conn)
 
 
-def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, session: Session) -> bool:
-    """The acceptor's side of a link handshake; True when the connection became a link."""
+def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray | memoryview,
+               session: Session,
+               ticket: LinkAdmission | None = None,
+               finish: Callable[[socket.socket], None] | None = None) -> bool:
+    """The acceptor's side of a link handshake; True when the connection became a link.
+
+    ``ticket`` (the listener's link bounds) is asked before any work for the link: a link over
+    them gets LLM_LINK_FAILED with the reason.  A connection that does not become a link goes to
+    ``finish`` after its reply (default: :func:`linger` here)."""
+    finish = finish or linger
     r = Reader(payload)
     offer = decode_offer(r)
-    force_link = bool(r.u("B"))
-    boot_id = r.text() or ""
-    snap, addrs = decode_snapshot(r)
-    exts = decode_extensions(r)
-    decode_table_extras(r, snap)
-    r.end()
+    if ticket is not None:  # before the snapshot is decoded: a refused link costs no more
+        why = ticket.reserve(offer.cluster_id)
+        if why is not None:
+            conn.settimeout(REPLY_TIMEOUT_S)
+            conn.sendall(frame(F_LINK_REPLY, 0, bytes(
+                Writer().pack("I", Status.LLM_LINK_FAILED).text(why).buf)))
+            finish(conn)
+            return False
+    try:
+        force_link = bool(r.u("B"))
+        boot_id = r.text() or ""
+        if ticket is not None:  # the table's size, before it is decoded
+            why = ticket.charge(r.u("I"))
+            if why is not None:
+                conn.settimeout(REPLY_TIMEOUT_S)
+                conn.sendall(frame(F_LINK_REPLY, 0, bytes(
+                    Writer().pack("I", Status.LLM_LINK_FAILED).text(why).buf)))
+                finish(conn)
+                return False
+            r.pos -= 4
+        snap, addrs = decode_snapshot(r)
+        exts = decode_extensions(r)
+        decode_table_extras(r, snap)
+        r.end()
+        return _serve_link(owner, conn, offer, force_link, boot_id, snap, addrs, exts, session,
+                           ticket, finish)
+    finally:
+        if ticket is not None:
+            ticket.cancel()  # (a no-op once the link holds the slot)
+
+
+def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_link: bool,
+                boot_id: str, snap: dict[int, RemoteCache], addrs: dict[int, tuple[int, ...]],
+                exts: dict[str, bytes], session: Session, ticket: LinkAdmission | None,
+                finish: Callable[[socket.socket], None]) -> bool:
     session = replace(session, local_cluster_id=owner.cluster_id, peer_cluster_id=offer.cluster_id,
                       peer_boot_id=boot_id)
     accepted = accept_extensions(session, exts)
@@ -401,7 +423,7 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
                 w = Writer().pack("I", Status.LLM_FAILED).text(
                     f"the peer's cache table is too large to link (over {MAX_HELLO} bytes)")
                 status = Status.LLM_FAILED
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.settimeout(REPLY_TIMEOUT_S)
         try:
             conn.sendall(frame(F_LINK_REPLY, 0, bytes(w.buf)))
         except OSError:
@@ -412,10 +434,12 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray, sessio
             chan.local_user = False
             if made:  # our entity exists but its connection is gone: transfers time out
                 chan.dead.set()
-            linger(conn)
+            finish(conn)
             return False
         chan.served = mine[1]
         chan.peer_user = True
+        if ticket is not None:  # the link holds its place while our entity or the connection lives
+            ticket.attach(chan, offer.cluster_id, made[0] if made else None)
     chan.start()
     return True
 

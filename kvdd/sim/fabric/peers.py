@@ -185,6 +185,7 @@ class RemotePeer:
         self._path = path
         self._mover_of = getattr(path, "one_sided_mover", None)  # (see one_sided)
         self._closed = False
+        self.on_close: Callable[[], None] | None = None  # the listener's link count (gate.py)
 
     @property
     def data_path(self) -> str:
@@ -417,3 +418,14 @@ class RemotePeer:
                 except Exception:
                     logger.exception("kvdd fabric: closing the %s data path failed", self.data_path)
             self._chan.release_local_user()
+            hook = self.on_close
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("kvdd fabric: the end-of-link hook failed")
+
+    @property
+    def closed(self) -> bool:
+        """True once this end closed the handle (unlink, a replacing link, finalize)."""
+        return self._closed

@@ -49,6 +49,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 try:  # always built on Linux; absent elsewhere → TCP only
@@ -335,12 +336,17 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         link: SameHostLink | None = None
         try:
-            sock.settimeout(timeout_s)
             pass_pidfd(sock)
+            # a blocking connect bounded by SO_SNDTIMEO: the kernel waits for room in the
+            # endpoint's queue (woken by each accept) rather than failing while another uid's
+            # connects fill it (the endpoint closes those at once)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
             try:
                 sock.connect(name)
             except OSError as exc:
                 raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
+            sock.settimeout(timeout_s)
             _send(sock, _M_HELLO, _sid(session) + _proof(session, b"initiator"))
             body, fd, sender = _recv(sock, _M_REPLY, 36)
             try:
@@ -415,6 +421,9 @@ class Endpoint:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.name)
         pass_pidfd(self._sock)  # inherited by accepted sockets: a hello is attested from the start
+        # a short queue: a same-uid initiator blocked in connect() (prove) is woken by every
+        # accept and takes a freed place at once, instead of waiting behind thousands of
+        # another uid's queued connects
         self._sock.listen(64)
         self._lock = threading.Lock()
         self._pending: dict[bytes, _Pending] = {}
@@ -439,20 +448,26 @@ class Endpoint:
         return ok
 
     def _accept_loop(self) -> None:
+        """Abstract names are reachable from any uid: a connection of another uid is closed
+        right after accept, by its kernel credentials (``SO_PEERCRED``), before any other work
+        (no socket object, no read), so that the queue drains faster than strangers fill it."""
+        assert _xproc is not None
+        peer_cred, uid, close = _xproc.peer_cred, os.getuid(), os.close
+        accept: Callable[[], tuple[int, object]] = getattr(self._sock, "_accept")  # the fd only
         while True:
             try:
-                conn, _ = self._sock.accept()
+                fd, _ = accept()
             except OSError as exc:
                 logger.warning("kvdd same-host endpoint stopped: %s", exc)
                 return
-            try:  # abstract names are reachable from any uid: others are closed at once
-                assert _xproc is not None
-                same_uid = _xproc.peer_cred(conn.fileno())[1] == os.getuid()
+            try:
+                same_uid = peer_cred(fd)[1] == uid
             except OSError:
                 same_uid = False
             if not same_uid or not self._slots.acquire(blocking=False):
-                conn.close()  # another user, or too many proofs at once: that link uses TCP
+                close(fd)  # another user, or too many proofs at once: that link uses TCP
                 continue
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
             threading.Thread(target=self._serve, args=(conn,), name="kvdd-samehost-proof",
                              daemon=True).start()
 

@@ -65,9 +65,23 @@ AUTH_FRAMES = frozenset((F_AUTH_HELLO, F_AUTH_CHALLENGE, F_AUTH_PROOF, F_AUTH_OK
 
 # ---- bounds (docs/security.md) ----
 PREAUTH_TIMEOUT_S = 2.0  # a connection must authenticate within this, from accept
-MAX_PREAUTH = 256  # connections not yet authenticated, per listener; the oldest is evicted
-MAX_HELLO_THREADS = 32  # authenticated connections in their hello, per listener
-HANDSHAKE_TIMEOUT_S = 10.0  # an authenticated peer must send its hello within this
+MAX_PREAUTH = 256  # connections not yet authenticated, per listener (fair eviction: admission.py)
+MAX_PREAUTH_PER_SOURCE = 64  # of them from one address (IPv4, or an IPv6 /64)
+HELLO_TIMEOUT_S = 5.0  # an authenticated connection must deliver its whole hello within this
+MAX_POSTAUTH = 64  # authenticated connections still sending their hello, per listener
+MAX_POSTAUTH_PER_SOURCE = 16  # of them from one address
+MAX_HELLO_BUFFERED = 8 << 20  # hello bytes those hold in all (the biggest is evicted beyond)
+HANDSHAKE_WORKERS = 4  # threads per listener serving complete hellos (a fixed pool)
+MAX_QUEUED_HELLOS = 64  # complete hellos waiting for a worker, per listener
+MAX_QUEUED_HELLOS_PER_SOURCE = 16  # of them from one address
+MAX_DRAINING = 64  # answered connections read until the peer closes, at most LINGER_S each
+LINGER_S = 1.0
+MAX_LINKS = 256  # links accepted by one listening instance, in all
+MAX_LINKS_PER_SOURCE = 32  # of them from one address
+MAX_LINKED_CACHES = 131072  # caches in the peers' tables of those links, in all (~300 B each)
+MAX_LINKED_CACHES_PER_SOURCE = 32768  # of them from one address (one hello's most)
+REPLY_TIMEOUT_S = 2.0  # sending a hello's reply (a peer that does not read it loses the link)
+HANDSHAKE_TIMEOUT_S = 10.0  # an initiator's whole handshake, when its caller gives no timeout
 MAX_SNAPSHOT_CACHES = 32768  # caches in one hello
 MAX_EXTENSIONS = 8  # extension entries in one hello
 MAX_EXTENSION_BYTES = 4096  # their names and values, in all
