@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .._seam import Wrapper
 from ..status import raise_if_false
-from ..utils.utils import check_dict, check_int64, check_isinstance, check_list_of, check_uint32, check_uint64
+from ..utils.utils import check_dict, check_int64, check_isinstance, check_uint32, check_uint64
 from .llm_keys import INVALID_ID
 from .llm_types import Cache, MemInfo, Memtype, Placement
 
@@ -48,11 +48,11 @@ class LocalCopies:
         """Copy block ``s`` to each block of ``copy_block_info[s]`` in every tensor of a blocks
         cache (CANN ``copy_blocks``, PYPKG.md §4.11)."""
         check_isinstance("cache", cache, Cache, allow_none=False)
+        # the mapping's types (values are lists of int) before the cache kind, as upstream
+        check_dict("copy_block_info", copy_block_info, int, list, inner_types=int, allow_none=False)
         raise_if_false(cache.is_blocks_cache, "copy_blocks needs a blocks cache.")
-        check_dict("copy_block_info", copy_block_info, int, (list, tuple))
         pairs: list[tuple[int, int]] = []
         for src_block, dst_list in copy_block_info.items():
-            check_list_of("copy_block_info value", dst_list, int)
             pairs.extend((src_block, d) for d in dst_list)
         self._check(self._wrapper.copy_blocks_v2(cache.cache_id, pairs), "copy_blocks",
                     f"cache_id={cache.cache_id}")
@@ -62,10 +62,10 @@ class LocalCopies:
         PYPKG.md §4.11); the HOST side is usually ``Cache.create_cpu_cache``."""
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
-        check_dict("src_to_dst", src_to_dst, int, int, allow_none=False)
-        sd, dd = src_cache.cache_desc, dst_cache.cache_desc
         raise_if_false(src_cache.is_blocks_cache and dst_cache.is_blocks_cache,
                        "swap_blocks needs two blocks caches.")
+        check_dict("src_to_dst", src_to_dst, int, int, allow_none=False)  # after the kinds, as upstream
+        sd, dd = src_cache.cache_desc, dst_cache.cache_desc
         block_size = sd.size // sd.batch_size
         raise_if_false(block_size == dd.size // dd.batch_size and sd.num_tensors == dd.num_tensors,
                        "swap_blocks needs equal block sizes and tensor counts.")

@@ -195,15 +195,17 @@ class CacheManager(LocalCopies):
 
     def _check_allocate(self, cache_desc: CacheDesc) -> None:
         raise_if_false(cache_desc.num_tensors > 0, "num_tensors must be > 0.")
-        if self._enabled_mem_pool or self._enable_host_mem_pool:
-            pool = (self._enabled_mem_pool if cache_desc.placement == Placement.DEVICE
-                    else self._enable_host_mem_pool)
-            raise_if_false(pool, f"no memory pool is configured for placement {cache_desc.placement!r}.")
+        # upstream's Python refuses before the engine when no pool matches the placement, so
+        # the engine's FEATURE_NOT_ENABLED (no pool at all) is not reached through the package
+        pool = (self._enabled_mem_pool if cache_desc.placement == Placement.DEVICE
+                else self._enable_host_mem_pool)
+        raise_if_false(pool, f"no memory pool is configured for placement {cache_desc.placement!r} "
+                             "(llm.MemPoolConfig for DEVICE, llm.HostMemPoolConfig for HOST).")
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: list[CacheKey] | tuple[CacheKey, ...] = ()) -> Cache:
         """Allocate a cache from the memory pool (needs ``llm.MemPoolConfig`` /
-        ``llm.HostMemPoolConfig``; else LLM_FEATURE_NOT_ENABLED) (PYPKG.md §4.3)."""
+        ``llm.HostMemPoolConfig`` matching the placement; else LLM_PARAM_INVALID) (PYPKG.md §4.3)."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_list_of("cache_keys", cache_keys, CacheKey)
         self._check_allocate(cache_desc)
@@ -227,6 +229,7 @@ class CacheManager(LocalCopies):
     def _deallocate(self, cache: Cache, func: str) -> None:
         self._check(self._wrapper.deallocate_cache_v2(cache.cache_id), func, f"cache_id={cache.cache_id}")
         cache._tensor_addrs = []
+        cache._valid = False
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Release an allocated (not blocks) cache; a registered one is left alone (§4.3)."""
@@ -377,16 +380,17 @@ class CacheManager(LocalCopies):
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         check_uint32("src_batch_index", src_batch_index)
         raise_if_false(not src_cache.is_blocks_cache, "push_cache cannot push from a blocks cache.")
-        check_int64("size", size)
-        raise_if_false(size == -1, f"push_cache supports only size=-1, but got {size}.")
         _check_tensor_num_per_layer(tensor_num_per_layer)
         layers = self._push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        check_int64("size", size)  # after the layer arguments, as upstream
+        raise_if_false(size == -1, f"push_cache supports only size=-1, but got {size}.")
         cfg: TransferCfgTuple = (src_cache.cache_id, src_batch_index, 0, [], dst_cache_key.cluster_id,
                                  dst_cache_key.cache_id, dst_cache_key.batch_index, 2, 0, tensor_num_per_layer)
         self._push("push_cache", layers, cfg, (0, [], []))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                    src_blocks: list[int] | tuple[int, ...] = (), dst_blocks: list[int] | tuple[int, ...] = (),
+                    src_blocks: list[int] | tuple[int, ...] | None = (),
+                    dst_blocks: list[int] | tuple[int, ...] = (),
                     src_layer_range: range | None = None, dst_layer_range: range | None = None,
                     tensor_num_per_layer: int = 2) -> None:
         """Write blocks of ``src_cache`` into a peer's blocks cache named by ``model_id``, one
@@ -404,7 +408,7 @@ class CacheManager(LocalCopies):
         raise_if_false(self._enable_remote_cache_accessible, "push_blocks needs remote-accessible mode.")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-        check_list_of("src_blocks", src_blocks, int)
+        check_list_of("src_blocks", src_blocks, int, allow_none=True)  # None is sent as []
         check_list_of("dst_blocks", dst_blocks, int)
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache as source.")
         raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty.")
@@ -412,7 +416,8 @@ class CacheManager(LocalCopies):
         layers = self._push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         key = pack_cache_key(dst_cache_key)
         cfg: TransferCfgTuple = (src_cache.cache_id, 0, 0, [], key[0], key[5], 0, 1, 0, tensor_num_per_layer)
-        block_cfg = (0, pack_uint64_list("src_blocks", src_blocks), pack_uint64_list("dst_blocks", dst_blocks))
+        block_cfg = (0, pack_uint64_list("src_blocks", src_blocks or []),
+                     pack_uint64_list("dst_blocks", dst_blocks))
         self._push("push_blocks", layers, cfg, block_cfg)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,

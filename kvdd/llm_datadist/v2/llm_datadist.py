@@ -220,7 +220,7 @@ class LLMDataDist:
             Types; a key not uint64 or a rank not uint32.
         LLMException
             LLM_PARAM_INVALID: empty or >= 128-character name, fewer than 2 or more than 4
-            members, ranks not ascending; engine statuses (own cluster id absent, LINK_FAILED...).
+            members, ranks out of order (equal ranks pass); engine statuses (own cluster id absent, LINK_FAILED...).
         """
         wrapper = self._check_initialized()
         self._check_is_cache_mgr_mode("link")
@@ -234,11 +234,13 @@ class LLMDataDist:
         for cluster_id, rank in cluster_rank_info.items():
             check_uint64("cluster_rank_info key", cluster_id)
             check_uint32("cluster_rank_info value", rank)
-        check_isinstance("rank_table", rank_table, str, allow_none=False)
+        check_isinstance("rank_table", rank_table, str)  # None passes here, as upstream
         raise_if_false(len(cluster_rank_info) >= 2, "cluster_rank_info needs at least 2 entries.")
         ranks = list(cluster_rank_info.values())
-        raise_if_false(all(a < b for a, b in zip(ranks, ranks[1:])),
-                       f"cluster_rank_info ranks must be ascending, but got {ranks}.")
+        raise_if_false(ranks == sorted(ranks),
+                       f"cluster_rank_info ranks must be in ascending order, but got {ranks}.")
+        if rank_table is None:  # what the native binding does with None for a std::string
+            raise TypeError("rank_table only supports str, but got NoneType.")
         status, comm_id = wrapper.link(comm_name, list(cluster_rank_info.items()), rank_table)
         self._raise(wrapper, status, "link", f"comm_name={comm_name}")
         assert self._cache_manager is not None
@@ -301,11 +303,11 @@ class LLMDataDist:
         return code_2_status(status), [code_2_status(r) for r in rets]
 
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
-                        timeout: int = 3000, force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+                        timeout: int = 3000, force: bool | None = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink peers on this side (CANN ``unlink_clusters``, PYPKG.md §3.4); ``force`` cleans
         up without the peer. Returns ``(overall, [per cluster])`` like :meth:`link_clusters`."""
         wrapper = self._check_clusters(clusters, timeout)
-        check_isinstance("force", force, bool, allow_none=False)
+        check_isinstance("force", force, bool)  # None passes, and the engine takes it as False
         if not self._enable_cache_mgr:
             raise _legacy_missing("unlink_clusters in legacy mode")
         tuples: list[ClusterTuple] = []
@@ -313,7 +315,7 @@ class LLMDataDist:
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             assert cluster.remote_cluster_id is not None
             tuples.append((cluster.remote_cluster_id, 0, [], _native_ips(cluster.remote_ip_info_list)))
-        status, rets = wrapper.unlink_clusters_v2(tuples, timeout, force)
+        status, rets = wrapper.unlink_clusters_v2(tuples, timeout, bool(force))
         return code_2_status(status), [code_2_status(r) for r in rets]
 
     # -- role (§3.5) ---------------------------------------------------------------------------

@@ -71,12 +71,9 @@ def check_cache_key_ids(key: object) -> None:
                        f"exactly one of req_id and prefix_id must be valid in {key!r}.")
 
 
-def _range_to_indices(name: str, layer_range: Any, tensor_num_per_layer: int) -> list[int]:
-    if layer_range is None:
-        return []
-    check_isinstance(name, layer_range, range, allow_none=False)
-    raise_if_false(layer_range.step == 1, f"{name} step must be 1, but got {layer_range!r}.")
-    if len(layer_range) == 0:
+def _range_to_indices(name: str, layer_range: range | None, tensor_num_per_layer: int) -> list[int]:
+    # types and steps were checked by the caller (both ranges, before any bound)
+    if layer_range is None or len(layer_range) == 0:
         return []
     first, last = layer_range[0], layer_range[-1]
     raise_if_false(first >= 0, f"{name} must start at >= 0, but got {layer_range!r}.")
@@ -89,9 +86,15 @@ def layer_range_to_tensor_indices(src_layer_range: Any, dst_layer_range: Any,
                                   tensor_num_per_layer: int) -> tuple[list[int], list[int]]:
     """Half-open layer ``range``s -> tensor indices ``[a*t, b*t)`` (PYPKG.md §4.7).
 
-    None or an empty range means "all" (an empty list); not a ``range`` -> ``TypeError``;
-    step != 1 or a negative start -> LLM_PARAM_INVALID; bounds beyond uint32 -> ``ValueError``.
-    The count rules are the engine's."""
+    None or an empty range means "all" (an empty list).  In upstream's order: both types
+    (not a ``range`` -> ``TypeError``), both steps (!= 1 -> LLM_PARAM_INVALID), then the source's
+    bounds and the destination's (a negative start -> LLM_PARAM_INVALID, beyond uint32 ->
+    ``ValueError``).  The count rules are the engine's."""
+    check_isinstance("src_layer_range", src_layer_range, range)
+    check_isinstance("dst_layer_range", dst_layer_range, range)
+    for name, layer_range in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        raise_if_false(layer_range is None or layer_range.step == 1,
+                       f"{name} step must be 1, but got {layer_range!r}.")
     return (_range_to_indices("src_layer_range", src_layer_range, tensor_num_per_layer),
             _range_to_indices("dst_layer_range", dst_layer_range, tensor_num_per_layer))
 
@@ -101,6 +104,7 @@ def parse_listen_ip_info(listen_ip_info: str) -> tuple[str, str]:
 
     Not exactly two ``:``-separated parts -> LLM_PARAM_INVALID; a non-numeric port ->
     ``ValueError``. The IP is not validated (so IPv6 literals cannot be used)."""
-    parts = str(listen_ip_info).split(":")
+    check_isinstance("listen_ip_info", listen_ip_info, str, allow_none=False)
+    parts = listen_ip_info.split(":")
     raise_if_false(len(parts) == 2, f"llm.listenIpInfo must be 'ip:port', but got '{listen_ip_info}'.")
     return parts[0], str(int(parts[1]))
