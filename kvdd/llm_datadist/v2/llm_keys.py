@@ -25,12 +25,11 @@ def _collect(cls_name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    f"but got {len(args) + len(kwargs)}.")
     raise_if_false(len(args) <= len(positional),
                    f"{cls_name} takes at most {len(positional)} positional arguments.")
-    given: dict[str, Any] = dict(zip(positional, args))
     allowed = set(positional) | {"prompt_cluster_id"}
-    for key, value in kwargs.items():
+    for key in kwargs:
         raise_if_false(key in allowed, f"Unsupported param '{key}' for {cls_name}.")
-        given[key] = value
-    return given
+    # a positional argument overwrites a keyword of the same name, as upstream
+    return {**kwargs, **dict(zip(positional, args))}
 
 
 def _check_int(cls_name: str, index: int, name: str, value: Any) -> None:
@@ -140,8 +139,8 @@ class CacheKey:
         return self._prefix_id
 
     def __repr__(self) -> str:
-        return (f"CacheKey({self._spelling}={self._cluster_id}, req_id={self._req_id}, "
-                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+        return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
+                f"prefix_id={self._prefix_id}, model_id={self._model_id})")
 
 
 class CacheKeyByIdAndIndex:

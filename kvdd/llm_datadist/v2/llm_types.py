@@ -285,6 +285,8 @@ class Cache:
         return (f"Cache(cache_id = {self._cache_id}, device_tensor_addrs = {len(self._tensor_addrs)}, "
                 f"is_blocks_cache = {self._is_blocks_cache})")
 
+    __repr__ = __str__
+
 
 class KvCache:
     """The legacy (``KvCacheManager``) cache type (PYPKG.md §5.2); kvdd has no legacy engine, so
@@ -327,13 +329,18 @@ class KvCache:
         raise_if_false(cache_desc.placement == Placement.HOST, "cpu cache placement must be HOST.")
         return cls(-1, cache_desc, nested)
 
+    def __str__(self) -> str:
+        return f"KvCache(cache_id = {self._cache_id}, num_devices = {len(self._per_device_tensor_addrs)})"
+
+    __repr__ = __str__
+
 
 def check_layer_range(layer_range: range | None, name: str = "layer_range") -> None:
-    """A push / async-transfer layer range: None, or a ``range`` with step 1 and
-    ``0 <= start < stop`` (else LLM_PARAM_INVALID; PYPKG.md §4.8)."""
+    """A push / async-transfer layer range: None, or a ``range`` (else ``TypeError``) with step 1
+    and ``0 <= start < stop`` (else LLM_PARAM_INVALID; PYPKG.md §4.8)."""
     if layer_range is None:
         return
-    raise_if_false(isinstance(layer_range, range), f"{name} must be a range, but got {layer_range!r}.")
+    check_isinstance(name, layer_range, range, allow_none=False)
     raise_if_false(layer_range.step == 1, f"{name} step must be 1, but got {layer_range!r}.")
     raise_if_false(0 <= layer_range.start < layer_range.stop,
                    f"{name} must satisfy 0 <= start < stop, but got {layer_range!r}.")
@@ -403,6 +410,10 @@ class TransferConfig:
         check_uint32("src_batch_index", value)
         self._src_batch_index = value
 
+    def __repr__(self) -> str:
+        return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id}, dst_addrs={self._dst_addrs}, "
+                f"src_layer_range={self._src_layer_range}, src_batch_index={self._src_batch_index})")
+
 
 class TransferWithCacheKeyConfig:
     """A destination of ``transfer_cache_async`` by key (remote-accessible mode, PYPKG.md §5.7).
@@ -416,9 +427,10 @@ class TransferWithCacheKeyConfig:
                  src_layer_range: range | None = None, dst_layer_range: range | None = None,
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
+        # each range fully (type, step, bounds) in turn, as upstream
         check_isinstance("src_layer_range", src_layer_range, range, allow_none=False)
-        check_isinstance("dst_layer_range", dst_layer_range, range, allow_none=False)
         check_layer_range(src_layer_range, "src_layer_range")
+        check_isinstance("dst_layer_range", dst_layer_range, range, allow_none=False)
         check_layer_range(dst_layer_range, "dst_layer_range")
         assert src_layer_range is not None and dst_layer_range is not None
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
@@ -469,8 +481,15 @@ class TransferWithCacheKeyConfig:
 
     @src_batch_index.setter
     def src_batch_index(self, value: int) -> None:
+        raise_if_false(not (isinstance(self._cache_key, BlocksCacheKey) and value != 0),
+                       "src_batch_index must be 0 for a BlocksCacheKey.")
         check_uint32("src_batch_index", value)
         self._src_batch_index = value
+
+    def __repr__(self) -> str:
+        return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key!r}, "
+                f"src_layer_range={self._src_layer_range}, dst_layer_range={self._dst_layer_range}, "
+                f"src_batch_index={self._src_batch_index})")
 
 
 class CacheTask:
