@@ -127,11 +127,14 @@ class Status:
 
 def handle_llm_status(status: int, func_name: str, info: object) -> None:
     """Raise ``LLMException(code_2_status(status))`` unless ``status`` is success; the message is
-    ``"<func_name> failed, error code is LLMStatusCode.<NAME>, <info>."`` (PYPKG.md §5.5)."""
+    ``"<func_name> failed, error code is LLMStatusCode.<NAME>, <info>."`` (PYPKG.md §5.5).
+
+    As upstream, the failure is raised, not logged at ERROR (a caller may catch and retry it);
+    it is logged at DEBUG."""
     code = code_2_status(status)
     if code != LLMStatusCode.LLM_SUCCESS:
         message = f"{func_name} failed, error code is {code}, {info}."
-        logger.error(message)
+        logger.debug(message)
         raise LLMException(message, status_code=code)
 
 

@@ -4,6 +4,10 @@ how positional and keyword key arguments combine."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from kvdd.llm_datadist import (
     BlocksCacheKey,
     Cache,
@@ -11,13 +15,14 @@ from kvdd.llm_datadist import (
     CacheKey,
     DataType,
     KvCache,
+    LLMException,
     LLMStatusCode,
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
     llm_datadist_wrapper,
 )
-from kvdd.llm_datadist.status import code_2_status
+from kvdd.llm_datadist.status import code_2_status, handle_llm_status, raise_if_false
 
 
 def test_native_module_has_every_status_constant() -> None:
@@ -66,3 +71,15 @@ def test_transfer_config_reprs() -> None:
     keyed = TransferWithCacheKeyConfig(BlocksCacheKey(cluster_id=2, model_id=0), range(0, 1), range(1, 2))
     assert repr(keyed) == ("TransferWithCacheKeyConfig(cache_key=BlocksCacheKey(cluster_id=2, model_id=0), "
                            "src_layer_range=range(0, 1), dst_layer_range=range(1, 2), src_batch_index=0)")
+
+
+def test_an_engine_failure_is_raised_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # upstream logs the Python-side checks (raise_if_*) but not an engine status it raises: a
+    # client that catches and retries a failed pull sees no ERROR records from the package
+    caplog.set_level(logging.DEBUG, logger="LLM_DATADIST")
+    with pytest.raises(LLMException):
+        handle_llm_status(0x5010B01A, "pull_blocks", "cache_id=3")
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    with pytest.raises(LLMException):
+        raise_if_false(False, "a Python-side check")
+    assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == [logging.ERROR]
