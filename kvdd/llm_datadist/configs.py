@@ -254,7 +254,7 @@ class LlmConfig:
         return self._device_id
 
     @device_id.setter
-    def device_id(self, value: int | list[int] | tuple[int, ...]) -> None:
+    def device_id(self, value: int | list[int] | tuple[int, ...] | None) -> None:
         # as upstream: every item's type first, then every sign (PARAM_INVALID), then every int32
         # range (ValueError); None and an empty list pass the type checks (None then fails the
         # sign comparison with TypeError, an empty list fails in generate_options)
