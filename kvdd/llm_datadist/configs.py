@@ -102,13 +102,15 @@ class LLMClusterInfo:
 
     @property
     def local_ip_info_list(self) -> list[tuple[int, int]]:
-        """``[(ip_int, port), ...]`` appended by :meth:`append_local_ip_info` (a copy)."""
-        return list(self._local_ip_info_list)
+        """``[(ip_int, port), ...]`` appended by :meth:`append_local_ip_info` (no setter; the
+        list itself, as upstream)."""
+        return self._local_ip_info_list
 
     @property
     def remote_ip_info_list(self) -> list[tuple[int, int]]:
-        """``[(ip_int, port), ...]`` appended by :meth:`append_remote_ip_info` (a copy)."""
-        return list(self._remote_ip_info_list)
+        """``[(ip_int, port), ...]`` appended by :meth:`append_remote_ip_info` (no setter; the
+        list itself, as upstream)."""
+        return self._remote_ip_info_list
 
     def append_local_ip_info(self, ip: str | int, port: int) -> None:
         """Add a local address: ``ip`` an IPv4 string or a packed int, ``port`` uint16.

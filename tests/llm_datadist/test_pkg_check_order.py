@@ -165,3 +165,14 @@ def test_transfer_cache_async_block_list_checks(fake: RecordingWrapper) -> None:
     bsrc = blocks(mgr)
     assert outcome(fake, lambda: mgr.transfer_cache_async(bsrc, Sync(), [TransferConfig(1, [1, 2, 3, 4])],
                                                           dst_block_indices=[0])) == PI
+
+
+def test_switch_role_none_fails_on_the_role_name_before_the_options(fake: RecordingWrapper) -> None:
+    dd = started()
+    # None passes the role's type check (as in the constructor) and fails looking its name up
+    assert_raises_key_error = pytest.raises(KeyError)
+    with assert_raises_key_error:
+        dd.switch_role(None, "not a dict")  # type: ignore[arg-type]
+    assert outcome(fake, lambda: dd.switch_role("PROMPT", {})) is TypeError  # type: ignore[arg-type]
+    assert outcome(fake, lambda: dd.switch_role(LLMRole.PROMPT, "x")) is TypeError  # type: ignore[arg-type]
+    assert "switch_role_v2" not in fake.names()

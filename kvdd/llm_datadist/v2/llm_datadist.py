@@ -324,20 +324,23 @@ class LLMDataDist:
         """Change the role; ``llm.listenIpInfo`` in ``switch_options`` (re)starts the listener,
         no listen address stops it (CANN ``switch_role``, PYPKG.md §3.5).
 
-        Raises ``RuntimeError`` (not initialized), ``TypeError``, ``ValueError`` (port), and the
+        Raises ``RuntimeError`` (not initialized), ``TypeError``, ``KeyError`` (role None, as upstream),
+        ``ValueError`` (port), and the
         engine's status (LLM_EXIST_LINK while links exist)."""
         wrapper = self._check_initialized()
-        check_isinstance("role", role, LLMRole, allow_none=False)
-        check_isinstance("switch_options", switch_options, dict)
-        options = dict(switch_options or {})
+        check_isinstance("role", role, LLMRole)  # None passes, as upstream ...
         if not self._enable_cache_mgr:  # legacy mode's Python rules (PYPKG.md §3.5)
             raise_if_false(role != self._role, f"the role is already {role}.")
+        role_name = self._role_to_str(role)  # ... and fails here with KeyError
+        check_isinstance("switch_options", switch_options, dict)
+        options = dict(switch_options or {})
+        if not self._enable_cache_mgr:
             raise_if_false(role != LLMRole.PROMPT or "llm.listenIpInfo" in options,
                            "switching to PROMPT needs llm.listenIpInfo.")
             raise _legacy_missing("switch_role in legacy mode")
         if "llm.listenIpInfo" in options:
             options["llm.ListenIp"], options["llm.ListenPort"] = parse_listen_ip_info(options["llm.listenIpInfo"])
-        self._raise(wrapper, wrapper.switch_role_v2(self._role_to_str(role), options), "switch_role",
+        self._raise(wrapper, wrapper.switch_role_v2(role_name, options), "switch_role",
                     f"role={role}")
         self._role = role
 

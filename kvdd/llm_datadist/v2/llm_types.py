@@ -317,17 +317,29 @@ class KvCache:
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int] | list[list[int]]) -> KvCache:
-        """A HOST view from flat or nested address lists."""
+        """A HOST view from a flat list (one device) or a list of per-device lists, checked in
+        upstream's order: placement HOST, ``addrs`` a non-empty list, every item an int or a
+        list of int of ``num_tensors`` items, all items of one kind, a flat list of
+        ``num_tensors`` items (``TypeError`` / LLM_PARAM_INVALID)."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        check_isinstance("addrs", addrs, list, allow_none=False)
-        nested: list[list[int]] = []
-        if addrs and all(isinstance(a, list) for a in addrs):
-            nested = [list(a) for a in addrs]  # type: ignore[arg-type]
-        else:
-            check_list_of("addrs", addrs, int, list)
-            nested = [list(addrs)]  # type: ignore[arg-type]
         raise_if_false(cache_desc.placement == Placement.HOST, "cpu cache placement must be HOST.")
-        return cls(-1, cache_desc, nested)
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        raise_if_false(len(addrs) > 0, "addrs must not be empty.")
+        kind: type = type(addrs[0])
+        for item in addrs:
+            check_isinstance("the item of addrs", item, (list, int), allow_none=False)
+            if isinstance(item, list):
+                check_isinstance("the item of addrs", item, list, inner_class=int)
+                raise_if_false(len(item) == cache_desc.num_tensors,
+                               f"an item of addrs holds {len(item)} addresses, not num_tensors="
+                               f"{cache_desc.num_tensors}.")
+            raise_if_false(isinstance(item, kind), "the items of addrs must all be ints or all lists.")
+            kind = type(item)
+        if kind is int:
+            raise_if_false(len(addrs) == cache_desc.num_tensors,
+                           f"len(addrs)={len(addrs)} != num_tensors={cache_desc.num_tensors}.")
+            return cls(-1, cache_desc, [list(addrs)])  # type: ignore[arg-type]
+        return cls(-1, cache_desc, [list(a) for a in addrs if isinstance(a, list)])
 
     def __str__(self) -> str:
         return f"KvCache(cache_id = {self._cache_id}, num_devices = {len(self._per_device_tensor_addrs)})"
