@@ -176,3 +176,26 @@ def test_switch_role_none_fails_on_the_role_name_before_the_options(fake: Record
     assert outcome(fake, lambda: dd.switch_role("PROMPT", {})) is TypeError  # type: ignore[arg-type]
     assert outcome(fake, lambda: dd.switch_role(LLMRole.PROMPT, "x")) is TypeError  # type: ignore[arg-type]
     assert "switch_role_v2" not in fake.names()
+
+
+def test_keys_check_required_arguments_before_unknown_keywords() -> None:
+    from kvdd.llm_datadist import BlocksCacheKey as BK
+    from kvdd.llm_datadist import CacheKey as CK
+
+    # the messages clients match on ("cluster_id is required", "req_id is required", "Unsupported")
+    for call, text in [(lambda: CK(req_idx=1), "cluster_id is required"),
+                       (lambda: CK(cluster_id=1, prefix_idx=1), "req_id is required"),
+                       (lambda: BK(model_idx=1), "cluster_id is required"),
+                       (lambda: CK(1, 2, prefix_idx=1), "Unsupported")]:
+        with pytest.raises(LLMException, match=text) as exc:
+            call()
+        assert exc.value.status_code == PI
+
+
+def test_swap_blocks_checks_sizes_before_the_mapping_values(fake: RecordingWrapper) -> None:
+    mgr = started().cache_manager
+    a = mgr.register_blocks_cache(desc(4, (8, 16)), [0x1000 * (i + 1) for i in range(4)])
+    b = mgr.register_blocks_cache(desc(4, (4, 16)), [0x9000 * (i + 1) for i in range(4)])  # other block size
+    # upstream type-checks the mapping's keys only; a bad value fails after the size rules
+    assert outcome(fake, lambda: mgr.swap_blocks(a, b, {0: "x"})) == PI  # type: ignore[dict-item]
+    assert outcome(fake, lambda: mgr.swap_blocks(a, b, {"x": 0})) is TypeError  # type: ignore[dict-item]

@@ -64,7 +64,8 @@ class LocalCopies:
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
         raise_if_false(src_cache.is_blocks_cache and dst_cache.is_blocks_cache,
                        "swap_blocks needs two blocks caches.")
-        check_dict("src_to_dst", src_to_dst, int, int, allow_none=False)  # after the kinds, as upstream
+        # after the kinds, as upstream, and the keys only: a bad value fails the range rule below
+        check_isinstance("src_to_dst", src_to_dst, dict, allow_none=False, inner_class=int)
         sd, dd = src_cache.cache_desc, dst_cache.cache_desc
         block_size = sd.size // sd.batch_size
         raise_if_false(block_size == dd.size // dd.batch_size and sd.num_tensors == dd.num_tensors,
