@@ -183,10 +183,12 @@ def test_keys_check_required_arguments_before_unknown_keywords() -> None:
     from kvdd.llm_datadist import CacheKey as CK
 
     # the messages clients match on ("cluster_id is required", "req_id is required", "Unsupported")
-    for call, text in [(lambda: CK(req_idx=1), "cluster_id is required"),
+    cases: list[tuple[Callable[[], object], str]] = [
+                      (lambda: CK(req_idx=1), "cluster_id is required"),
                        (lambda: CK(cluster_id=1, prefix_idx=1), "req_id is required"),
                        (lambda: BK(model_idx=1), "cluster_id is required"),
-                       (lambda: CK(1, 2, prefix_idx=1), "Unsupported")]:
+                       (lambda: CK(1, 2, prefix_idx=1), "Unsupported")]
+    for call, text in cases:
         with pytest.raises(LLMException, match=text) as exc:
             call()
         assert exc.value.status_code == PI
