@@ -83,3 +83,14 @@ def test_an_engine_failure_is_raised_not_logged(caplog: pytest.LogCaptureFixture
     with pytest.raises(LLMException):
         raise_if_false(False, "a Python-side check")
     assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == [logging.ERROR]
+
+
+def test_name_lists_in_upstreams_order() -> None:
+    import kvdd.llm_datadist as pkg
+
+    v2 = ["LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig",
+          "DataType", "Status", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache",
+          "BlocksCacheKey", "LLMDataDist", "Placement", "RegisterMemStatus", "LayerSynchronizer",
+          "TransferConfig", "CacheTask", "TransferWithCacheKeyConfig", "Memtype", "MemInfo"]
+    assert pkg.v2_list == v2
+    assert pkg.__all__ == [*v2, "TensorDesc", "Tensor", "KvCacheManager"]
