@@ -201,3 +201,18 @@ def test_swap_blocks_checks_sizes_before_the_mapping_values(fake: RecordingWrapp
     # upstream type-checks the mapping's keys only; a bad value fails after the size rules
     assert outcome(fake, lambda: mgr.swap_blocks(a, b, {0: "x"})) == PI  # type: ignore[dict-item]
     assert outcome(fake, lambda: mgr.swap_blocks(a, b, {"x": 0})) is TypeError  # type: ignore[dict-item]
+
+
+def test_utils_checks_take_upstreams_positional_arguments() -> None:
+    from kvdd.llm_datadist.utils import utils as u
+
+    # check_isinstance(name, value, classes, inner_class=None, extra_fmt="", allow_none=True)
+    with pytest.raises(TypeError, match="^pre x"):
+        u.check_isinstance("x", [1, "a"], [list, tuple], int, "pre ")
+    assert u.check_isinstance("x", None, int) is None
+    # list checks go item by item (type and range together) over any iterable
+    with pytest.raises(ValueError):
+        u.check_list_int32("x", [2**40, "a"])
+    with pytest.raises(TypeError):
+        u.check_list_uint64("x", ["a", -1])
+    u.check_list_int64("x", iter([1, 2]))
