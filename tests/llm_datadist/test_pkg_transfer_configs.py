@@ -40,7 +40,7 @@ class Sync(LayerSynchronizer):
 
 
 def test_a_layer_range_that_is_not_a_range_is_a_type_error() -> None:
-    assert outcome(lambda: check_layer_range([0, 1])) is TypeError  # type: ignore[arg-type]
+    assert outcome(lambda: check_layer_range("r", [0, 1])) is TypeError  # type: ignore[arg-type]
     assert outcome(lambda: TransferConfig(1, [1, 2], (0, 1))) is TypeError  # type: ignore[arg-type]
     assert outcome(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(1), [0], range(1))) is TypeError  # type: ignore[arg-type]
 

@@ -341,8 +341,8 @@ class CacheManager(LocalCopies):
 
     def _push_layers(self, src_cache: Cache, src_layer_range: Any, dst_layer_range: Any,
                      t: int) -> list[tuple[int, int]]:
-        check_layer_range(src_layer_range, "src_layer_range")
-        check_layer_range(dst_layer_range, "dst_layer_range")
+        check_layer_range("src_layer_range", src_layer_range)
+        check_layer_range("dst_layer_range", dst_layer_range)
         default = range(0, src_cache.cache_desc.num_tensors // t)
         src = default if src_layer_range is None else src_layer_range
         dst = default if dst_layer_range is None else dst_layer_range

@@ -159,7 +159,8 @@ class LLMDataDist:
                            "llm.TransferBackend needs llm.EnableRemoteCacheAccessible=1.")
             raise_if_false("llm.listenIpInfo" in derived, "llm.TransferBackend needs llm.listenIpInfo.")
         if self._enable_cache_mgr and "llm.listenIpInfo" in derived:
-            derived["llm.ListenIp"], derived["llm.ListenPort"] = parse_listen_ip_info(derived["llm.listenIpInfo"])
+            ip, port = parse_listen_ip_info(derived["llm.listenIpInfo"])
+            derived["llm.ListenIp"], derived["llm.ListenPort"] = ip, str(port)
         return derived
 
     def finalize(self) -> None:
@@ -339,7 +340,8 @@ class LLMDataDist:
                            "switching to PROMPT needs llm.listenIpInfo.")
             raise _legacy_missing("switch_role in legacy mode")
         if "llm.listenIpInfo" in options:
-            options["llm.ListenIp"], options["llm.ListenPort"] = parse_listen_ip_info(options["llm.listenIpInfo"])
+            ip, port = parse_listen_ip_info(options["llm.listenIpInfo"])
+            options["llm.ListenIp"], options["llm.ListenPort"] = ip, str(port)
         self._raise(wrapper, wrapper.switch_role_v2(role_name, options), "switch_role",
                     f"role={role}")
         self._role = role

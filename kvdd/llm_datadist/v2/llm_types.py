@@ -347,12 +347,14 @@ class KvCache:
     __repr__ = __str__
 
 
-def check_layer_range(layer_range: range | None, name: str = "layer_range") -> None:
-    """A push / async-transfer layer range: None, or a ``range`` (else ``TypeError``) with step 1
-    and ``0 <= start < stop`` (else LLM_PARAM_INVALID; PYPKG.md §4.8)."""
-    if layer_range is None:
+def check_layer_range(name: str, layer_range: range | None, allow_none: bool = True) -> None:
+    """A push / async-transfer layer range (upstream's signature): None when allowed, else a
+    ``range`` (``TypeError``) with step 1 and ``0 <= start < stop`` (else LLM_PARAM_INVALID;
+    PYPKG.md §4.8)."""
+    if allow_none and layer_range is None:
         return
     check_isinstance(name, layer_range, range, allow_none=False)
+    assert layer_range is not None
     raise_if_false(layer_range.step == 1, f"{name} step must be 1, but got {layer_range!r}.")
     raise_if_false(0 <= layer_range.start < layer_range.stop,
                    f"{name} must satisfy 0 <= start < stop, but got {layer_range!r}.")
@@ -409,7 +411,7 @@ class TransferConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "src_layer_range")
+        check_layer_range("src_layer_range", value)
         self._src_layer_range = value
 
     @property
@@ -441,9 +443,9 @@ class TransferWithCacheKeyConfig:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
         # each range fully (type, step, bounds) in turn, as upstream
         check_isinstance("src_layer_range", src_layer_range, range, allow_none=False)
-        check_layer_range(src_layer_range, "src_layer_range")
+        check_layer_range("src_layer_range", src_layer_range)
         check_isinstance("dst_layer_range", dst_layer_range, range, allow_none=False)
-        check_layer_range(dst_layer_range, "dst_layer_range")
+        check_layer_range("dst_layer_range", dst_layer_range)
         assert src_layer_range is not None and dst_layer_range is not None
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        "src_layer_range and dst_layer_range must have the same length.")
@@ -473,7 +475,7 @@ class TransferWithCacheKeyConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "src_layer_range")
+        check_layer_range("src_layer_range", value)
         self._src_layer_range = value
 
     @property
@@ -483,7 +485,7 @@ class TransferWithCacheKeyConfig:
 
     @dst_layer_range.setter
     def dst_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "dst_layer_range")
+        check_layer_range("dst_layer_range", value)
         self._dst_layer_range = value
 
     @property

@@ -1,0 +1,32 @@
+"""Helpers of the package's submodules that PYPKG.md §1.1 lists as reachable, with upstream's
+signatures and results: ``v2.llm_types.check_layer_range(name, layer_range, allow_none=True)``,
+``v2.llm_utils.parse_listen_ip_info`` (port as an int), ``layer_range_to_tensor_indices`` (two
+tensors per layer by default), ``is_valid_id`` / ``is_invalid_id`` and the key packers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdd.llm_datadist import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, LLMException, MemInfo, Memtype
+from kvdd.llm_datadist.v2 import llm_types, llm_utils
+
+NONE_ID = 2**64 - 1
+
+
+def test_check_layer_range_signature() -> None:
+    llm_types.check_layer_range("src_layer_range", None)
+    llm_types.check_layer_range("src_layer_range", range(0, 2))
+    with pytest.raises(TypeError):
+        llm_types.check_layer_range("src_layer_range", None, False)
+    with pytest.raises(LLMException, match="dst_layer_range"):
+        llm_types.check_layer_range("dst_layer_range", range(0, 4, 2))
+
+
+def test_llm_utils_helpers() -> None:
+    assert llm_utils.parse_listen_ip_info("1.2.3.4:26000") == ("1.2.3.4", 26000)
+    assert llm_utils.layer_range_to_tensor_indices(range(1, 2), None) == ([2, 3], [])
+    assert llm_utils.is_valid_id(0) and llm_utils.is_invalid_id(NONE_ID) and llm_utils.is_invalid_id(-1)
+    assert llm_utils.pack_cache_key(CacheKey(1, 2, 3, 4)) == (1, -1, 0, 2, 4, 3, False)
+    assert llm_utils.pack_cache_key_by_id(CacheKeyByIdAndIndex(1, 5, 2)) == (1, 5, 2, NONE_ID, NONE_ID, 0, False)
+    assert llm_utils.pack_block_cache_key(BlocksCacheKey(1, 7)) == (1, -1, 0, NONE_ID, NONE_ID, 7, True)
+    assert llm_utils.pack_mem_info(MemInfo(Memtype.MEM_TYPE_DEVICE, 16, 32)) == (0, 16, 32)
