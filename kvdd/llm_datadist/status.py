@@ -138,20 +138,25 @@ def handle_llm_status(status: int, func_name: str, info: object) -> None:
         raise LLMException(message, status_code=code)
 
 
-def raise_if_false(condition: bool, message: str,
-                   status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> None:
-    """Log ``message`` at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
-    false (PYPKG.md §1.1)."""
+def raise_if_false(condition: object, message: str, *args: object,
+                   status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID, **kwargs: object) -> None:
+    """Log the message at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
+    false (PYPKG.md §1.1).  As upstream, ``message`` is a ``str.format`` template for ``args`` /
+    ``kwargs`` (used as given when there are none)."""
     if not condition:
-        _fail(message, status_code)
+        _fail(_format(message, args, kwargs), status_code)
 
 
-def raise_if_true(condition: bool, message: str,
-                  status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> None:
-    """Log ``message`` at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
-    true (PYPKG.md §1.1)."""
+def raise_if_true(condition: object, message: str, *args: object,
+                  status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID, **kwargs: object) -> None:
+    """Log the message at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
+    true (PYPKG.md §1.1); ``message`` as in :func:`raise_if_false`."""
     if condition:
-        _fail(message, status_code)
+        _fail(_format(message, args, kwargs), status_code)
+
+
+def _format(message: str, args: tuple[object, ...], kwargs: dict[str, object]) -> str:
+    return message.format(*args, **kwargs) if args or kwargs else message
 
 
 def _fail(message: str, status_code: LLMStatusCode) -> NoReturn:

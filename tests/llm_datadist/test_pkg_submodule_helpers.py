@@ -30,3 +30,16 @@ def test_llm_utils_helpers() -> None:
     assert llm_utils.pack_cache_key_by_id(CacheKeyByIdAndIndex(1, 5, 2)) == (1, 5, 2, NONE_ID, NONE_ID, 0, False)
     assert llm_utils.pack_block_cache_key(BlocksCacheKey(1, 7)) == (1, -1, 0, NONE_ID, NONE_ID, 7, True)
     assert llm_utils.pack_mem_info(MemInfo(Memtype.MEM_TYPE_DEVICE, 16, 32)) == (0, 16, 32)
+
+
+def test_raise_helpers_take_format_arguments() -> None:
+    from kvdd.llm_datadist.status import LLMStatusCode, raise_if_false, raise_if_true
+
+    with pytest.raises(LLMException, match="^size 5 of 7$") as exc:
+        raise_if_false(False, "size {0} of {n}", 5, n=7)
+    assert exc.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as exc:
+        raise_if_true(True, "{0}", 1, status_code=LLMStatusCode.LLM_FAILED)
+    assert exc.value.status_code is LLMStatusCode.LLM_FAILED and str(exc.value) == "1"
+    with pytest.raises(LLMException, match=r"^\{1: 0\}$"):  # no arguments: the text as given
+        raise_if_false(False, "{1: 0}")
