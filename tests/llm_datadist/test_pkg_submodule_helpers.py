@@ -43,3 +43,28 @@ def test_raise_helpers_take_format_arguments() -> None:
     assert exc.value.status_code is LLMStatusCode.LLM_FAILED and str(exc.value) == "1"
     with pytest.raises(LLMException, match=r"^\{1: 0\}$"):  # no arguments: the text as given
         raise_if_false(False, "{1: 0}")
+
+
+def test_a_hand_set_engine_double_is_used_under_upstreams_attribute_name() -> None:
+    """Upstream-style tests set ``_llm_datadist`` (the native module an instance drives) by hand."""
+    from unittest.mock import MagicMock
+
+    from kvdd.llm_datadist import LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
+    from kvdd.llm_datadist.v2.cache_manager import CacheManager
+
+    dd = LLMDataDist(LLMRole.MIX, 100)
+    dd._is_initialized = True
+    dd._enable_cache_mgr = True
+    dd._engine_options = {"llm.LocalCommRes": "{}"}
+    engine = MagicMock()
+    engine.link_clusters_v2.return_value = (0, [0])
+    dd._llm_datadist = engine
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 1
+    assert dd.link_clusters([info], 5000) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+    engine.link_clusters_v2.assert_called_once_with([(1, 0, [], [])], 5000)
+    cm = CacheManager(engine, {})
+    engine.unregister_cache.return_value = 0
+    cm.unregister_cache(3)
+    engine.unregister_cache.assert_called_once_with(3)
+    assert cm._llm_datadist is engine

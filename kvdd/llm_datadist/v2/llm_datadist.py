@@ -90,7 +90,7 @@ class LLMDataDist:
         self._engine_options: dict[str, str] = {}
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None  # legacy mode only; never set by kvdd
-        self._wrapper: Wrapper | None = None
+        self._llm_datadist: Wrapper | None = None
 
     # -- lifecycle (§3.1, §3.2) ----------------------------------------------------------------
 
@@ -124,7 +124,7 @@ class LLMDataDist:
         status = wrapper.initialize_v2(self._cluster_id, derived)
         if status != 0:
             handle_llm_status(status, "init", _engine.with_detail(wrapper, f"options={options}"))
-        self._wrapper = wrapper
+        self._llm_datadist = wrapper
         self._engine_options = derived
         self._cache_manager = CacheManager(wrapper, derived)
         self._is_initialized = True
@@ -168,8 +168,8 @@ class LLMDataDist:
         A later :meth:`init` starts a fresh engine (ids restart at 1) (PYPKG.md §3.2)."""
         if not self._is_initialized:
             return
-        if self._wrapper is not None:
-            self._wrapper.finalize_v2()
+        if self._llm_datadist is not None:
+            self._llm_datadist.finalize_v2()
         if self._cache_manager is not None:
             self._cache_manager._initialized = False
         self._is_initialized = False
@@ -181,7 +181,7 @@ class LLMDataDist:
     def _check_initialized(self) -> Wrapper:
         if not self._is_initialized:
             raise RuntimeError("llm datadist is not initialized")
-        return self._wrapper if self._wrapper is not None else llm_datadist_wrapper
+        return self._llm_datadist if self._llm_datadist is not None else llm_datadist_wrapper
 
     @staticmethod
     def _role_to_str(role: LLMRole) -> str:
