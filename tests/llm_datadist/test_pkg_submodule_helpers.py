@@ -68,3 +68,10 @@ def test_a_hand_set_engine_double_is_used_under_upstreams_attribute_name() -> No
     cm.unregister_cache(3)
     engine.unregister_cache.assert_called_once_with(3)
     assert cm._llm_datadist is engine
+
+
+def test_cache_desc_size_asks_the_native_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdd.llm_datadist import CacheDesc, DataType, llm_datadist_wrapper
+
+    monkeypatch.setattr(llm_datadist_wrapper, "calc_tensor_size", lambda shape, dtype: 1234)
+    assert CacheDesc(1, [2, 3], DataType.DT_INT8).size == 1234

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
-from .. import _engine
+from .. import llm_datadist_wrapper as _native_module
 from ..data_type import DataType
 from ..status import LLMException, LLMStatusCode, raise_if_false
 from ..utils.utils import (
@@ -212,7 +212,7 @@ class CacheDesc:
         Raises ``LLMException`` (status LLM_SUCCESS, as upstream) when the engine cannot size it
         (a dim <= 0, overflow, an unsupported data type)."""
         if self._size is None:
-            size = _engine.wrapper().calc_tensor_size(list(self._shape), self._data_type.value)
+            size = _native_module.calc_tensor_size(list(self._shape), self._data_type.value)
             if size < 0:
                 raise LLMException(f"failed to calculate the tensor size of {self!r}")
             self._size = size
