@@ -168,8 +168,9 @@ def initialize_v2(cluster_id: int, options: Mapping[str, str]) -> int:
 
 
 def _discard(instance: PkgInstance) -> None:
-    """A failed engine is destroyed upstream: nothing of it stays (its listen port closes)."""
-    instance.finalize()
+    """A failed engine is destroyed upstream: nothing of it stays (its listen port closes,
+    including the one a failed Initialize keeps until destroyed, SEMANTICS.md §3.2 step 10)."""
+    instance.destroy()
     listener = instance.listener
     if listener is not None:
         listener.close()
