@@ -75,3 +75,8 @@ def test_cache_desc_size_asks_the_native_module(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(llm_datadist_wrapper, "calc_tensor_size", lambda shape, dtype: 1234)
     assert CacheDesc(1, [2, 3], DataType.DT_INT8).size == 1234
+
+
+def test_a_non_numeric_listen_port_is_int_s_value_error_naming_the_option() -> None:
+    with pytest.raises(ValueError, match=r"invalid literal for int\(\).*'abc'.*llm.listenIpInfo '1.2.3.4:abc'"):
+        llm_utils.parse_listen_ip_info("1.2.3.4:abc")

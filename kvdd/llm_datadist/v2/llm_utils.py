@@ -132,4 +132,8 @@ def parse_listen_ip_info(listen_ip_info: str) -> tuple[str, int]:
     check_isinstance("listen_ip_info", listen_ip_info, str, allow_none=False)
     parts = listen_ip_info.split(":")
     raise_if_false(len(parts) == 2, f"llm.listenIpInfo must be 'ip:port', but got '{listen_ip_info}'.")
-    return parts[0], int(parts[1])
+    try:
+        port = int(parts[1])
+    except ValueError as exc:  # int()'s ValueError, as upstream, naming the option
+        raise ValueError(f"{exc} (the port of llm.listenIpInfo '{listen_ip_info}')") from None
+    return parts[0], port
