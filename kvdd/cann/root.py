@@ -131,6 +131,15 @@ def _build(out: Path, cxx11_abi: int) -> None:
                 future.result()
 
 
+#: the type stub of the root's ``llm_datadist`` package (PEP 561: it ships ``py.typed`` too)
+PACKAGE_STUB = """\
+# Type checkers see `import llm_datadist` in this simulated CANN root as kvdd's simulator of CANN's
+# package (kvdd.llm_datadist), which the __init__.py next to this file loads at run time.
+from kvdd.llm_datadist import *
+from kvdd.llm_datadist import v2_list as v2_list
+"""
+
+
 def _render(template: str, values: dict[str, str]) -> str:
     text = (package_dir() / "templates" / template).read_text(encoding="utf-8")
     for key, value in values.items():
@@ -188,6 +197,10 @@ def write_root(dest: str | os.PathLike[str], *, cxx11_abi: int = 0, force: bool 
         written_by = repr(f"kvdd {__version__} for {python}")
         (package / "__init__.py").write_text(
             _render("llm_datadist_init.py.in", {"WRITTEN_BY": written_by}), encoding="utf-8")
+        # type checkers cannot follow the module swap above: a stub and the PEP 561 marker make
+        # `mypy --strict` of client code see kvdd.llm_datadist's types under `llm_datadist`
+        (package / "__init__.pyi").write_text(PACKAGE_STUB, encoding="utf-8")
+        (package / "py.typed").write_text("", encoding="utf-8")
         (work / "share" / "cmake" / "LlmDataDist" / "LlmDataDistConfig.cmake").write_text(
             _render("LlmDataDistConfig.cmake.in", values), encoding="utf-8")
         marker = {

@@ -38,20 +38,20 @@ from .v2.llm_types import (
     TransferWithCacheKeyConfig,
 )
 
-#: the cache-manager ("v2") names (upstream's tests iterate this list)
+#: the cache-manager ("v2") names, in upstream's order (upstream's tests iterate this list)
 v2_list = [
-    "LLMDataDist", "LLMStatusCode", "LLMException", "Status", "LLMClusterInfo", "LLMRole",
-    "LlmConfig", "LLMConfig", "DataType", "KvCache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex",
-    "BlocksCacheKey", "Placement", "RegisterMemStatus", "Cache", "LayerSynchronizer",
+    "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig",
+    "DataType", "Status", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache",
+    "BlocksCacheKey", "LLMDataDist", "Placement", "RegisterMemStatus", "LayerSynchronizer",
     "TransferConfig", "CacheTask", "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
 ]
 
 _LEGACY_NAMES = ("TensorDesc", "Tensor", "KvCacheManager")
 
 __all__ = [
-    "LLMDataDist", "LLMStatusCode", "LLMException", "Status", "LLMClusterInfo", "LLMRole",
-    "LlmConfig", "LLMConfig", "DataType", "KvCache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex",
-    "BlocksCacheKey", "Placement", "RegisterMemStatus", "Cache", "LayerSynchronizer",
+    "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig",
+    "DataType", "Status", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache",
+    "BlocksCacheKey", "LLMDataDist", "Placement", "RegisterMemStatus", "LayerSynchronizer",
     "TransferConfig", "CacheTask", "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
     "TensorDesc", "Tensor", "KvCacheManager",
 ]  # v2_list + the three legacy names (a literal, so type checkers see the re-exports)

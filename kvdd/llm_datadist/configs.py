@@ -17,6 +17,8 @@ from typing import Any
 from .status import raise_if_false
 from .utils.utils import (
     INT32_MAX,
+    check_inner,
+    check_int32,
     UINT32_MAX,
     check_dict,
     check_isinstance,
@@ -94,19 +96,21 @@ class LLMClusterInfo:
         return self._remote_role_type
 
     @remote_role_type.setter
-    def remote_role_type(self, value: LLMRole | int) -> None:
-        check_isinstance("remote_role_type", value, (LLMRole, int), allow_none=False)
+    def remote_role_type(self, value: LLMRole | int | None) -> None:
+        check_isinstance("remote_role_type", value, (LLMRole, int))
         self._remote_role_type = value
 
     @property
     def local_ip_info_list(self) -> list[tuple[int, int]]:
-        """``[(ip_int, port), ...]`` appended by :meth:`append_local_ip_info` (a copy)."""
-        return list(self._local_ip_info_list)
+        """``[(ip_int, port), ...]`` appended by :meth:`append_local_ip_info` (no setter; the
+        list itself, as upstream)."""
+        return self._local_ip_info_list
 
     @property
     def remote_ip_info_list(self) -> list[tuple[int, int]]:
-        """``[(ip_int, port), ...]`` appended by :meth:`append_remote_ip_info` (a copy)."""
-        return list(self._remote_ip_info_list)
+        """``[(ip_int, port), ...]`` appended by :meth:`append_remote_ip_info` (no setter; the
+        list itself, as upstream)."""
+        return self._remote_ip_info_list
 
     def append_local_ip_info(self, ip: str | int, port: int) -> None:
         """Add a local address: ``ip`` an IPv4 string or a packed int, ``port`` uint16.
@@ -143,13 +147,13 @@ class LlmConfig:
         self._ge_options: dict[str, str] = {}
         self._device_id: int | list[int] | tuple[int, ...] | None = None
         self._sync_kv_timeout: int | str | None = None
-        self._deploy_res_path = ""
-        self._buf_pool_cfg = ""
-        self._mem_pool_cfg = ""
-        self._host_mem_pool_cfg = ""
+        self._deploy_res_path: str | None = ""
+        self._buf_pool_cfg: str | None = ""
+        self._mem_pool_cfg: str | None = ""
+        self._host_mem_pool_cfg: str | None = ""
         self._enable_cache_manager: bool | None = None
         self._enable_remote_cache_accessible: bool | None = None
-        self._listen_ip_info = ""
+        self._listen_ip_info: str | None = ""
         self._link_total_time: int | None = None
         self._link_retry_count: int | None = None
         self._rdma_traffic_class: int | None = None
@@ -157,7 +161,7 @@ class LlmConfig:
         self._local_comm_res: str | None = None
         self._transfer_backend: str | None = None
         self._global_resource_config: str | None = None
-        self._enable_switch_role = False
+        self._enable_switch_role: bool | None = False
         self._cluster_info = ""
         self._output_max_size: int | None = None
         self._mem_utilization: float = 0.95
@@ -177,6 +181,8 @@ class LlmConfig:
                 opts["ge.exec.deviceId"] = str(self._device_id)
                 opts["ge.session_device_id"] = str(self._device_id)
             else:
+                if not self._device_id:
+                    raise IndexError("device_id is an empty list: set at least one device id.")
                 opts["ge.session_device_id"] = str(self._device_id[0])
                 opts["ge.exec.deviceId"] = ";".join(str(d) for d in self._device_id)
         if self._sync_kv_timeout is not None:
@@ -185,7 +191,7 @@ class LlmConfig:
             opts["llm.deployResPath"] = self._deploy_res_path
         self._gen_cache_manager_options(opts)
         if self._cluster_info:
-            opts["llm.ClusterInfo"] = _convert_cluster_info(self._cluster_info)
+            opts["llm.ClusterInfo"] = self._cluster_info
         if self._output_max_size is not None:
             opts["llm.OutputMaxSize"] = str(self._output_max_size)
         if self._enable_switch_role:
@@ -251,15 +257,19 @@ class LlmConfig:
 
     @device_id.setter
     def device_id(self, value: int | list[int] | tuple[int, ...] | None) -> None:
+        # as upstream: every item's type first, then every sign (PARAM_INVALID), then every int32
+        # range (ValueError); None and an empty list pass the type checks (None then fails the
+        # sign comparison with TypeError, an empty list fails in generate_options)
         check_isinstance("device_id", value, (int, list, tuple))
-        if value is not None:
-            ids = [value] if isinstance(value, int) else list(value)
-            raise_if_false(len(ids) > 0, "device_id must not be an empty list.")
-            for dev in ids:
-                check_isinstance("device_id", dev, int, allow_none=False)
-                raise_if_false(dev >= 0, f"device_id must be >= 0, but got {dev}.")
-                if dev > INT32_MAX:
-                    raise ValueError(f"device_id must be in range of int32, but got {dev}.")
+        ids: list[Any] = list(value) if isinstance(value, (list, tuple)) else [value]
+        if isinstance(value, (list, tuple)):
+            check_inner("device_id", ids, int)
+        elif value is None:
+            raise TypeError("device_id only supports int, list or tuple, but got NoneType.")
+        for dev in ids:
+            raise_if_false(dev >= 0, f"device_id must be >= 0, but got {dev}.")
+        for dev in ids:
+            check_int32("device_id", dev)
         self._device_id = value
 
     @property
@@ -270,55 +280,54 @@ class LlmConfig:
 
     @sync_kv_timeout.setter
     def sync_kv_timeout(self, value: int | str) -> None:
-        check_isinstance("sync_kv_timeout", value, (int, str))
-        if value is not None:
-            if isinstance(value, str):
-                raise_if_false(value.isdigit() and value.isascii(),
-                               f"sync_kv_timeout must be digits, but got '{value}'.")
-            number = int(value)
-            raise_if_false(number > 0, f"sync_kv_timeout must be > 0, but got {value}.")
-            if number > INT32_MAX:
-                raise ValueError(f"sync_kv_timeout must be in range of int32, but got {value}.")
+        check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
+        if isinstance(value, str):
+            raise_if_false(value.isdigit() and value.isascii(),
+                           f"sync_kv_timeout must be digits, but got '{value}'.")
+        number = int(value)
+        raise_if_false(number > 0, f"sync_kv_timeout must be > 0, but got {value}.")
+        if number > INT32_MAX:
+            raise ValueError(f"sync_kv_timeout must be in range of int32, but got {value}.")
         self._sync_kv_timeout = value
 
     @property
-    def deploy_res_path(self) -> str:
+    def deploy_res_path(self) -> str | None:
         """``llm.deployResPath`` (emitted when non-empty)."""
         return self._deploy_res_path
 
     @deploy_res_path.setter
-    def deploy_res_path(self, value: str) -> None:
-        check_isinstance("deploy_res_path", value, str, allow_none=False)
+    def deploy_res_path(self, value: str | None) -> None:
+        check_isinstance("deploy_res_path", value, str)
         self._deploy_res_path = value
 
     @property
-    def buf_pool_cfg(self) -> str:
+    def buf_pool_cfg(self) -> str | None:
         """``llm.BufPoolCfg`` (emitted when non-empty)."""
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
-    def buf_pool_cfg(self, value: str) -> None:
-        check_isinstance("buf_pool_cfg", value, str, allow_none=False)
+    def buf_pool_cfg(self, value: str | None) -> None:
+        check_isinstance("buf_pool_cfg", value, str)
         self._buf_pool_cfg = value
 
     @property
-    def mem_pool_cfg(self) -> str:
+    def mem_pool_cfg(self) -> str | None:
         """``llm.MemPoolConfig`` JSON (not parsed here; emitted when non-empty)."""
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
-    def mem_pool_cfg(self, value: str) -> None:
-        check_isinstance("mem_pool_cfg", value, str, allow_none=False)
+    def mem_pool_cfg(self, value: str | None) -> None:
+        check_isinstance("mem_pool_cfg", value, str)
         self._mem_pool_cfg = value
 
     @property
-    def host_mem_pool_cfg(self) -> str:
+    def host_mem_pool_cfg(self) -> str | None:
         """``llm.HostMemPoolConfig`` JSON (emitted when non-empty)."""
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
-    def host_mem_pool_cfg(self, value: str) -> None:
-        check_isinstance("host_mem_pool_cfg", value, str, allow_none=False)
+    def host_mem_pool_cfg(self, value: str | None) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str)
         self._host_mem_pool_cfg = value
 
     @property
@@ -327,8 +336,8 @@ class LlmConfig:
         return bool(self._enable_cache_manager)
 
     @enable_cache_manager.setter
-    def enable_cache_manager(self, value: bool) -> None:
-        check_isinstance("enable_cache_manager", value, bool, allow_none=False)
+    def enable_cache_manager(self, value: bool | None) -> None:
+        check_isinstance("enable_cache_manager", value, bool)
         self._enable_cache_manager = value
 
     @property
@@ -337,19 +346,19 @@ class LlmConfig:
         return bool(self._enable_remote_cache_accessible)
 
     @enable_remote_cache_accessible.setter
-    def enable_remote_cache_accessible(self, value: bool) -> None:
-        check_isinstance("enable_remote_cache_accessible", value, bool, allow_none=False)
+    def enable_remote_cache_accessible(self, value: bool | None) -> None:
+        check_isinstance("enable_remote_cache_accessible", value, bool)
         self._enable_remote_cache_accessible = value
 
     @property
-    def listen_ip_info(self) -> str:
+    def listen_ip_info(self) -> str | None:
         """``"ip:port"`` the instance listens on; emitted as ``llm.listenIpInfo`` (lower-case l)
         when non-empty; parsed by ``init`` (PYPKG.md §2.2)."""
         return self._listen_ip_info
 
     @listen_ip_info.setter
-    def listen_ip_info(self, value: str) -> None:
-        check_isinstance("listen_ip_info", value, str, allow_none=False)
+    def listen_ip_info(self, value: str | None) -> None:
+        check_isinstance("listen_ip_info", value, str)
         self._listen_ip_info = value
 
     @property
@@ -404,8 +413,8 @@ class LlmConfig:
         return "" if self._local_comm_res is None else self._local_comm_res
 
     @local_comm_res.setter
-    def local_comm_res(self, value: str) -> None:
-        check_isinstance("local_comm_res", value, str, allow_none=False)
+    def local_comm_res(self, value: str | None) -> None:
+        check_isinstance("local_comm_res", value, str)
         self._local_comm_res = value
 
     @property
@@ -414,8 +423,8 @@ class LlmConfig:
         return "" if self._transfer_backend is None else self._transfer_backend
 
     @transfer_backend.setter
-    def transfer_backend(self, value: str) -> None:
-        check_isinstance("transfer_backend", value, str, allow_none=False)
+    def transfer_backend(self, value: str | None) -> None:
+        check_isinstance("transfer_backend", value, str)
         self._transfer_backend = value
 
     @property
@@ -424,30 +433,31 @@ class LlmConfig:
         return "" if self._global_resource_config is None else self._global_resource_config
 
     @global_resource_config.setter
-    def global_resource_config(self, value: str) -> None:
-        check_isinstance("global_resource_config", value, str, allow_none=False)
+    def global_resource_config(self, value: str | None) -> None:
+        check_isinstance("global_resource_config", value, str)
         self._global_resource_config = value
 
     @property
-    def enable_switch_role(self) -> bool:
+    def enable_switch_role(self) -> bool | None:
         """``llm.EnableSwitchRole`` = "1" emitted only while True."""
         return self._enable_switch_role
 
     @enable_switch_role.setter
-    def enable_switch_role(self, value: bool) -> None:
-        check_isinstance("enable_switch_role", value, bool, allow_none=False)
+    def enable_switch_role(self, value: bool | None) -> None:
+        check_isinstance("enable_switch_role", value, bool)
         self._enable_switch_role = value
 
     @property
     def cluster_info(self) -> str:
-        """Legacy cluster JSON; each ``listen_ip_info[].ip`` is emitted as a packed int in
-        ``llm.ClusterInfo``."""
+        """Legacy cluster JSON as set, with each ``listen_ip_info[].ip`` already converted to a
+        packed int (the setter parses it: bad JSON raises ``json.JSONDecodeError`` there);
+        emitted as ``llm.ClusterInfo``."""
         return self._cluster_info
 
     @cluster_info.setter
     def cluster_info(self, value: str) -> None:
         check_isinstance("cluster_info", value, str, allow_none=False)
-        self._cluster_info = value
+        self._cluster_info = _convert_cluster_info(value)
 
     @property
     def output_max_size(self) -> int | None:

@@ -127,28 +127,36 @@ class Status:
 
 def handle_llm_status(status: int, func_name: str, info: object) -> None:
     """Raise ``LLMException(code_2_status(status))`` unless ``status`` is success; the message is
-    ``"<func_name> failed, error code is LLMStatusCode.<NAME>, <info>."`` (PYPKG.md §5.5)."""
+    ``"<func_name> failed, error code is LLMStatusCode.<NAME>, <info>."`` (PYPKG.md §5.5).
+
+    As upstream, the failure is raised, not logged at ERROR (a caller may catch and retry it);
+    it is logged at DEBUG."""
     code = code_2_status(status)
     if code != LLMStatusCode.LLM_SUCCESS:
         message = f"{func_name} failed, error code is {code}, {info}."
-        logger.error(message)
+        logger.debug(message)
         raise LLMException(message, status_code=code)
 
 
-def raise_if_false(condition: bool, message: str,
-                   status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> None:
-    """Log ``message`` at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
-    false (PYPKG.md §1.1)."""
+def raise_if_false(condition: object, message: str, *args: object,
+                   status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID, **kwargs: object) -> None:
+    """Log the message at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
+    false (PYPKG.md §1.1).  As upstream, ``message`` is a ``str.format`` template for ``args`` /
+    ``kwargs`` (used as given when there are none)."""
     if not condition:
-        _fail(message, status_code)
+        _fail(_format(message, args, kwargs), status_code)
 
 
-def raise_if_true(condition: bool, message: str,
-                  status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> None:
-    """Log ``message`` at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
-    true (PYPKG.md §1.1)."""
+def raise_if_true(condition: object, message: str, *args: object,
+                  status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID, **kwargs: object) -> None:
+    """Log the message at ERROR and raise ``LLMException(status_code)`` when ``condition`` is
+    true (PYPKG.md §1.1); ``message`` as in :func:`raise_if_false`."""
     if condition:
-        _fail(message, status_code)
+        _fail(_format(message, args, kwargs), status_code)
+
+
+def _format(message: str, args: tuple[object, ...], kwargs: dict[str, object]) -> str:
+    return message.format(*args, **kwargs) if args or kwargs else message
 
 
 def _fail(message: str, status_code: LLMStatusCode) -> NoReturn:

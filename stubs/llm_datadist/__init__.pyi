@@ -3,3 +3,4 @@
 # kvdd.llm_datadist.toplevel.install(); the client-shaped harnesses in tests/llm_datadist/clients
 # are checked against it.
 from kvdd.llm_datadist import *
+from kvdd.llm_datadist import v2_list as v2_list

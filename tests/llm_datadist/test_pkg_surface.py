@@ -190,7 +190,7 @@ def test_raise_if_helpers_and_status() -> None:
         raise_if_false(False, "m")
     assert exc.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
     with pytest.raises(LLMException) as exc:
-        raise_if_true(True, "m", LLMStatusCode.LLM_TIMEOUT)
+        raise_if_true(True, "m", status_code=LLMStatusCode.LLM_TIMEOUT)
     assert exc.value.status_code is LLMStatusCode.LLM_TIMEOUT
     assert Status(LLMStatusCode.LLM_SUCCESS).is_ok()
     assert not Status(LLMStatusCode.LLM_FAILED).is_ok()

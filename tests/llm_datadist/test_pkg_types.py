@@ -159,10 +159,11 @@ def test_mem_info_checks_types_only() -> None:
 
 
 def test_check_layer_range() -> None:
-    check_layer_range(None)
-    check_layer_range(range(0, 1))
-    for bad in (range(0), range(2, 2), range(0, 4, 2), range(-1, 2), range(3, 1), [0, 1]):
-        assert raised(lambda: check_layer_range(bad)) is PI  # type: ignore[arg-type]
+    check_layer_range("r", None)
+    check_layer_range("r", range(0, 1))
+    for bad in (range(0), range(2, 2), range(0, 4, 2), range(-1, 2), range(3, 1)):
+        assert raised(lambda: check_layer_range("r", bad)) is PI
+    assert raised(lambda: check_layer_range("r", [0, 1])) is TypeError  # type: ignore[arg-type]
 
 
 def test_transfer_config() -> None:

@@ -125,7 +125,7 @@ def test_numpy_dtype_maps_are_reachable() -> None:
 
     assert dtype_to_np_dtype[DataType.DT_BF16] == np.float16  # BF16 has no numpy type
     assert np_dtype_to_dtype[np.dtype(np.float16)] is DataType.DT_FLOAT16  # BF16 is not the inverse
-    assert len(valid_np_dtypes) == len(set(dtype_to_np_dtype.values()))
+    assert valid_np_dtypes == list(dtype_to_np_dtype.values())  # float16 twice (FLOAT16, BF16)
     assert DataType.DT_BF16 not in np_dtype_to_dtype.values()
 
 

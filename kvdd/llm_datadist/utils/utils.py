@@ -57,11 +57,12 @@ def _type_names(types: type | tuple[type, ...] | list[type]) -> str:
 
 
 def check_isinstance(name: str, value: Any, types: type | tuple[type, ...] | list[type],
-                     allow_none: bool = True, extra_fmt: str = "",
-                     inner_class: type | tuple[type, ...] | None = None) -> Any:
+                     inner_class: type | tuple[type, ...] | None = None, extra_fmt: str = "",
+                     allow_none: bool = True) -> Any:
     """``TypeError`` unless ``value`` is an instance of ``types`` (a class, or a tuple or list of
     classes), or None when allowed; with ``inner_class``, every item must be one too.  Returns
-    ``value``."""
+    ``value``.  Positional parameters in upstream's order (name, value, classes, inner_class,
+    extra_fmt, allow_none)."""
     if value is None and allow_none:
         return value
     if not isinstance(value, _as_types(types)):
@@ -86,7 +87,7 @@ def check_inner(name: str, values: Any, item_types: type | tuple[type, ...] | li
 def check_int_range(name: str, value: Any, low: int, high: int, type_name: str,
                     allow_none: bool = False) -> None:
     """``TypeError`` unless ``value`` is an int; ``ValueError`` unless ``low <= value <= high``."""
-    check_isinstance(name, value, int, allow_none)
+    check_isinstance(name, value, int, allow_none=allow_none)
     if value is None:
         return
     if not low <= value <= high:
@@ -121,7 +122,7 @@ def check_int64(name: str, value: Any, allow_none: bool = False) -> None:
 def check_list_of(name: str, value: Any, item_types: type | tuple[type, ...],
                   container: type | tuple[type, ...] = (list, tuple), allow_none: bool = False) -> None:
     """``TypeError`` unless ``value`` is a ``container`` whose items are all ``item_types``."""
-    check_isinstance(name, value, container, allow_none)
+    check_isinstance(name, value, container, allow_none=allow_none)
     if value is not None:
         check_inner(name, value, item_types)
 
@@ -131,7 +132,7 @@ def check_dict(name: str, value: Any, key_types: type | tuple[type, ...] | list[
                inner_types: type | tuple[type, ...] | list[type] | None = None, allow_none: bool = False) -> None:
     """``TypeError`` unless ``value`` is a dict with keys ``key_types`` and values
     ``value_types`` (and, with ``inner_types``, every item of every value of that type)."""
-    check_isinstance(name, value, dict, allow_none)
+    check_isinstance(name, value, dict, allow_none=allow_none)
     if value is None:
         return
     for k, v in value.items():
@@ -150,10 +151,9 @@ def check_uint8(name: str, value: Any, allow_none: bool = False) -> None:
 
 
 def _check_list_range(name: str, values: Any, low: int, high: int, type_name: str) -> None:
-    check_list_of(name, values, int)
+    # item by item, type and range together, over any iterable (as upstream)
     for i, v in enumerate(values):
-        if not low <= v <= high:
-            raise ValueError(f"{name}[{i}] must be in range of {type_name} [{low}, {high}], but got {v}.")
+        check_int_range(f"{name}[{i}]", v, low, high, type_name)
 
 
 def check_list_int32(name: str, values: Any) -> None:

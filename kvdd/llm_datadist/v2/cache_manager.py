@@ -64,7 +64,7 @@ class CacheManager(LocalCopies):
     ``LLMDataDist.cache_manager``."""
 
     def __init__(self, wrapper: Wrapper, engine_options: Mapping[str, str]) -> None:
-        self._wrapper = wrapper
+        self._llm_datadist = wrapper
         self._enabled_mem_pool = bool(engine_options.get("llm.MemPoolConfig"))
         self._enable_host_mem_pool = bool(engine_options.get("llm.HostMemPoolConfig"))
         self._enable_remote_cache_accessible = engine_options.get("llm.EnableRemoteCacheAccessible") == "1"
@@ -84,7 +84,7 @@ class CacheManager(LocalCopies):
         # ``info`` may be a zero-argument callable, so hot paths format nothing on success
         if status != 0:
             text = info() if callable(info) else info
-            handle_llm_status(status, func, with_detail(self._wrapper, str(text)))
+            handle_llm_status(status, func, with_detail(self._llm_datadist, str(text)))
 
     # -- registration (§4.1, §4.2) -------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class CacheManager(LocalCopies):
                        f"len(addrs)={len(addrs)} != num_tensors={cache_desc.num_tensors}.")
         raise_if_false(all(a != 0 for a in addrs), "addrs must not contain 0.")
         ra = self._get_remote_accessible(cache_desc, remote_accessible)
-        status, (cache_id, tensor_addrs) = self._wrapper.register_cache(
+        status, (cache_id, tensor_addrs) = self._llm_datadist.register_cache(
             pack_cache_desc(cache_desc), pack_uint64_list("addrs", addrs),
             [pack_cache_key(k) for k in cache_keys], ra)
         self._check(status, "register_cache", f"cache_desc={cache_desc!r}")
@@ -177,7 +177,7 @@ class CacheManager(LocalCopies):
         cache_desc._is_blocks = True
         ra = self._get_remote_accessible(cache_desc, remote_accessible)
         keys = [] if blocks_cache_key is None else [pack_cache_key(blocks_cache_key)]
-        status, (cache_id, tensor_addrs) = self._wrapper.register_cache(
+        status, (cache_id, tensor_addrs) = self._llm_datadist.register_cache(
             pack_cache_desc(cache_desc), pack_uint64_list("addrs", addrs), keys, ra)
         self._check(status, "register_blocks_cache", f"cache_desc={cache_desc!r}")
         self._note_registered(cache_id, cache_desc, addrs)
@@ -188,26 +188,28 @@ class CacheManager(LocalCopies):
         """Forget a registered cache and the keys still pointing to it (unknown ids succeed;
         CANN ``unregister_cache``, PYPKG.md §4.2). ``TypeError`` / ``ValueError`` (int64)."""
         check_int64("cache_id", cache_id)
-        self._check(self._wrapper.unregister_cache(cache_id), "unregister_cache", f"cache_id={cache_id}")
+        self._check(self._llm_datadist.unregister_cache(cache_id), "unregister_cache", f"cache_id={cache_id}")
         self._limits.unregistered(cache_id)
 
     # -- pool-backed allocation (§4.3) ---------------------------------------------------------
 
     def _check_allocate(self, cache_desc: CacheDesc) -> None:
         raise_if_false(cache_desc.num_tensors > 0, "num_tensors must be > 0.")
-        if self._enabled_mem_pool or self._enable_host_mem_pool:
-            pool = (self._enabled_mem_pool if cache_desc.placement == Placement.DEVICE
-                    else self._enable_host_mem_pool)
-            raise_if_false(pool, f"no memory pool is configured for placement {cache_desc.placement!r}.")
+        # upstream's Python refuses before the engine when no pool matches the placement, so
+        # the engine's FEATURE_NOT_ENABLED (no pool at all) is not reached through the package
+        pool = (self._enabled_mem_pool if cache_desc.placement == Placement.DEVICE
+                else self._enable_host_mem_pool)
+        raise_if_false(pool, f"no memory pool is configured for placement {cache_desc.placement!r} "
+                             "(llm.MemPoolConfig for DEVICE, llm.HostMemPoolConfig for HOST).")
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: list[CacheKey] | tuple[CacheKey, ...] = ()) -> Cache:
         """Allocate a cache from the memory pool (needs ``llm.MemPoolConfig`` /
-        ``llm.HostMemPoolConfig``; else LLM_FEATURE_NOT_ENABLED) (PYPKG.md §4.3)."""
+        ``llm.HostMemPoolConfig`` matching the placement; else LLM_PARAM_INVALID) (PYPKG.md §4.3)."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_list_of("cache_keys", cache_keys, CacheKey)
         self._check_allocate(cache_desc)
-        status, (cache_id, addrs) = self._wrapper.allocate_cache_v2(
+        status, (cache_id, addrs) = self._llm_datadist.allocate_cache_v2(
             pack_cache_desc(cache_desc), [pack_cache_key(k) for k in cache_keys])
         self._check(status, "allocate_cache", f"cache_desc={cache_desc!r}")
         return Cache(cache_id, cache_desc, list(addrs[0]) if addrs else [], self, False, False)
@@ -220,13 +222,14 @@ class CacheManager(LocalCopies):
         self._check_allocate(cache_desc)
         cache_desc._is_blocks = True
         keys = [] if blocks_cache_key is None else [pack_cache_key(blocks_cache_key)]
-        status, (cache_id, addrs) = self._wrapper.allocate_cache_v2(pack_cache_desc(cache_desc), keys)
+        status, (cache_id, addrs) = self._llm_datadist.allocate_cache_v2(pack_cache_desc(cache_desc), keys)
         self._check(status, "allocate_blocks_cache", f"cache_desc={cache_desc!r}")
         return Cache(cache_id, cache_desc, list(addrs[0]) if addrs else [], self, False, True)
 
     def _deallocate(self, cache: Cache, func: str) -> None:
-        self._check(self._wrapper.deallocate_cache_v2(cache.cache_id), func, f"cache_id={cache.cache_id}")
+        self._check(self._llm_datadist.deallocate_cache_v2(cache.cache_id), func, f"cache_id={cache.cache_id}")
         cache._tensor_addrs = []
+        cache._valid = False
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Release an allocated (not blocks) cache; a registered one is left alone (§4.3)."""
@@ -243,7 +246,7 @@ class CacheManager(LocalCopies):
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Drop a key of an allocated cache (unknown keys succeed; §4.3)."""
         check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
-        self._check(self._wrapper.remove_cache_key_v2(pack_cache_key(cache_key)),
+        self._check(self._llm_datadist.remove_cache_key_v2(pack_cache_key(cache_key)),
                     "remove_cache_key", f"cache_key={cache_key!r}")
 
     @staticmethod
@@ -288,7 +291,7 @@ class CacheManager(LocalCopies):
         _check_tensor_num_per_layer(t)
         check_cache_key_ids(cache_key)
         src_idx, dst_idx = layer_range_to_tensor_indices(src_range, dst_range, t)
-        status = self._wrapper.pull_cache_v2(
+        status = self._llm_datadist.pull_cache_v2(
             cache.cache_id, pack_cache_key(cache_key), (size, batch_index, [], [], src_idx, dst_idx, -1, -1, t))
         self._check(status, "pull_cache", lambda: f"cache_key={cache_key!r}, cache_id={cache.cache_id}")
 
@@ -331,15 +334,15 @@ class CacheManager(LocalCopies):
         src_idx, dst_idx = layer_range_to_tensor_indices(src_range, dst_range, t)
         param = (-1, 0, pack_uint64_list("src_blocks", src_blocks),
                  pack_uint64_list("dst_blocks", dst_blocks), src_idx, dst_idx, -1, -1, t)
-        status = self._wrapper.pull_cache_v2(dst_cache.cache_id, pack_cache_key(src_cache_key), param)
+        status = self._llm_datadist.pull_cache_v2(dst_cache.cache_id, pack_cache_key(src_cache_key), param)
         self._check(status, "pull_blocks", lambda: f"cache_key={src_cache_key!r}, cache_id={dst_cache.cache_id}")
 
     # -- pushes (§4.8) -------------------------------------------------------------------------
 
     def _push_layers(self, src_cache: Cache, src_layer_range: Any, dst_layer_range: Any,
                      t: int) -> list[tuple[int, int]]:
-        check_layer_range(src_layer_range, "src_layer_range")
-        check_layer_range(dst_layer_range, "dst_layer_range")
+        check_layer_range("src_layer_range", src_layer_range)
+        check_layer_range("dst_layer_range", dst_layer_range)
         default = range(0, src_cache.cache_desc.num_tensors // t)
         src = default if src_layer_range is None else src_layer_range
         dst = default if dst_layer_range is None else dst_layer_range
@@ -352,7 +355,7 @@ class CacheManager(LocalCopies):
         task_id = transfer.next_task_id()
         for ls, ld in layers:
             layer_cfg: TransferCfgTuple = (cfg[0], cfg[1], ls, cfg[3], cfg[4], cfg[5], cfg[6], cfg[7], ld, cfg[9])
-            status = self._wrapper.transfer_cache_v2(task_id, layer_cfg, block_cfg)
+            status = self._llm_datadist.transfer_cache_v2(task_id, layer_cfg, block_cfg)
             self._check(status, func, f"src layer {ls} -> dst layer {ld}")
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
@@ -377,16 +380,17 @@ class CacheManager(LocalCopies):
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         check_uint32("src_batch_index", src_batch_index)
         raise_if_false(not src_cache.is_blocks_cache, "push_cache cannot push from a blocks cache.")
-        check_int64("size", size)
-        raise_if_false(size == -1, f"push_cache supports only size=-1, but got {size}.")
         _check_tensor_num_per_layer(tensor_num_per_layer)
         layers = self._push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        check_int64("size", size)  # after the layer arguments, as upstream
+        raise_if_false(size == -1, f"push_cache supports only size=-1, but got {size}.")
         cfg: TransferCfgTuple = (src_cache.cache_id, src_batch_index, 0, [], dst_cache_key.cluster_id,
                                  dst_cache_key.cache_id, dst_cache_key.batch_index, 2, 0, tensor_num_per_layer)
         self._push("push_cache", layers, cfg, (0, [], []))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                    src_blocks: list[int] | tuple[int, ...] = (), dst_blocks: list[int] | tuple[int, ...] = (),
+                    src_blocks: list[int] | tuple[int, ...] | None = (),
+                    dst_blocks: list[int] | tuple[int, ...] = (),
                     src_layer_range: range | None = None, dst_layer_range: range | None = None,
                     tensor_num_per_layer: int = 2) -> None:
         """Write blocks of ``src_cache`` into a peer's blocks cache named by ``model_id``, one
@@ -404,7 +408,7 @@ class CacheManager(LocalCopies):
         raise_if_false(self._enable_remote_cache_accessible, "push_blocks needs remote-accessible mode.")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-        check_list_of("src_blocks", src_blocks, int)
+        check_list_of("src_blocks", src_blocks, int, allow_none=True)  # None is sent as []
         check_list_of("dst_blocks", dst_blocks, int)
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache as source.")
         raise_if_false(len(dst_blocks) > 0, "dst_blocks must not be empty.")
@@ -412,7 +416,8 @@ class CacheManager(LocalCopies):
         layers = self._push_layers(src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         key = pack_cache_key(dst_cache_key)
         cfg: TransferCfgTuple = (src_cache.cache_id, 0, 0, [], key[0], key[5], 0, 1, 0, tensor_num_per_layer)
-        block_cfg = (0, pack_uint64_list("src_blocks", src_blocks), pack_uint64_list("dst_blocks", dst_blocks))
+        block_cfg = (0, pack_uint64_list("src_blocks", src_blocks or []),
+                     pack_uint64_list("dst_blocks", dst_blocks))
         self._push("push_blocks", layers, cfg, block_cfg)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
@@ -429,6 +434,6 @@ class CacheManager(LocalCopies):
         CacheTask
             ``synchronize()`` / ``get_results()``.
         """
-        return transfer.transfer_cache_async(self._wrapper, self._enable_remote_cache_accessible,
+        return transfer.transfer_cache_async(self._llm_datadist, self._enable_remote_cache_accessible,
                                              src_cache, layer_synchronizer, transfer_configs,
                                              src_block_indices, dst_block_indices, dst_block_memory_size)

@@ -90,7 +90,7 @@ class LLMDataDist:
         self._engine_options: dict[str, str] = {}
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None  # legacy mode only; never set by kvdd
-        self._wrapper: Wrapper | None = None
+        self._llm_datadist: Wrapper | None = None
 
     # -- lifecycle (§3.1, §3.2) ----------------------------------------------------------------
 
@@ -124,7 +124,7 @@ class LLMDataDist:
         status = wrapper.initialize_v2(self._cluster_id, derived)
         if status != 0:
             handle_llm_status(status, "init", _engine.with_detail(wrapper, f"options={options}"))
-        self._wrapper = wrapper
+        self._llm_datadist = wrapper
         self._engine_options = derived
         self._cache_manager = CacheManager(wrapper, derived)
         self._is_initialized = True
@@ -159,7 +159,8 @@ class LLMDataDist:
                            "llm.TransferBackend needs llm.EnableRemoteCacheAccessible=1.")
             raise_if_false("llm.listenIpInfo" in derived, "llm.TransferBackend needs llm.listenIpInfo.")
         if self._enable_cache_mgr and "llm.listenIpInfo" in derived:
-            derived["llm.ListenIp"], derived["llm.ListenPort"] = parse_listen_ip_info(derived["llm.listenIpInfo"])
+            ip, port = parse_listen_ip_info(derived["llm.listenIpInfo"])
+            derived["llm.ListenIp"], derived["llm.ListenPort"] = ip, str(port)
         return derived
 
     def finalize(self) -> None:
@@ -167,8 +168,8 @@ class LLMDataDist:
         A later :meth:`init` starts a fresh engine (ids restart at 1) (PYPKG.md §3.2)."""
         if not self._is_initialized:
             return
-        if self._wrapper is not None:
-            self._wrapper.finalize_v2()
+        if self._llm_datadist is not None:
+            self._llm_datadist.finalize_v2()
         if self._cache_manager is not None:
             self._cache_manager._initialized = False
         self._is_initialized = False
@@ -180,7 +181,7 @@ class LLMDataDist:
     def _check_initialized(self) -> Wrapper:
         if not self._is_initialized:
             raise RuntimeError("llm datadist is not initialized")
-        return self._wrapper if self._wrapper is not None else llm_datadist_wrapper
+        return self._llm_datadist if self._llm_datadist is not None else llm_datadist_wrapper
 
     @staticmethod
     def _role_to_str(role: LLMRole) -> str:
@@ -220,7 +221,7 @@ class LLMDataDist:
             Types; a key not uint64 or a rank not uint32.
         LLMException
             LLM_PARAM_INVALID: empty or >= 128-character name, fewer than 2 or more than 4
-            members, ranks not ascending; engine statuses (own cluster id absent, LINK_FAILED...).
+            members, ranks out of order (equal ranks pass); engine statuses (own cluster id absent, LINK_FAILED...).
         """
         wrapper = self._check_initialized()
         self._check_is_cache_mgr_mode("link")
@@ -234,11 +235,13 @@ class LLMDataDist:
         for cluster_id, rank in cluster_rank_info.items():
             check_uint64("cluster_rank_info key", cluster_id)
             check_uint32("cluster_rank_info value", rank)
-        check_isinstance("rank_table", rank_table, str, allow_none=False)
+        check_isinstance("rank_table", rank_table, str)  # None passes here, as upstream
         raise_if_false(len(cluster_rank_info) >= 2, "cluster_rank_info needs at least 2 entries.")
         ranks = list(cluster_rank_info.values())
-        raise_if_false(all(a < b for a, b in zip(ranks, ranks[1:])),
-                       f"cluster_rank_info ranks must be ascending, but got {ranks}.")
+        raise_if_false(ranks == sorted(ranks),
+                       f"cluster_rank_info ranks must be in ascending order, but got {ranks}.")
+        if rank_table is None:  # what the native binding does with None for a std::string
+            raise TypeError("rank_table only supports str, but got NoneType.")
         status, comm_id = wrapper.link(comm_name, list(cluster_rank_info.items()), rank_table)
         self._raise(wrapper, status, "link", f"comm_name={comm_name}")
         assert self._cache_manager is not None
@@ -301,11 +304,11 @@ class LLMDataDist:
         return code_2_status(status), [code_2_status(r) for r in rets]
 
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
-                        timeout: int = 3000, force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+                        timeout: int = 3000, force: bool | None = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink peers on this side (CANN ``unlink_clusters``, PYPKG.md §3.4); ``force`` cleans
         up without the peer. Returns ``(overall, [per cluster])`` like :meth:`link_clusters`."""
         wrapper = self._check_clusters(clusters, timeout)
-        check_isinstance("force", force, bool, allow_none=False)
+        check_isinstance("force", force, bool)  # None passes, and the engine takes it as False
         if not self._enable_cache_mgr:
             raise _legacy_missing("unlink_clusters in legacy mode")
         tuples: list[ClusterTuple] = []
@@ -313,7 +316,7 @@ class LLMDataDist:
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             assert cluster.remote_cluster_id is not None
             tuples.append((cluster.remote_cluster_id, 0, [], _native_ips(cluster.remote_ip_info_list)))
-        status, rets = wrapper.unlink_clusters_v2(tuples, timeout, force)
+        status, rets = wrapper.unlink_clusters_v2(tuples, timeout, bool(force))
         return code_2_status(status), [code_2_status(r) for r in rets]
 
     # -- role (§3.5) ---------------------------------------------------------------------------
@@ -322,20 +325,24 @@ class LLMDataDist:
         """Change the role; ``llm.listenIpInfo`` in ``switch_options`` (re)starts the listener,
         no listen address stops it (CANN ``switch_role``, PYPKG.md §3.5).
 
-        Raises ``RuntimeError`` (not initialized), ``TypeError``, ``ValueError`` (port), and the
+        Raises ``RuntimeError`` (not initialized), ``TypeError``, ``KeyError`` (role None, as upstream),
+        ``ValueError`` (port), and the
         engine's status (LLM_EXIST_LINK while links exist)."""
         wrapper = self._check_initialized()
-        check_isinstance("role", role, LLMRole, allow_none=False)
-        check_isinstance("switch_options", switch_options, dict)
-        options = dict(switch_options or {})
+        check_isinstance("role", role, LLMRole)  # None passes, as upstream ...
         if not self._enable_cache_mgr:  # legacy mode's Python rules (PYPKG.md §3.5)
             raise_if_false(role != self._role, f"the role is already {role}.")
+        role_name = self._role_to_str(role)  # ... and fails here with KeyError
+        check_isinstance("switch_options", switch_options, dict)
+        options = dict(switch_options or {})
+        if not self._enable_cache_mgr:
             raise_if_false(role != LLMRole.PROMPT or "llm.listenIpInfo" in options,
                            "switching to PROMPT needs llm.listenIpInfo.")
             raise _legacy_missing("switch_role in legacy mode")
         if "llm.listenIpInfo" in options:
-            options["llm.ListenIp"], options["llm.ListenPort"] = parse_listen_ip_info(options["llm.listenIpInfo"])
-        self._raise(wrapper, wrapper.switch_role_v2(self._role_to_str(role), options), "switch_role",
+            ip, port = parse_listen_ip_info(options["llm.listenIpInfo"])
+            options["llm.ListenIp"], options["llm.ListenPort"] = ip, str(port)
+        self._raise(wrapper, wrapper.switch_role_v2(role_name, options), "switch_role",
                     f"role={role}")
         self._role = role
 

@@ -19,17 +19,22 @@ _ORDINALS = ("first", "second", "third", "fourth")
 
 
 def _collect(cls_name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-             positional: tuple[str, ...], max_args: int) -> dict[str, Any]:
+             positional: tuple[str, ...], max_args: int, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    # upstream's order: the count, the positional arguments (overwriting keywords of the same
+    # name), the cluster id and the other required names, then unknown keywords
     raise_if_false(len(args) + len(kwargs) <= max_args,
                    f"{cls_name} takes at most {max_args} arguments, "
                    f"but got {len(args) + len(kwargs)}.")
     raise_if_false(len(args) <= len(positional),
                    f"{cls_name} takes at most {len(positional)} positional arguments.")
-    given: dict[str, Any] = dict(zip(positional, args))
+    given = {**kwargs, **dict(zip(positional, args))}
+    raise_if_false("cluster_id" in given or "prompt_cluster_id" in given,
+                   f"{cls_name}: cluster_id is required (prompt_cluster_id is its alias).")
+    for name in required:
+        raise_if_false(name in given, f"{cls_name}: {name} is required.")
     allowed = set(positional) | {"prompt_cluster_id"}
-    for key, value in kwargs.items():
+    for key in given:
         raise_if_false(key in allowed, f"Unsupported param '{key}' for {cls_name}.")
-        given[key] = value
     return given
 
 
@@ -51,12 +56,8 @@ class BlocksCacheKey:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = _collect("BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"), 2)
-        if "cluster_id" in given:
-            spelling, cluster_id = "cluster_id", given["cluster_id"]
-        elif "prompt_cluster_id" in given:
-            spelling, cluster_id = "prompt_cluster_id", given["prompt_cluster_id"]
-        else:
-            raise_if_false(False, "BlocksCacheKey: cluster_id is required (prompt_cluster_id is its alias).")
+        spelling = "cluster_id" if "cluster_id" in given else "prompt_cluster_id"
+        cluster_id = given[spelling]
         model_id = given.get("model_id", 0)
         _check_int("BlocksCacheKey", 0, spelling, cluster_id)
         _check_int("BlocksCacheKey", 1, "model_id", model_id)
@@ -93,14 +94,10 @@ class CacheKey:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = _collect("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"), 4)
-        if "cluster_id" in given:
-            spelling, cluster_id = "cluster_id", given["cluster_id"]
-        elif "prompt_cluster_id" in given:
-            spelling, cluster_id = "prompt_cluster_id", given["prompt_cluster_id"]
-        else:
-            raise_if_false(False, "CacheKey: cluster_id is required (prompt_cluster_id is its alias).")
-        raise_if_false("req_id" in given, "CacheKey: req_id is required.")
+        given = _collect("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"), 4,
+                         required=("req_id",))
+        spelling = "cluster_id" if "cluster_id" in given else "prompt_cluster_id"
+        cluster_id = given[spelling]
         req_id = given["req_id"]
         model_id = given.get("model_id", 0)
         prefix_id = given.get("prefix_id", INVALID_ID)
@@ -140,8 +137,8 @@ class CacheKey:
         return self._prefix_id
 
     def __repr__(self) -> str:
-        return (f"CacheKey({self._spelling}={self._cluster_id}, req_id={self._req_id}, "
-                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+        return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
+                f"prefix_id={self._prefix_id}, model_id={self._model_id})")
 
 
 class CacheKeyByIdAndIndex:

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
-from .. import _engine
+from .. import llm_datadist_wrapper as _native_module
 from ..data_type import DataType
 from ..status import LLMException, LLMStatusCode, raise_if_false
 from ..utils.utils import (
@@ -212,7 +212,7 @@ class CacheDesc:
         Raises ``LLMException`` (status LLM_SUCCESS, as upstream) when the engine cannot size it
         (a dim <= 0, overflow, an unsupported data type)."""
         if self._size is None:
-            size = _engine.wrapper().calc_tensor_size(list(self._shape), self._data_type.value)
+            size = _native_module.calc_tensor_size(list(self._shape), self._data_type.value)
             if size < 0:
                 raise LLMException(f"failed to calculate the tensor size of {self!r}")
             self._size = size
@@ -285,6 +285,8 @@ class Cache:
         return (f"Cache(cache_id = {self._cache_id}, device_tensor_addrs = {len(self._tensor_addrs)}, "
                 f"is_blocks_cache = {self._is_blocks_cache})")
 
+    __repr__ = __str__
+
 
 class KvCache:
     """The legacy (``KvCacheManager``) cache type (PYPKG.md §5.2); kvdd has no legacy engine, so
@@ -315,25 +317,44 @@ class KvCache:
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int] | list[list[int]]) -> KvCache:
-        """A HOST view from flat or nested address lists."""
+        """A HOST view from a flat list (one device) or a list of per-device lists, checked in
+        upstream's order: placement HOST, ``addrs`` a non-empty list, every item an int or a
+        list of int of ``num_tensors`` items, all items of one kind, a flat list of
+        ``num_tensors`` items (``TypeError`` / LLM_PARAM_INVALID)."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        check_isinstance("addrs", addrs, list, allow_none=False)
-        nested: list[list[int]] = []
-        if addrs and all(isinstance(a, list) for a in addrs):
-            nested = [list(a) for a in addrs]  # type: ignore[arg-type]
-        else:
-            check_list_of("addrs", addrs, int, list)
-            nested = [list(addrs)]  # type: ignore[arg-type]
         raise_if_false(cache_desc.placement == Placement.HOST, "cpu cache placement must be HOST.")
-        return cls(-1, cache_desc, nested)
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        raise_if_false(len(addrs) > 0, "addrs must not be empty.")
+        kind: type = type(addrs[0])
+        for item in addrs:
+            check_isinstance("the item of addrs", item, (list, int), allow_none=False)
+            if isinstance(item, list):
+                check_isinstance("the item of addrs", item, list, inner_class=int)
+                raise_if_false(len(item) == cache_desc.num_tensors,
+                               f"an item of addrs holds {len(item)} addresses, not num_tensors="
+                               f"{cache_desc.num_tensors}.")
+            raise_if_false(isinstance(item, kind), "the items of addrs must all be ints or all lists.")
+            kind = type(item)
+        if kind is int:
+            raise_if_false(len(addrs) == cache_desc.num_tensors,
+                           f"len(addrs)={len(addrs)} != num_tensors={cache_desc.num_tensors}.")
+            return cls(-1, cache_desc, [list(addrs)])  # type: ignore[arg-type]
+        return cls(-1, cache_desc, [list(a) for a in addrs if isinstance(a, list)])
+
+    def __str__(self) -> str:
+        return f"KvCache(cache_id = {self._cache_id}, num_devices = {len(self._per_device_tensor_addrs)})"
+
+    __repr__ = __str__
 
 
-def check_layer_range(layer_range: range | None, name: str = "layer_range") -> None:
-    """A push / async-transfer layer range: None, or a ``range`` with step 1 and
-    ``0 <= start < stop`` (else LLM_PARAM_INVALID; PYPKG.md §4.8)."""
-    if layer_range is None:
+def check_layer_range(name: str, layer_range: range | None, allow_none: bool = True) -> None:
+    """A push / async-transfer layer range (upstream's signature): None when allowed, else a
+    ``range`` (``TypeError``) with step 1 and ``0 <= start < stop`` (else LLM_PARAM_INVALID;
+    PYPKG.md §4.8)."""
+    if allow_none and layer_range is None:
         return
-    raise_if_false(isinstance(layer_range, range), f"{name} must be a range, but got {layer_range!r}.")
+    check_isinstance(name, layer_range, range, allow_none=False)
+    assert layer_range is not None
     raise_if_false(layer_range.step == 1, f"{name} step must be 1, but got {layer_range!r}.")
     raise_if_false(0 <= layer_range.start < layer_range.stop,
                    f"{name} must satisfy 0 <= start < stop, but got {layer_range!r}.")
@@ -390,7 +411,7 @@ class TransferConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "src_layer_range")
+        check_layer_range("src_layer_range", value)
         self._src_layer_range = value
 
     @property
@@ -402,6 +423,10 @@ class TransferConfig:
     def src_batch_index(self, value: int) -> None:
         check_uint32("src_batch_index", value)
         self._src_batch_index = value
+
+    def __repr__(self) -> str:
+        return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id}, dst_addrs={self._dst_addrs}, "
+                f"src_layer_range={self._src_layer_range}, src_batch_index={self._src_batch_index})")
 
 
 class TransferWithCacheKeyConfig:
@@ -416,10 +441,11 @@ class TransferWithCacheKeyConfig:
                  src_layer_range: range | None = None, dst_layer_range: range | None = None,
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
+        # each range fully (type, step, bounds) in turn, as upstream
         check_isinstance("src_layer_range", src_layer_range, range, allow_none=False)
+        check_layer_range("src_layer_range", src_layer_range)
         check_isinstance("dst_layer_range", dst_layer_range, range, allow_none=False)
-        check_layer_range(src_layer_range, "src_layer_range")
-        check_layer_range(dst_layer_range, "dst_layer_range")
+        check_layer_range("dst_layer_range", dst_layer_range)
         assert src_layer_range is not None and dst_layer_range is not None
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        "src_layer_range and dst_layer_range must have the same length.")
@@ -449,7 +475,7 @@ class TransferWithCacheKeyConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "src_layer_range")
+        check_layer_range("src_layer_range", value)
         self._src_layer_range = value
 
     @property
@@ -459,7 +485,7 @@ class TransferWithCacheKeyConfig:
 
     @dst_layer_range.setter
     def dst_layer_range(self, value: range | None) -> None:
-        check_layer_range(value, "dst_layer_range")
+        check_layer_range("dst_layer_range", value)
         self._dst_layer_range = value
 
     @property
@@ -469,8 +495,15 @@ class TransferWithCacheKeyConfig:
 
     @src_batch_index.setter
     def src_batch_index(self, value: int) -> None:
+        raise_if_false(not (isinstance(self._cache_key, BlocksCacheKey) and value != 0),
+                       "src_batch_index must be 0 for a BlocksCacheKey.")
         check_uint32("src_batch_index", value)
         self._src_batch_index = value
+
+    def __repr__(self) -> str:
+        return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key!r}, "
+                f"src_layer_range={self._src_layer_range}, dst_layer_range={self._dst_layer_range}, "
+                f"src_batch_index={self._src_batch_index})")
 
 
 class CacheTask:

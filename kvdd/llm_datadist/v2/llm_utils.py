@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._seam import CacheDescTuple, CacheKeyTuple
+from .._seam import CacheDescTuple, CacheKeyTuple, MemInfoTuple
 from ..status import raise_if_false
 from ..utils.utils import UINT32_MAX, UINT64_MAX, check_isinstance
 from .llm_keys import INVALID_ID, BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
-from .llm_types import CacheDesc
+from .llm_types import CacheDesc, MemInfo
 
 __all__ = [
     "pack_cache_desc",
@@ -21,6 +21,10 @@ __all__ = [
     "parse_listen_ip_info",
     "check_cache_key_ids",
     "is_valid_id",
+    "is_invalid_id",
+    "pack_cache_key_by_id",
+    "pack_block_cache_key",
+    "pack_mem_info",
 ]
 
 
@@ -63,6 +67,26 @@ def is_valid_id(value: int) -> bool:
     return 0 <= value < INVALID_ID
 
 
+def is_invalid_id(value: int) -> bool:
+    """Negative or 2**64 - 1 (upstream's test; the opposite of :func:`is_valid_id` for uint64s)."""
+    return value < 0 or value == INVALID_ID
+
+
+def pack_cache_key_by_id(key: CacheKeyByIdAndIndex) -> CacheKeyTuple:
+    """Upstream's name for :func:`pack_cache_key` of a ``CacheKeyByIdAndIndex``."""
+    return pack_cache_key(key)
+
+
+def pack_block_cache_key(key: BlocksCacheKey) -> CacheKeyTuple:
+    """Upstream's name for :func:`pack_cache_key` of a ``BlocksCacheKey``."""
+    return pack_cache_key(key)
+
+
+def pack_mem_info(mem_info: MemInfo) -> MemInfoTuple:
+    """``(mem_type value, addr, size)``."""
+    return (mem_info.mem_type.value, mem_info.addr, mem_info.size)
+
+
 def check_cache_key_ids(key: object) -> None:
     """A ``CacheKey`` used for a pull must have exactly one of ``req_id`` / ``prefix_id`` valid
     (LLM_PARAM_INVALID, PYPKG.md §4.5); other keys pass."""
@@ -71,12 +95,9 @@ def check_cache_key_ids(key: object) -> None:
                        f"exactly one of req_id and prefix_id must be valid in {key!r}.")
 
 
-def _range_to_indices(name: str, layer_range: Any, tensor_num_per_layer: int) -> list[int]:
-    if layer_range is None:
-        return []
-    check_isinstance(name, layer_range, range, allow_none=False)
-    raise_if_false(layer_range.step == 1, f"{name} step must be 1, but got {layer_range!r}.")
-    if len(layer_range) == 0:
+def _range_to_indices(name: str, layer_range: range | None, tensor_num_per_layer: int) -> list[int]:
+    # types and steps were checked by the caller (both ranges, before any bound)
+    if layer_range is None or len(layer_range) == 0:
         return []
     first, last = layer_range[0], layer_range[-1]
     raise_if_false(first >= 0, f"{name} must start at >= 0, but got {layer_range!r}.")
@@ -86,21 +107,33 @@ def _range_to_indices(name: str, layer_range: Any, tensor_num_per_layer: int) ->
 
 
 def layer_range_to_tensor_indices(src_layer_range: Any, dst_layer_range: Any,
-                                  tensor_num_per_layer: int) -> tuple[list[int], list[int]]:
+                                  tensor_num_per_layer: int = 2) -> tuple[list[int], list[int]]:
     """Half-open layer ``range``s -> tensor indices ``[a*t, b*t)`` (PYPKG.md §4.7).
 
-    None or an empty range means "all" (an empty list); not a ``range`` -> ``TypeError``;
-    step != 1 or a negative start -> LLM_PARAM_INVALID; bounds beyond uint32 -> ``ValueError``.
-    The count rules are the engine's."""
+    None or an empty range means "all" (an empty list).  In upstream's order: both types
+    (not a ``range`` -> ``TypeError``), both steps (!= 1 -> LLM_PARAM_INVALID), then the source's
+    bounds and the destination's (a negative start -> LLM_PARAM_INVALID, beyond uint32 ->
+    ``ValueError``).  The count rules are the engine's."""
+    check_isinstance("src_layer_range", src_layer_range, range)
+    check_isinstance("dst_layer_range", dst_layer_range, range)
+    for name, layer_range in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        raise_if_false(layer_range is None or layer_range.step == 1,
+                       f"{name} step must be 1, but got {layer_range!r}.")
     return (_range_to_indices("src_layer_range", src_layer_range, tensor_num_per_layer),
             _range_to_indices("dst_layer_range", dst_layer_range, tensor_num_per_layer))
 
 
-def parse_listen_ip_info(listen_ip_info: str) -> tuple[str, str]:
-    """``"ip:port"`` -> ``(ip, str(int(port)))`` (PYPKG.md §2.2 step 6).
+def parse_listen_ip_info(listen_ip_info: str) -> tuple[str, int]:
+    """``"ip:port"`` -> ``(ip, int(port))`` (PYPKG.md §2.2 step 6; ``init`` stores
+    ``str(port)`` as ``llm.ListenPort``).
 
-    Not exactly two ``:``-separated parts -> LLM_PARAM_INVALID; a non-numeric port ->
-    ``ValueError``. The IP is not validated (so IPv6 literals cannot be used)."""
-    parts = str(listen_ip_info).split(":")
+    Not a str -> ``TypeError``; not exactly two ``:``-separated parts -> LLM_PARAM_INVALID; a
+    non-numeric port -> ``ValueError``. The IP is not validated (so IPv6 literals cannot be used)."""
+    check_isinstance("listen_ip_info", listen_ip_info, str, allow_none=False)
+    parts = listen_ip_info.split(":")
     raise_if_false(len(parts) == 2, f"llm.listenIpInfo must be 'ip:port', but got '{listen_ip_info}'.")
-    return parts[0], str(int(parts[1]))
+    try:
+        port = int(parts[1])
+    except ValueError as exc:  # int()'s ValueError, as upstream, naming the option
+        raise ValueError(f"{exc} (the port of llm.listenIpInfo '{listen_ip_info}')") from None
+    return parts[0], port

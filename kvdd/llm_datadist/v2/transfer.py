@@ -50,8 +50,11 @@ def next_task_id() -> int:
 
 
 def _check_index_list(name: str, values: Any) -> None:
-    check_isinstance(name, values, (list, tuple))
-    for v in values or ():
+    # every item's type (TypeError), then every value's range (ValueError), as upstream
+    if values is None:
+        return
+    check_isinstance(name, values, (list, tuple), inner_class=int)
+    for v in values:
         check_uint64(f"{name} item", v)
 
 
@@ -59,17 +62,24 @@ def transfer_cache_async(wrapper: Wrapper, remote_accessible_mode: bool, src_cac
                          layer_synchronizer: Any, transfer_configs: Any, src_block_indices: Any,
                          dst_block_indices: Any, dst_block_memory_size: Any) -> CacheTask:
     """The Python checks of ``CacheManager.transfer_cache_async`` in upstream's order, then the
-    worker thread. Raises ``TypeError`` / ``ValueError`` / LLM_PARAM_INVALID as PYPKG.md §4.10."""
+    worker thread. Raises ``TypeError`` / ``ValueError`` / LLM_PARAM_INVALID as PYPKG.md §4.10.
+
+    As upstream, an **empty** ``src_block_indices`` means "the source is not sent as blocks" and
+    an empty ``dst_block_indices`` "the destination is not blocks" (the lists are tested for
+    truth, not for None); the destination list is checked before the source list."""
     check_isinstance("src_cache", src_cache, Cache, allow_none=False)
     raise_if_false(src_cache.cache_desc.placement != Placement.HOST,
                    "transfer_cache_async does not send from a HOST cache.")
-    _check_index_list("src_block_indices", src_block_indices)
     _check_index_list("dst_block_indices", dst_block_indices)
+    _check_index_list("src_block_indices", src_block_indices)
     check_uint64("dst_block_memory_size", dst_block_memory_size, allow_none=True)
-    if src_block_indices is not None:
-        raise_if_false(dst_block_indices is not None and len(dst_block_indices) == len(src_block_indices),
-                       "dst_block_indices must be given with src_block_indices, of the same length.")
-    if not src_cache.is_blocks_cache and dst_block_indices is not None:
+    if src_block_indices:
+        raise_if_false(bool(dst_block_indices), "sending blocks into a non-blocks cache is not supported "
+                       "(src_block_indices needs dst_block_indices).")
+        raise_if_false(len(dst_block_indices) == len(src_block_indices),
+                       f"src_block_indices ({len(src_block_indices)}) and dst_block_indices "
+                       f"({len(dst_block_indices)}) differ in length.")
+    elif dst_block_indices:
         raise_if_false(dst_block_memory_size is not None,
                        "dst_block_memory_size is required to send a cache into blocks.")
     check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
@@ -79,8 +89,9 @@ def transfer_cache_async(wrapper: Wrapper, remote_accessible_mode: bool, src_cac
         if not isinstance(config, expected):
             raise TypeError(f"transfer_configs must all be {expected.__name__} in this mode, "
                             f"but got {type(config).__name__}.")
-    if dst_block_indices is None:
-        raise_if_false(not dst_block_memory_size, "dst_block_memory_size needs dst_block_indices.")
+    raise_if_false(bool(dst_block_indices) or dst_block_memory_size in (None, 0),
+                   f"dst_block_memory_size ({dst_block_memory_size}) must be None or 0 without "
+                   "dst_block_indices.")
     num_tensors = src_cache.cache_desc.num_tensors
     raise_if_false(num_tensors % TENSORS_PER_LAYER == 0,
                    f"num_tensors must be even for transfer_cache_async, but got {num_tensors}.")
@@ -89,7 +100,7 @@ def transfer_cache_async(wrapper: Wrapper, remote_accessible_mode: bool, src_cac
         if config.src_layer_range is None:
             config.src_layer_range = range(0, num_layers)
         src_range: range = config.src_layer_range
-        if src_block_indices is not None:
+        if src_block_indices:
             raise_if_false(config.src_batch_index == 0, "src_batch_index must be 0 with src blocks.")
         raise_if_false(0 <= src_range.start and src_range.stop <= num_layers,
                        f"src_layer_range {src_range!r} is outside [0, {num_layers}].")
@@ -116,12 +127,12 @@ def _layer_cfg(src_id: int, layer: int, config: TransferConfig | TransferWithCac
         return (src_id, config.src_batch_index, layer, addrs, config.dst_cluster_id, 0, 0, 0, layer,
                 TENSORS_PER_LAYER)
     key = config.cache_key
-    assert key is not None and config.dst_layer_range is not None
-    dst_layer = list(config.dst_layer_range)[layer]  # absolute index, as upstream
+    assert key is not None
+    # absolute index, as upstream; a range set back to None means "the same layer"
+    dst_layer = layer if config.dst_layer_range is None else list(config.dst_layer_range)[layer]
     packed = pack_cache_key(key)
-    if isinstance(key, BlocksCacheKey):
-        return (src_id, config.src_batch_index, layer, [], packed[0], packed[5], 0, 1, dst_layer,
-                TENSORS_PER_LAYER)
+    if isinstance(key, BlocksCacheKey):  # a blocks destination always takes source batch 0
+        return (src_id, 0, layer, [], packed[0], packed[5], 0, 1, dst_layer, TENSORS_PER_LAYER)
     return (src_id, config.src_batch_index, layer, [], packed[0], packed[1], packed[2], 2, dst_layer,
             TENSORS_PER_LAYER)
 
