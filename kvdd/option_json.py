@@ -204,7 +204,8 @@ def adxl_engine_config(text: str) -> None:
     max_channel = _MAX_CHANNEL
     if "channel_pool.max_channel" in flat:
         m = _STREAM_INT.match(flat["channel_pool.max_channel"])
-        if m is None or not -(2**31) <= int(m.group(1)) < 2**31:
+        # the int32 bounds lie outside [1, 512], which the checks below enforce too
+        if m is None or not -(2**31) <= int(m.group(1)) < 2**31:  # mutation: equivalent
             raise ValueError("channel_pool.max_channel is not an int32")
         max_channel = int(m.group(1))
         # max_channel needs both waterlines, and below 3 channels they leave none between them:
@@ -231,7 +232,8 @@ def adxl_engine_config(text: str) -> None:
         raise ValueError("channel_pool.max_channel needs both waterlines")
     if "comm_resource_config.listen_port" in flat:
         m = _STREAM_INT.match(flat["comm_resource_config.listen_port"])
-        if m is None or not 1 <= int(m.group(1)) <= 65535:
+        # global_resource_config() (HixlOptions) refuses every value this one does, first
+        if m is None or not 1 <= int(m.group(1)) <= 65535:  # mutation: equivalent
             raise ValueError("comm_resource_config.listen_port must be in [1, 65535]")
 
 

@@ -67,7 +67,7 @@ TARGETS: tuple[Target, ...] = (
             "tests/sim/test_fabric.py")),
     Target("leases", "kvdd/sim/fabric/leases.py", ("*",),
            ("tests/sim/test_lease_states.py", "tests/hostile/test_check_bounds.py",
-            "tests/hostile/test_attacks.py")),
+            "tests/hostile/test_attacks.py", "tests/llm_datadist/test_engine_twosided.py")),
     Target("serving", "kvdd/sim/fabric/serving.py", ("check_request",),
            ("tests/hostile/test_check_bounds.py",)),
     Target("engine-links", "kvdd/sim/engine.py", ("SimBackend._link_one", "SimBackend._unlink_one"),
