@@ -34,7 +34,7 @@ from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint64_t
 
 from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_runs
-from kvdd._native._xproc cimport SameHostMover
+from kvdd._native._xproc cimport SameHostMover, forget_failure
 
 from kvdd.sim.checks import REQUEST_LIMIT
 from kvdd.sim.fabric.peers import InProcessPeer, RemotePeer
@@ -376,6 +376,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Pull p
         cdef int64_t bi, cache_id, row, rn, stride, rT, nbytes, l_off, r_off
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
@@ -424,6 +425,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
@@ -483,6 +485,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
@@ -532,6 +535,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Push q
         cdef int64_t sbi, cache_id, bd, stride, rT, l_off, r_off
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex
