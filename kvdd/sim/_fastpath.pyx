@@ -464,7 +464,8 @@ cdef class FastTransfers:
             if (not p.lists and rn != p.n) or p.S <= 0:
                 return self._no()
             for i in range(r.G):  # 11: each run's first source block below the remote block count
-                if r.s0[i] >= <uint64_t>((rT + p.S - 1) // p.S):
+                # (the block count without rT + S - 1, which overflows for rT near 2**63)
+                if r.s0[i] >= <uint64_t>(rT // p.S + (1 if rT % p.S else 0)):
                     return self._no()
                 if <int64_t>r.ln[i] > longest:
                     longest = r.ln[i]

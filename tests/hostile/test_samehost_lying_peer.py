@@ -151,12 +151,11 @@ ONE = KvCacheExtParam(tensor_num_per_layer=1)
 
 
 def _call(w: World, op: str, row: int) -> int:
-    idx = CacheIndex(2, w.cid, row)
     try:
         if op == "pull":
-            w.dd.pull_kv_cache(idx, w.mine, 0, -1, ONE)
+            w.dd.pull_kv_cache(CacheIndex(2, w.cid, row), w.mine, 0, -1, ONE)
         elif op == "push":
-            w.dd.push_kv_cache(w.mine, idx, 0, -1, ONE)
+            w.dd.push_kv_cache(w.mine, CacheIndex(2, w.cid, row), 0, -1, ONE)
         elif op == "pull_blocks":
             w.dd.pull_kv_blocks(CacheIndex(2, w.cid, 0), w.mine, [row], [0], ONE)
         else:
@@ -217,16 +216,25 @@ def test_an_address_naming_our_memory_reaches_the_peers(world: World, op: str) -
 
 @pytest.mark.parametrize("op", OPS)
 def test_lying_sizes_move_only_the_callers_run(world: World, op: str) -> None:
-    """The peer claims a tensor of 2**62 bytes and 2**30 rows (the real one has 1 row of N): a
-    row far past the real cache reads or writes the peer's memory there or fails (its memory,
-    its lie); our side moves exactly the caller's N-byte run, guards intact; both paths agree."""
-    world.lie(tensor_nbytes=1 << 62, batch_size=1 << 30, num_blocks=-1)
-    try:
-        for row in (1, 1 << 20):
-            st, _, got, _ = _both_paths(world, op, row)
-            assert st in (Status.LLM_SUCCESS, Status.LLM_FAILED), hex(st)
-    finally:
-        world.lie()
+    """The peer claims a tensor of 2**62 (or 2**63-1) bytes and 2**40 rows (the real one has 1
+    row of N): a row or block far past the real cache reads or writes the peer's memory there or
+    fails (its memory, its lie), a block whose end passes the claimed tensor (the block count
+    computed near 2**63) is refused; our side moves exactly the caller's N-byte run, guards
+    intact; both paths agree."""
+    rows = [1, 1 << 20, (1 << 32) - 1]
+    if op.endswith("blocks"):
+        rows += [(1 << 50), (1 << 51) - 1, 1 << 51, 1 << 52, (1 << 64) - 1]
+    for nbytes in (1 << 62, (1 << 63) - 1):
+        world.lie(tensor_nbytes=nbytes, batch_size=1 << 40, num_blocks=-1)
+        try:
+            for row in rows:
+                st, _, got, _ = _both_paths(world, op, row)
+                assert st in (Status.LLM_SUCCESS, Status.LLM_FAILED,
+                              Status.LLM_PARAM_INVALID), hex(st)
+                if row * N >= nbytes:
+                    assert st == Status.LLM_PARAM_INVALID
+        finally:
+            world.lie()
 
 
 @pytest.mark.parametrize("op", OPS)
