@@ -5,6 +5,9 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from kvdd._native._copy cimport RegionTable
 
 
+cdef void forget_failure() noexcept nogil
+
+
 cdef class LeaseTable:
     cdef uint64_t *base
     cdef size_t size

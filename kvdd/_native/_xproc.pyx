@@ -97,6 +97,11 @@ cdef extern from *:
     static inline int kvdd_cas(uint64_t *p, uint64_t expected, uint64_t desired) {
         return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST,
                                            __ATOMIC_SEQ_CST); }
+    /* The compiled copy of this thread that failed after it started (SameHostMover._move): the
+       Python path, which answers that call next, reports it without copying again. */
+    static __thread const void *kvdd_failed_mover = NULL;
+    static __thread Py_ssize_t kvdd_failed_slot = -1;
+    static __thread int kvdd_failed_errno = 0;
     static inline void kvdd_pause_ns(long ns) {
         struct timespec ts; ts.tv_sec = ns / 1000000000L; ts.tv_nsec = ns % 1000000000L;
         nanosleep(&ts, NULL); }
@@ -112,6 +117,9 @@ cdef extern from *:
     void kvdd_store(uint64_t *p, uint64_t v) noexcept nogil
     int kvdd_cas(uint64_t *p, uint64_t expected, uint64_t desired) noexcept nogil
     void kvdd_pause_ns(long ns) noexcept nogil
+    const void *kvdd_failed_mover
+    Py_ssize_t kvdd_failed_slot
+    int kvdd_failed_errno
 
 #: iovec entries per system call (the kernel's UIO_MAXIOV).
 IOV_MAX = 1024

@@ -4,9 +4,19 @@ cdef enum:
     _MOVED = 1       # the bytes moved: the call succeeded
     _DECLINED = 0    # nothing happened: the Python path runs the call
     _FAILED = -1     # the copy failed after it started (bytes may have moved): the Python path
-                     # runs the call again and reports its status
+                     # answers the call, reporting this copy's errno (take_failure) without
+                     # copying again
     _TIMED_OUT = -2  # deadline, owner's abort, or the peer's address space gone: the link is
                      # broken (LLM_TIMEOUT, as OneSidedPeer.move reports it)
+
+
+cdef void forget_failure() noexcept nogil:
+    """Drop this thread's record of a failed compiled copy (every compiled call starts with it, so
+    a record never outlives the call that made it)."""
+    global kvdd_failed_mover, kvdd_failed_slot, kvdd_failed_errno
+    kvdd_failed_mover = NULL
+    kvdd_failed_slot = -1
+    kvdd_failed_errno = 0
 
 
 cdef class SameHostMover:
@@ -51,6 +61,20 @@ cdef class SameHostMover:
         self.moved = 0
         self.copies = 0
         self.closing = False
+
+    def take_failure(self, Py_ssize_t slot) -> int:
+        """The errno of this thread's compiled copy on ``slot`` that failed after it started (the
+        call the Python path answers now), or 0; the record is dropped either way.
+
+        The compiled path declines such a call and the Python path answers it: it must report the
+        failure, not copy everything again under a fresh deadline (the call would then take the
+        compiled copy's time plus its own, past its deadline)."""
+        cdef int err = 0
+        if (kvdd_failed_errno != 0 and kvdd_failed_mover == <void *>self
+                and kvdd_failed_slot == slot):
+            err = kvdd_failed_errno
+        forget_failure()
+        return err
 
     def begin(self) -> bool:
         """Count one copy that uses the link's fds (False once closed: copy nothing)."""
@@ -168,7 +192,11 @@ cdef class SameHostMover:
                 self.reader.link.close()  # the reader closed meanwhile: the last copy closes
         if job.timed_out or job.aborted or job.err == ESRCH:
             return _TIMED_OUT
-        if job.err:
+        if job.err:  # the Python path answers the call, reporting this errno (take_failure)
+            global kvdd_failed_mover, kvdd_failed_slot, kvdd_failed_errno
+            kvdd_failed_mover = <void *>self
+            kvdd_failed_slot = slot
+            kvdd_failed_errno = job.err
             return _FAILED
         self.moved += 1
         return _MOVED

@@ -34,7 +34,7 @@ from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.stdint cimport int64_t, uint64_t
 
 from kvdd._native._copy cimport RegionTable, byte_plan, copy_table_runs, group_runs
-from kvdd._native._xproc cimport SameHostMover
+from kvdd._native._xproc cimport SameHostMover, forget_failure
 
 from kvdd.sim.checks import REQUEST_LIMIT
 from kvdd.sim.fabric.peers import InProcessPeer, RemotePeer
@@ -376,6 +376,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Pull p
         cdef int64_t bi, cache_id, row, rn, stride, rT, nbytes, l_off, r_off
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache_index) is not CacheIndex or type(dst_cache) is not Cache
@@ -424,6 +425,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
@@ -462,7 +464,8 @@ cdef class FastTransfers:
             if (not p.lists and rn != p.n) or p.S <= 0:
                 return self._no()
             for i in range(r.G):  # 11: each run's first source block below the remote block count
-                if r.s0[i] >= <uint64_t>((rT + p.S - 1) // p.S):
+                # (the block count without rT + S - 1, which overflows for rT near 2**63)
+                if r.s0[i] >= <uint64_t>(rT // p.S + (1 if rT % p.S else 0)):
                     return self._no()
                 if <int64_t>r.ln[i] > longest:
                     longest = r.ln[i]
@@ -483,6 +486,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Runs r
         cdef uint64_t small[SMALL_PAIRS * COLUMNS]
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         r.heap = NULL
@@ -532,6 +536,7 @@ cdef class FastTransfers:
         cdef Ext e
         cdef Push q
         cdef int64_t sbi, cache_id, bd, stride, rT, l_off, r_off
+        forget_failure()  # a failed copy's record lives for its own call only
         if not (_enabled and self.enabled) or _calls_known_off.get(_DEBUG) is not False:
             return False
         if (type(src_cache) is not Cache or type(dst_cache_index) is not CacheIndex

@@ -232,15 +232,17 @@ class ServedTable:
 class OneSidedLease:
     """A lease on one remote cache for one transfer: the slot is entered until released."""
 
-    __slots__ = ("rc", "slot", "deadline", "addrs", "entered")
+    __slots__ = ("rc", "slot", "deadline", "addrs", "entered", "failed")
 
     def __init__(self, rc: RemoteCache, slot: int, deadline: float,
-                 addrs: tuple[int, ...]) -> None:
+                 addrs: tuple[int, ...], failed: int = 0) -> None:
         self.rc = rc
         self.slot = slot
         self.deadline = deadline
         self.addrs = addrs
         self.entered = True
+        #: errno of the compiled copy of this very call, which failed after it started (0: none)
+        self.failed = failed
 
 
 class OneSidedPeer:
@@ -285,6 +287,9 @@ class OneSidedPeer:
                 timeout_ms: int) -> tuple[int, OneSidedLease | None] | None:
         """Enter the cache's slot: ``(status, lease)``, or None (use TCP for this transfer)."""
         slot = self._slot.get(rc.cache_id)
+        # the compiled path's copy of this call failed after it started: report that failure
+        # (move), never copy again under a fresh deadline
+        failed = self.mover.take_failure(-1 if slot is None else slot)
         if not self.usable or slot is None or len(addrs) != rc.num_tensors:
             return None
         if timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
@@ -296,7 +301,7 @@ class OneSidedPeer:
             self.usable = False  # the owner dropped the table: TCP carries this link from now
             return None
         limit_ms = min(timeout_ms, MAX_LEASE_MS)  # the owner waits no longer (TCP: the same)
-        return S_OK, OneSidedLease(rc, slot, time.monotonic() + limit_ms / 1000.0, addrs)
+        return S_OK, OneSidedLease(rc, slot, time.monotonic() + limit_ms / 1000.0, addrs, failed)
 
     def release(self, lease: OneSidedLease) -> None:
         if lease.entered:
@@ -315,6 +320,8 @@ class OneSidedPeer:
         if not self.begin_copy():  # closed: never copy without the attested address space held
             return TIMEOUT
         try:
+            if lease.failed:  # the compiled copy of this call failed: the same answer, no copy
+                raise OSError(lease.failed, os.strerror(lease.failed))  # (EPERM: PermissionError)
             remote = [addrs[t] for t in tensors]
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
