@@ -291,10 +291,13 @@ class Channel(Calls):
                     self._leader = _RECEIVER
                 try:
                     rx = self.rx
-                    grant = self.leases.grant_small
+                    # the compiled read blocks until a frame comes: it gets no reference to the
+                    # owner (that would keep a dropped instance alive, §3.1); the grant resolves
+                    # the owner when a request arrives
+                    grant = self._grant_resolving_owner
                     while True:
                         got = None if _injections.armed else rx.serve_lease_read(
-                            grant, self.owner, self.served, SMALL_BYTES, PARAM_INVALID)
+                            grant, None, self.served, SMALL_BYTES, PARAM_INVALID)
                         if got is not None:  # a one-run LEASE_READ, served in compiled code
                             self._answer(*got)
                         else:
@@ -396,6 +399,10 @@ class Channel(Calls):
 
     def _serve_write(self, req: int, payload: bytes) -> None:
         self._enqueue(F_DONE, req, serve_write(self.leases, self.owner, self.rx, req, payload))
+
+    def _grant_resolving_owner(self, _owner: object, served: Mapping[int, ServedCache],
+                               cache_id: int) -> tuple[int, ServedCache | None]:
+        return self.leases.grant_small(self.owner, served, cache_id)
 
     def _grant_small(self, cache_id: int) -> tuple[int, ServedCache | None]:
         return self.leases.grant_small(self.owner, self.served, cache_id)
