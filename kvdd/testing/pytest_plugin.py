@@ -81,6 +81,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvdd_sim_only(reason): needs a simulator-only feature "
                             "of kvdd; skipped on the native backend")
+    if config.getoption("--kvdd-backend") or config.getini("kvdd_backend"):
+        selected_backends(config)  # a backend named here and unavailable: one usage line now
 
 
 def _setting(config: pytest.Config, option: str, ini: str, env: str) -> str:
