@@ -11,7 +11,7 @@ import pytest
 
 from kvdd import Status
 
-from kvdd.sim.fabric import leases, watchdog
+from kvdd.sim.fabric import leases, watchdog, wire
 from kvdd.sim.fabric.leases import Lease
 
 
@@ -124,3 +124,46 @@ def test_a_closed_connection_grants_no_lease() -> None:
     status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000))
     assert (status, lease_id) == (Status.LLM_TIMEOUT, 0)
     assert served.acquired == 2 and served.releases == 1  # the refused lease released its entry
+
+
+class Resolver:
+    """An owner that resolves a lease request to one served entry (two-sided pulls)."""
+
+    def __init__(self, served: Served, initialized: bool = True,
+                 status: int = Status.LLM_SUCCESS) -> None:
+        self.served, self.initialized, self.status = served, initialized, status
+
+    def resolve_lease(self, request: bytes) -> tuple[int, Any, bytes, None]:
+        if self.status != Status.LLM_SUCCESS:
+            return self.status, None, b"why", None
+        return Status.LLM_SUCCESS, self.served, b"extra", None
+
+
+def _resolved(table: leases.LeaseTable, owner: Any) -> tuple[int, int, bytes]:
+    payload = struct.pack("<Q", 0) + b"request"  # cache id 0 and a request: the owner resolves it
+    answer = table.grant(owner, {}, payload, 1000)
+    status, lease_id = struct.unpack_from("<IQ", answer)
+    return status, lease_id, answer[12:]
+
+
+def test_a_resolved_lease_needs_an_initialized_resolving_owner() -> None:
+    served = Served()
+    assert _resolved(leases.LeaseTable(Chan()), Resolver(served, initialized=False))[:2] == \
+        (Status.LLM_KV_CACHE_NOT_EXIST, 0)
+    assert _resolved(leases.LeaseTable(Chan()), Owner())[:2] == (Status.LLM_KV_CACHE_NOT_EXIST, 0)
+    status, lease_id, extra = _resolved(leases.LeaseTable(Chan()), Resolver(served))
+    assert status == Status.LLM_SUCCESS and lease_id > 0 and extra == b"extra"
+    # the owner's refusal and its answer reach the peer; nothing is acquired
+    assert _resolved(leases.LeaseTable(Chan()), Resolver(served, status=Status.LLM_PARAM_INVALID)) == \
+        (Status.LLM_PARAM_INVALID, 0, b"why")
+    assert served.acquired == 1
+
+
+def test_resolved_leases_count_against_the_cap() -> None:
+    served = Served()
+    table = leases.LeaseTable(Chan())
+    owner = Resolver(served)
+    for _ in range(wire.MAX_LEASES):
+        assert _resolved(table, owner)[0] == Status.LLM_SUCCESS
+    assert _resolved(table, owner)[:2] == (Status.LLM_FAILED, 0)  # the 65th
+    assert served.acquired == wire.MAX_LEASES
