@@ -26,7 +26,7 @@ DESCRIPTION = (
     "Commands: demo (the main job: prefill and decode move a real model's KV cache, verified byte "
     "for byte), bench (simulator transfer speed), doctor (what this installation can do), "
     "fabric-secret (a secret for simulator links across hosts) and cann-root (a simulated CANN "
-    "root for C++ programs). "
+    "root for C++ programs and CANN's llm_datadist Python package). "
     "Run kvdd COMMAND --help for a command's options."
 )
 
@@ -278,11 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .cann.root import add_cann_root_arguments
 
     cann_root = sub.add_parser(
-        "cann-root", help="write a simulated CANN root: C++ LLM-DataDist programs on the simulator",
+        "cann-root", help="write a simulated CANN root: C++ programs and CANN's Python package on the "
+                          "simulator",
         description="Write a directory with CANN's layout (include/, lib64/, set_env.sh, a CMake "
                     "package) whose libllm_datadist.so and libascendcl.so are kvdd's simulator, so "
-                    "C++ programs written for LLM-DataDist build and run without an NPU. Compiles "
-                    "the libraries with the system C/C++ compiler.")
+                    "C++ programs written for LLM-DataDist build and run without an NPU, and whose "
+                    "python/site-packages/llm_datadist is CANN's Python package on the simulator "
+                    "(set_env.sh puts it on PYTHONPATH). Compiles the libraries with the system "
+                    "C/C++ compiler.")
     _add_verbose(cann_root)
     add_cann_root_arguments(cann_root)
     cann_root.set_defaults(func=_cann_root)
