@@ -62,7 +62,7 @@ def _needs_bound_port(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("needs_bound_port") is None:
         return
     callspec = getattr(request.node, "callspec", None)
-    name = callspec.params.get("backend") if callspec is not None else None
+    name = callspec.params.get("kvdd_backend") if callspec is not None else None
     if name is not None and not port_reported(name):
         pytest.skip("needs the port that port 0 bound, which the real library cannot report "
                     "(runs on the simulator, and on kvdd's simulated CANN root with its port hook)")
