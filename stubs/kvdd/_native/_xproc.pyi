@@ -1,6 +1,7 @@
 """Stub of kvdd/_native/_xproc.pyx: one-sided access to another process's memory on this host."""
 
 from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
 from typing_extensions import disjoint_base
@@ -9,6 +10,7 @@ from kvdd._native._copy import Region
 
 IOV_MAX: int
 DEFAULT_CHUNK: int
+__pyx_capi__: Final[dict[str, object]]
 
 def pvm_copy(
     pid: int,
@@ -74,10 +76,11 @@ class LeaseTable:
     def store(self, slot: int, word: int, value: int) -> None: ...
     def wait_idle(self, slot: int | None, timeout_ms: int, pidfd: int = -1) -> int: ...
 
+@disjoint_base
 class SameHostMover:
     moved: int
-    def __init__(
-        self,
+    def __new__(
+        cls,
         reader: object,
         table: LeaseTable,
         slot_of: dict[int, int],
@@ -86,7 +89,7 @@ class SameHostMover:
         pid: int,
         max_lease_ms: int,
         chunk: int,
-    ) -> None: ...
+    ) -> SameHostMover: ...
     def take_failure(self, slot: int) -> int: ...
     def begin(self) -> bool: ...
     def end(self) -> bool: ...
