@@ -126,3 +126,16 @@ def test_native_reason_speaks_of_build_time() -> None:
     if problem is None or "no CANN root" not in problem:
         pytest.skip("the native backend was built, or not for want of a CANN root")
     assert "$ASCEND_HOME_PATH is empty" not in problem and "at build time" in problem
+
+
+def test_verbose_demo_logs_both_processes(tmp_path: Any) -> None:
+    """``kvdd demo -vv`` logs the calls of the spawned prefill process too, its lines marked."""
+    out = subprocess.run([sys.executable, "-m", "kvdd", "demo", "--quick", "-vv"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stderr.splitlines()
+    prefill = [ln for ln in lines if ln.startswith("[prefill] ")]
+    decode_calls = [ln for ln in lines if ln.startswith("kvdd.calls: DEBUG: ")]
+    assert any("[prefill] kvdd.calls: DEBUG: RegisterKvCache " in ln for ln in prefill), prefill[:5]
+    assert any("PullKvBlocks " in ln for ln in decode_calls)
+    assert not any("PullKvBlocks " in ln for ln in prefill)  # decode pulls; prefill only serves

@@ -95,8 +95,14 @@ def _describe(exc: BaseException) -> str:
     return exc.message if isinstance(exc, DemoError) else f"{type(exc).__name__}: {exc}"
 
 
-def _prefill_child(opts: DemoOptions, conn: Any) -> None:
-    """Entry point of the spawned prefill process: ready info and the result go back over ``conn``."""
+def _prefill_child(opts: DemoOptions, conn: Any, log_level: int = logging.NOTSET) -> None:
+    """Entry point of the spawned prefill process: ready info and the result go back over ``conn``.
+
+    ``log_level`` is the parent's root logging level when its command line asked for logs
+    (``-v``): a spawned process starts with no logging configured, so it sets up the same
+    stderr logging, its lines marked ``[prefill]``."""
+    if log_level != logging.NOTSET:
+        logging.basicConfig(level=log_level, format="[prefill] %(name)s: %(levelname)s: %(message)s")
     try:
         result = run_prefill(opts, lambda ready: conn.send(("ready", ready)), Progress(opts.progress, "prefill"))
         conn.send(("result", result))
@@ -114,7 +120,10 @@ def _run_processes(opts: DemoOptions) -> DemoReport:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
-    proc = ctx.Process(target=_prefill_child, args=(opts, child), name="kvdd-demo-prefill", daemon=True)
+    root = logging.getLogger()
+    log_level = root.level if root.handlers else logging.NOTSET  # the CLI's -v, passed on
+    proc = ctx.Process(target=_prefill_child, args=(opts, child, log_level), name="kvdd-demo-prefill",
+                       daemon=True)
     proc.start()
     child.close()
 
