@@ -24,8 +24,6 @@ from hostile.test_bounds import ATTACKER, _legit_link, _raw_link, _raw_unlink, _
 from peer_proc import PeerProcess
 
 
-@pytest.mark.xfail(strict=True, reason="a tie between one-entry sources evicts an arbitrary "
-                   "source's entry, progressed or not (admission.py FairTable.add)")
 def test_a_progressed_entry_outlives_idle_ones_of_sources_as_large() -> None:
     """Every source holds one entry (a flood from many addresses); one of them progressed (the
     legitimate initiator's).  New entries from new sources evict idle entries of the largest
