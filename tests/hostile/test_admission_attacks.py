@@ -1,21 +1,29 @@
-"""Attacks on the admission bounds found by an adversarial review (docs/security.md, *Bounds*).
-
-Each test states a bound the code promises and fails while it is broken: they are marked
-``xfail(strict=True)`` until the fix lands (then the mark goes and they guard it).  The figures and
-longer reproductions are ``attacks/*.py``.
+"""Attacks on the admission bounds (docs/security.md, *Bounds*): each test states a bound the
+code promises, at the boundary, with the attack that broke it.
 """
 
 from __future__ import annotations
 
+import selectors
 import socket
 import struct
+import threading
 import time
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
 from kvdd import Status
 from kvdd.sim.fabric import wire
+from kvdd.sim.fabric import gate as gate_mod
 from kvdd.sim.fabric.admission import FairTable
+from kvdd.sim.fabric.auth import Session
+from kvdd.sim.fabric.gate import HandshakeGate
+from kvdd.sim.fabric.listener import Listener
+from kvdd.sim.fabric.protocol import LinkOwner
 from kvdd.sim.fabric.wire import HANDSHAKE_WORKERS, MAX_LINKS_PER_SOURCE
 
 from hostile import rawpeer
@@ -38,9 +46,6 @@ def test_a_progressed_entry_outlives_idle_ones_of_sources_as_large() -> None:
             assert 3 not in evicted, f"the progressed entry was evicted by entry {i}"
 
 
-@pytest.mark.xfail(strict=True, reason="a relink of a cluster id already linked from that address "
-                   "passes every bound (gate.py HandshakeGate._reserve) and the replaced link's "
-                   "connection stays counted and served")
 def test_relinks_of_one_cluster_id_stay_within_the_link_bounds(
         victim: Victim, victim_proc: PeerProcess) -> None:  # noqa: F811
     """One address relinks one cluster id (force) 2 x MAX_LINKS_PER_SOURCE times and keeps every
@@ -65,8 +70,6 @@ def test_relinks_of_one_cluster_id_stay_within_the_link_bounds(
     assert legit is not None
 
 
-@pytest.mark.xfail(strict=True, reason="a link whose reply fails keeps its entity, uncounted "
-                   "(handshake.py _serve_link: ticket.cancel() releases it)")
 def test_a_reset_before_the_reply_leaves_no_uncounted_entity(
         victim: Victim, victim_proc: PeerProcess) -> None:  # noqa: F811
     """Hellos of 1,000 caches whose connection is reset before the reply is sent: none of them
@@ -85,3 +88,101 @@ def test_a_reset_before_the_reply_leaves_no_uncounted_entity(
     for cid in kept:
         _raw_unlink(port, cid, ATTACKER)
     assert len(kept) <= MAX_LINKS_PER_SOURCE, f"{len(kept)} entities kept"
+
+
+class _Owner:
+    """Just what a listener reads of its instance before a hello is complete."""
+
+    cluster_id = 77
+
+
+def _authenticated(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    rawpeer.authenticate(s)
+    return s
+
+
+def test_an_evicted_hello_is_uncounted_once() -> None:
+    """Connection A announces a hello that evicts B's (the biggest, beyond MAX_HELLO_BUFFERED)
+    and B sent bytes in the same turn of the listener's loop: B's stale event
+    does not subtract its hello a second time, so the count stays the bytes held."""
+    owner = _Owner()
+    lst = Listener(cast(LinkOwner, owner), "127.0.0.1", 0)
+    sel = cast(Any, lst._sel)
+    real_select = sel.select
+    slow = [False]
+
+    def slow_select(timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if slow[0]:  # the events of what the test sends in between come in one batch
+            time.sleep(0.2)
+        return cast(list[tuple[selectors.SelectorKey, int]], real_select(timeout))
+
+    sel.select = slow_select
+    size = wire.MAX_HELLO
+    full = wire.MAX_HELLO_BUFFERED // size
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            held = [_authenticated(lst.port) for _ in range(full)]
+            for h in held:  # MAX_HELLO_BUFFERED is announced: the table is full
+                h.sendall(rawpeer.hdr(wire.F_HELLO_LINK, size) + bytes(100))
+            a = _authenticated(lst.port)
+            socks += [a, *held]
+            deadline = time.monotonic() + 5
+            while lst._buffered != full * size and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert lst._buffered == full * size
+            slow[0] = True
+            lst._wake()  # the loop starts a slow turn: the events below land in one batch
+            time.sleep(0.05)
+            a.sendall(rawpeer.hdr(wire.F_HELLO_LINK, size))
+            time.sleep(0.01)
+            for h in held:  # (the one A evicts among them)
+                h.sendall(bytes(100))
+            time.sleep(0.4)
+            slow[0] = False
+            assert lst._buffered == sum(len(h.body) for h in lst._post.items()) == full * size
+            for x in (a, *held):  # (the next round starts from nothing held)
+                x.close()
+            deadline = time.monotonic() + 5
+            while lst._buffered and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert lst._buffered == 0
+    finally:
+        for s in socks:
+            s.close()
+        lst.close()
+    del owner
+
+
+def test_a_worker_that_cannot_start_loses_no_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a handshake worker fails HANDSHAKE_WORKERS times (no thread left): each hello is
+    refused (closed by the listener), and once threads can start again a hello is served."""
+    fails = [HANDSHAKE_WORKERS]
+
+    class Thread(threading.Thread):
+        def start(self) -> None:
+            if fails[0]:
+                fails[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    owner = _Owner()
+    gate = HandshakeGate(cast(Callable[[], LinkOwner | None], weakref.ref(owner)),
+                         lambda conn: conn.close(), "test")
+    monkeypatch.setattr(gate_mod, "threading", types.SimpleNamespace(Thread=Thread))
+    session = cast(Session, None)
+    pairs = [socket.socketpair() for _ in range(HANDSHAKE_WORKERS + 1)]
+    try:
+        for ours, _theirs in pairs[:-1]:
+            assert not gate.submit(ours, session, 0, bytearray(8), "10.0.0.1")
+        del owner  # the instance is gone: a served hello is closed at once
+        ours, theirs = pairs[-1]
+        assert gate.submit(ours, session, 0, bytearray(8), "10.0.0.1")
+        theirs.settimeout(2)
+        assert theirs.recv(1) == b""  # served: closed by a worker
+    finally:
+        gate.close()
+        for x, y in pairs:
+            x.close()
+            y.close()

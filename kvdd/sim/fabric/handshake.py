@@ -434,6 +434,8 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
             chan.local_user = False
             if made:  # our entity exists but its connection is gone: transfers time out
                 chan.dead.set()
+                if ticket is not None:  # a broken link: counted until the entity goes
+                    ticket.attach(chan, offer.cluster_id, made[0])
             finish(conn)
             return False
         chan.served = mine[1]

@@ -210,6 +210,8 @@ class Listener:
                     elif key.fileobj is self._wake_r:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
+                    elif not self._current(key):
+                        continue  # closed by an earlier event of this batch (evicted)
                     else:
                         try:
                             self._step(key.data)
@@ -238,6 +240,14 @@ class Listener:
             self._wake_r.close()
             self._wake_w.close()
             self.gate.close()
+
+    def _current(self, key: selectors.SelectorKey) -> bool:
+        """Whether ``key`` (an event of this turn) is still its connection's registration: an
+        earlier event of the same turn may have closed it (eviction) or given it a new state."""
+        try:
+            return self._sel.get_key(key.fileobj).data is key.data
+        except (KeyError, ValueError):  # unregistered, or closed (fileno -1)
+            return False
 
     def _next_deadline(self) -> float:
         soonest = time.monotonic() + 1.0
@@ -322,6 +332,7 @@ class Listener:
         """Close a connection already removed from its table (evicted)."""
         if isinstance(state, _Hello):
             self._buffered -= len(state.body)
+            state.body = bytearray()  # counted once, however often it is closed
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(state.sock)
         with contextlib.suppress(OSError):
