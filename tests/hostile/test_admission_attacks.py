@@ -4,9 +4,12 @@ code promises, at the boundary, with the attack that broke it.
 
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -17,7 +20,7 @@ from typing import Any, cast
 import pytest
 
 from kvdd import Status
-from kvdd.sim.fabric import wire
+from kvdd.sim.fabric import samehost, wire
 from kvdd.sim.fabric import gate as gate_mod
 from kvdd.sim.fabric.admission import FairTable
 from kvdd.sim.fabric.auth import Session
@@ -186,3 +189,39 @@ def test_a_worker_that_cannot_start_loses_no_place(monkeypatch: pytest.MonkeyPat
         for x, y in pairs:
             x.close()
             y.close()
+
+
+_EMFILE_CHILD = r"""
+import os, resource, socket, threading, time
+from kvdd.sim.fabric import samehost
+ep = samehost.endpoint()
+first, second = (socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
+for c in (first, second):
+    c.settimeout(3)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+hog = []
+try:
+    while True:
+        hog.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+first.connect(ep.name)  # queued: the endpoint's accept fails (EMFILE) until fds are freed
+time.sleep(0.2)
+for fd in hog:
+    os.close(fd)
+second.connect(ep.name)
+for c in (first, second):  # not a proof: the endpoint closes it after reading it
+    c.send(b"not a hello")
+    print("closed" if c.recv(64) == b"" else "answered", flush=True)
+print(any(t.name == "kvdd-samehost-endpoint" for t in threading.enumerate()))
+"""
+
+
+@pytest.mark.skipif(not samehost.availability()[0], reason=samehost.availability()[1])
+def test_the_same_host_endpoint_survives_running_out_of_fds() -> None:
+    """Accepts fail with EMFILE for 0.2 s (the process is at RLIMIT_NOFILE): the endpoint keeps
+    accepting once fds are free again: both connections, the one queued meanwhile and a new one,
+    are read and closed (a connection nobody accepts would wait for the 3 s timeout)."""
+    out = subprocess.run([sys.executable, "-c", _EMFILE_CHILD], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, "KVDD_SIM_XPROC": "auto"})
+    assert out.stdout.split() == ["closed", "closed", "True"], out.stdout + out.stderr
