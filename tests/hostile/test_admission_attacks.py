@@ -225,3 +225,52 @@ def test_the_same_host_endpoint_survives_running_out_of_fds() -> None:
     out = subprocess.run([sys.executable, "-c", _EMFILE_CHILD], capture_output=True, text=True,
                          timeout=30, env={**os.environ, "KVDD_SIM_XPROC": "auto"})
     assert out.stdout.split() == ["closed", "closed", "True"], out.stdout + out.stderr
+
+
+def test_a_full_table_closes_at_accept_what_is_not_a_whole_hello() -> None:
+    """The pre-authentication table is full of one address's connections that sent one byte:
+    exactly at the bound they are all held; one more from that address that sent one byte is
+    closed at accept (nothing evicted), one that sent its whole authentication hello (in one
+    write, as every initiator does) is let in (the oldest idle one evicted) and authenticates,
+    and one byte from another address (fewer entries) is let in too."""
+    owner = _Owner()
+    lst = Listener(cast(LinkOwner, owner), "127.0.0.1", 0)
+    junk: list[socket.socket] = []
+
+    def one_byte() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", lst.port), timeout=5,
+                                     source_address=(ATTACKER, 0))
+        s.send(b"K")
+        junk.append(s)
+        return s
+
+    try:
+        for _ in range(wire.MAX_PREAUTH):
+            one_byte()
+        deadline = time.monotonic() + 5
+        while len(lst._pre) < wire.MAX_PREAUTH and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(lst._pre) == wire.MAX_PREAUTH and lst.dropped == 0
+        oldest = lst._pre.oldest()
+        late = one_byte()  # one past the bound, without a whole hello
+        late.settimeout(2)
+        assert late.recv(1) == b""  # closed at once
+        assert lst.dropped == 1 and lst._pre.oldest() is oldest
+        with socket.create_connection(("127.0.0.1", lst.port), timeout=5,
+                                      source_address=(ATTACKER, 0)) as legit:
+            rawpeer.authenticate(legit)  # its hello evicted the oldest idle connection
+        assert lst._pre.oldest() is not oldest and lst.dropped == 1
+        other = socket.create_connection(("127.0.0.1", lst.port), timeout=5,
+                                         source_address=("127.0.0.3", 0))
+        junk.append(other)
+        other.send(b"K")  # from an address with fewer entries: let in (evicting the flood's)
+        deadline = time.monotonic() + 5
+        while not lst._pre.count("127.0.0.3") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lst._pre.count("127.0.0.3") == 1 and lst.dropped == 1
+        assert len(lst._pre) == wire.MAX_PREAUTH
+    finally:
+        for s in junk:
+            s.close()
+        lst.close()
+    del owner

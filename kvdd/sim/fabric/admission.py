@@ -114,6 +114,10 @@ class FairTable(Generic[T]):
         group = self._groups.get(source)
         return 0 if group is None else len(group)
 
+    def largest(self) -> int:
+        """The number of entries of the sources with the most."""
+        return self._max
+
     def oldest(self) -> T | None:
         return next(iter(self._order), None)
 

@@ -46,7 +46,7 @@ from .registry import norm_ip, register, unregister
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_HELLO_LINK,
                    F_HELLO_UNLINK, HDR, HELLO_TIMEOUT_S, LINGER_S, MAX_DRAINING,
                    MAX_HELLO_BUFFERED, MAX_POSTAUTH, MAX_POSTAUTH_PER_SOURCE, MAX_PREAUTH,
-                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, ProtocolError, VersionMismatch,
+                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, VersionMismatch,
                    check_header, frame, version_refusal)
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,15 @@ _DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
 _READING_HELLO, _READING_PROOF = 0, 1
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _MMAP_HELLO = 1 << 16  # hellos of at least this many bytes are read into an anonymous mapping
+_AUTH_HELLO_BYTES = HDR.size + NONCE_BYTES + 1  # the initiator's first write (its whole hello)
+
+
+def _whole_hello(first: bytes | None) -> bool:
+    """Whether the first bytes of a connection are a whole authentication hello, or at least a
+    header of another protocol version (let in: it is answered with a version refusal)."""
+    if first is None or len(first) < HDR.size:
+        return False
+    return len(first) >= _AUTH_HELLO_BYTES or first[2] != PROTOCOL_VERSION
 
 
 class _PreAuth:
@@ -291,15 +300,19 @@ class Listener:
             self.accepted += 1
             source = addr[0] if self._ipv4 else source_of(addr)
             try:  # what the connection sent during the kernel's deferral
-                first: bytes | None = conn.recv(HDR.size, _DONTWAIT)
+                first: bytes | None = conn.recv(_AUTH_HELLO_BYTES, _DONTWAIT)
             except BlockingIOError:
                 first = None
             except OSError:
                 first = b""
-            if not first and (first is not None or len(self._pre) >= MAX_PREAUTH
-                              or self._pre.count(source) >= MAX_PREAUTH_PER_SOURCE):
-                # closed already, or silent for the deferral while its table or its address's
-                # share is full: dropped at once (a legitimate initiator's hello is there)
+            mine = self._pre.count(source)
+            if first == b"" or (not _whole_hello(first) and (
+                    mine >= MAX_PREAUTH_PER_SOURCE
+                    or (len(self._pre) >= MAX_PREAUTH and mine >= self._pre.largest()))):
+                # closed already, or without a whole authentication hello (sent in one write
+                # by every initiator) while it would evict an entry of its own address (at its
+                # share, or the table full and its address among the largest): closed at once,
+                # before it costs a place or a registration
                 self.dropped += 1
                 conn.close()
                 continue
@@ -307,13 +320,16 @@ class Listener:
             state = _PreAuth(conn, addr, source)
             for old in self._pre.add(state, source):  # fair eviction (admission.py)
                 self._close(old)
+            while first and state in self._pre and state.stage == _READING_HELLO:
+                piece = state.need - len(state.buf)  # (the hello came with the connection)
+                self._step_pre(state, first[:piece])
+                first = first[piece:]
+            if state not in self._pre:  # refused, or malformed: done with
+                continue
             try:
                 self._sel.register(conn, selectors.EVENT_READ, state)
             except (OSError, ValueError):
                 self._drop(state)
-                continue
-            if first:
-                self._step_pre(state, first)  # the hello's header came with the connection
 
     def _expire(self, now: float) -> None:
         for table in (self._pre, self._post):
