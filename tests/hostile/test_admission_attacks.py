@@ -260,6 +260,11 @@ def test_a_full_table_closes_at_accept_what_is_not_a_whole_hello() -> None:
                                       source_address=(ATTACKER, 0)) as legit:
             rawpeer.authenticate(legit)  # its hello evicted the oldest idle connection
         assert lst._pre.oldest() is not oldest and lst.dropped == 1
+        one_byte()  # (the authenticated one left the table: full again)
+        deadline = time.monotonic() + 5
+        while len(lst._pre) < wire.MAX_PREAUTH and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(lst._pre) == wire.MAX_PREAUTH and lst.dropped == 1
         other = socket.create_connection(("127.0.0.1", lst.port), timeout=5,
                                          source_address=("127.0.0.3", 0))
         junk.append(other)
