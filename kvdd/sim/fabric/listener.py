@@ -14,8 +14,10 @@ the listening socket and every connection that is not a link yet, in three bound
   ``LINGER_S`` (so closing does not reset the reply away).
 
 A full table, or a source at its share, evicts rather than refuses (:class:`.admission.FairTable`:
-from the source with the most entries, its oldest idle one first), so floods of cheap connections
-cannot keep a legitimate initiator out.  The secret is read once and cached (:func:`.auth.load_secret`
+from the sources with the most entries, the oldest idle entry among them first), so floods of cheap
+connections cannot keep a legitimate initiator out; a connection that did not bring a whole
+authentication hello (an initiator sends it in one write) and would only evict an entry of its own
+address is closed at accept, before it costs a place or a registration.  The secret is read once and cached (:func:`.auth.load_secret`
 checks the file with one ``lstat`` per hello).
 """
 
@@ -46,8 +48,8 @@ from .registry import norm_ip, register, unregister
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_HELLO_LINK,
                    F_HELLO_UNLINK, HDR, HELLO_TIMEOUT_S, LINGER_S, MAX_DRAINING,
                    MAX_HELLO_BUFFERED, MAX_POSTAUTH, MAX_POSTAUTH_PER_SOURCE, MAX_PREAUTH,
-                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, VersionMismatch,
-                   check_header, frame, version_refusal)
+                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError,
+                   VersionMismatch, check_header, frame, version_refusal)
 
 logger = logging.getLogger(__name__)
 
@@ -320,11 +322,15 @@ class Listener:
             state = _PreAuth(conn, addr, source)
             for old in self._pre.add(state, source):  # fair eviction (admission.py)
                 self._close(old)
-            while first and state in self._pre and state.stage == _READING_HELLO:
-                piece = state.need - len(state.buf)  # (the hello came with the connection)
-                self._step_pre(state, first[:piece])
-                first = first[piece:]
-            if state not in self._pre:  # refused, or malformed: done with
+            try:
+                while first and state in self._pre and state.stage == _READING_HELLO:
+                    piece = state.need - len(state.buf)  # (the hello came with the connection)
+                    self._step_pre(state, first[:piece])
+                    first = first[piece:]
+            except Exception:  # a bug: log it, drop that connection, go on
+                logger.exception("kvdd fabric: a connection to %s:%d failed", self.ip, self.port)
+                self._drop(state)
+            if state not in self._pre:  # refused, malformed or dropped: done with
                 continue
             try:
                 self._sel.register(conn, selectors.EVENT_READ, state)
