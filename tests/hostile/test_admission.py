@@ -80,3 +80,47 @@ def test_oldest_is_insertion_order() -> None:
 ])
 def test_sources(address: object, source: str) -> None:
     assert source_of(address) == source
+
+
+def test_a_full_table_evicts_the_oldest_idle_entry_of_the_largest_sources() -> None:
+    """Against a model: when the table is full, the entry given up is the oldest idle one (by
+    the time it was added) of all the sources tied for the most entries, else the one of them
+    that progressed first, whatever the sources' names hash to (random use, 20,000 steps)."""
+    rng = random.Random(11)
+    t: FairTable[int] = FairTable(total=24, per_source=6)
+    added: dict[int, tuple[str, int]] = {}  # entry -> (source, time added)
+    moved: dict[int, int] = {}  # entry -> time it progressed
+    clock = 0
+    for i in range(20000):
+        clock += 1
+        op = rng.random()
+        if op < 0.6:
+            src = f"10.{rng.randrange(40)}.0.{rng.randrange(3)}"
+            expected = None
+            mine = [e for e, (s, _) in added.items() if s == src]
+            if len(mine) < 6 and len(added) >= 24:
+                counts: dict[str, int] = {}
+                for s, _ in added.values():
+                    counts[s] = counts.get(s, 0) + 1
+                top = max(counts.values())
+                tied = [e for e, (s, _) in added.items() if counts[s] == top]
+                idle = [e for e in tied if e not in moved]
+                expected = (min(idle, key=lambda e: added[e][1]) if idle
+                            else min(tied, key=lambda e: moved[e]))
+            evicted = t.add(i, src)
+            if expected is not None:
+                assert evicted == [expected], (i, evicted, expected)
+            for gone in evicted:
+                del added[gone]
+                moved.pop(gone, None)
+            added[i] = (src, clock)
+        elif op < 0.75 and added:
+            k = rng.choice(list(added))
+            assert t.remove(k)
+            del added[k]
+            moved.pop(k, None)
+        elif added:
+            k = rng.choice(list(added))
+            t.progressed(k)
+            moved.setdefault(k, clock)
+        assert len(t) == len(added) <= 24

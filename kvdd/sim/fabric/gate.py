@@ -16,11 +16,15 @@ Links: at most ``MAX_LINKS`` accepted by the instance and ``MAX_LINKS_PER_SOURCE
 (:func:`.admission.source_of`).  A link over either gets ``LLM_LINK_FAILED`` in its reply, with a
 message naming the bound (upstream has no link limit that returns a status of its own:
 ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` is never returned, SEMANTICS.md §7).  A relink of a cluster id
-that already has a link from the same address is let through (the engine replaces or refuses it
-as always), so a peer at its bound can still recover its own link.  A link holds its place until
-its connection ended *and* the engine closed our handle on the peer (unlink, a replacing link,
-finalize): a broken link keeps its entity, and the peer's table, until then, so a peer cannot
-make entities without bound by dropping its connections.  When an address is at its bound (links
+for which the same address has a link whose entity is open is let through (the engine replaces
+or refuses it as always), so a peer at its bound can still recover its own link; when it is
+made, the link it replaced (same address, same cluster id, our handle closed by the engine) has
+its connection aborted, so relinks never hold more than one link per cluster id past the bounds
+(any other relink counts like a new link).  A link holds its place until its connection ended
+*and* the engine closed our handle on the peer (unlink, a replacing link, finalize): a broken
+link keeps its entity, and the peer's table, until then, so a peer cannot make entities without
+bound by dropping its connections, nor by resetting its connection before our reply (the entity
+made for it is then counted as a broken link).  When an address is at its bound (links
 or tables) and has broken links, the oldest of them is dropped to make room (the engine forgets
 it as after the peer's unlink: ``LLM_NOT_YET_LINK`` on it from then on), so a peer that restarts
 under new cluster ids can always link again.
@@ -138,7 +142,7 @@ class HandshakeGate:
         self._queued: dict[str, tuple[int, int]] = {}  # source -> (hellos, bytes) waiting
         self._queued_bytes = 0
         self._closed = False
-        # source -> link -> [cluster id, caches, connection alive, handle open]
+        # source -> link -> [cluster id, caches, connection alive, handle open, had a handle]
         self._links: dict[str, dict[Channel, list[int]]] = {}
         self._reserved: dict[str, int] = {}
         self._total = 0  # live links + reservations
@@ -156,7 +160,7 @@ class HandshakeGate:
     def _reserve(self, source: str, cluster_id: int) -> bool:
         with self._lock:
             mine = self._links.get(source, {})
-            relink = any(rec[0] == cluster_id for rec in mine.values())
+            relink = any(rec[0] == cluster_id and rec[3] for rec in mine.values())
             if not relink and (self._total >= MAX_LINKS or len(mine)
                                + self._reserved.get(source, 0) >= MAX_LINKS_PER_SOURCE):
                 return False
@@ -218,8 +222,17 @@ class HandshakeGate:
                 self._reserved[source] = n
             else:
                 self._reserved.pop(source, None)
-            self._links.setdefault(source, {})[chan] = [cluster_id, caches, 1,
-                                                        int(handle is not None)]
+            mine = self._links.setdefault(source, {})
+            # the links this one replaced: same address and cluster id, our entity closed
+            # (by the engine, for this link), their connection still up
+            replaced = [old for old, rec in mine.items()
+                        if rec[0] == cluster_id and rec[2] and rec[4] and not rec[3]]
+            mine[chan] = [cluster_id, caches, 1, int(handle is not None),
+                          int(handle is not None)]
+        for old in replaced:  # its place is freed when its connection ended (``_gone``)
+            logger.info("kvdd fabric %s: closing the link of cluster %d from %s that a relink "
+                        "replaced", self._label, cluster_id, source)
+            old.kill()
         chan.on_dead = lambda: self._gone(source, chan, 2)
         if chan.dead.is_set():
             self._gone(source, chan, 2)
@@ -262,9 +275,22 @@ class HandshakeGate:
             self._queued_bytes += size
             self._jobs.append((conn, session, ftype, payload, source))
             if not self._idle and self._workers < HANDSHAKE_WORKERS:
-                self._workers += 1
-                threading.Thread(target=self._work, daemon=True,
-                                 name=f"kvdd-sim-handshake {self._label}").start()
+                try:
+                    threading.Thread(target=self._work, daemon=True,
+                                     name=f"kvdd-sim-handshake {self._label}").start()
+                except RuntimeError as exc:  # no thread now: the running workers serve it
+                    warn_limited(logger, "worker", "kvdd fabric: no handshake worker started "
+                                 "on %s: %s", self._label, exc)
+                    if not self._workers:  # none at all: refused (a later hello tries again)
+                        self._jobs.pop()
+                        self._queued_bytes -= size
+                        if count:
+                            self._queued[source] = (count, nbytes)
+                        else:
+                            del self._queued[source]
+                        return False
+                else:
+                    self._workers += 1
             else:
                 self._cv.notify()
         return True

@@ -434,13 +434,19 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
             chan.local_user = False
             if made:  # our entity exists but its connection is gone: transfers time out
                 chan.dead.set()
+                if ticket is not None:  # a broken link: counted until the entity goes
+                    ticket.attach(chan, offer.cluster_id, made[0])
             finish(conn)
             return False
         chan.served = mine[1]
         chan.peer_user = True
         if ticket is not None:  # the link holds its place while our entity or the connection lives
             ticket.attach(chan, offer.cluster_id, made[0] if made else None)
-    chan.start()
+    try:
+        chan.start()
+    except OSError as exc:  # closed before it started (unlinked or replaced meanwhile): ended
+        logger.debug("kvdd fabric: a link ended before it started: %s", exc)
+        chan.kill()
     return True
 
 

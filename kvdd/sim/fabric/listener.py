@@ -14,8 +14,10 @@ the listening socket and every connection that is not a link yet, in three bound
   ``LINGER_S`` (so closing does not reset the reply away).
 
 A full table, or a source at its share, evicts rather than refuses (:class:`.admission.FairTable`:
-from the source with the most entries, its oldest idle one first), so floods of cheap connections
-cannot keep a legitimate initiator out.  The secret is read once and cached (:func:`.auth.load_secret`
+from the sources with the most entries, the oldest idle entry among them first), so floods of cheap
+connections cannot keep a legitimate initiator out; a connection that did not bring a whole
+authentication hello (an initiator sends it in one write) and would only evict an entry of its own
+address is closed at accept, before it costs a place or a registration.  The secret is read once and cached (:func:`.auth.load_secret`
 checks the file with one ``lstat`` per hello).
 """
 
@@ -46,8 +48,8 @@ from .registry import norm_ip, register, unregister
 from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_HELLO_LINK,
                    F_HELLO_UNLINK, HDR, HELLO_TIMEOUT_S, LINGER_S, MAX_DRAINING,
                    MAX_HELLO_BUFFERED, MAX_POSTAUTH, MAX_POSTAUTH_PER_SOURCE, MAX_PREAUTH,
-                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, ProtocolError, VersionMismatch,
-                   check_header, frame, version_refusal)
+                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError,
+                   VersionMismatch, check_header, frame, version_refusal)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,15 @@ _DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
 _READING_HELLO, _READING_PROOF = 0, 1
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _MMAP_HELLO = 1 << 16  # hellos of at least this many bytes are read into an anonymous mapping
+_AUTH_HELLO_BYTES = HDR.size + NONCE_BYTES + 1  # the initiator's first write (its whole hello)
+
+
+def _whole_hello(first: bytes | None) -> bool:
+    """Whether the first bytes of a connection are a whole authentication hello, or at least a
+    header of another protocol version (let in: it is answered with a version refusal)."""
+    if first is None or len(first) < HDR.size:
+        return False
+    return len(first) >= _AUTH_HELLO_BYTES or first[2] != PROTOCOL_VERSION
 
 
 class _PreAuth:
@@ -210,6 +221,8 @@ class Listener:
                     elif key.fileobj is self._wake_r:
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
+                    elif not self._current(key):
+                        continue  # closed by an earlier event of this batch (evicted)
                     else:
                         try:
                             self._step(key.data)
@@ -238,6 +251,14 @@ class Listener:
             self._wake_r.close()
             self._wake_w.close()
             self.gate.close()
+
+    def _current(self, key: selectors.SelectorKey) -> bool:
+        """Whether ``key`` (an event of this turn) is still its connection's registration: an
+        earlier event of the same turn may have closed it (eviction) or given it a new state."""
+        try:
+            return self._sel.get_key(key.fileobj).data is key.data
+        except (KeyError, ValueError):  # unregistered, or closed (fileno -1)
+            return False
 
     def _next_deadline(self) -> float:
         soonest = time.monotonic() + 1.0
@@ -281,15 +302,19 @@ class Listener:
             self.accepted += 1
             source = addr[0] if self._ipv4 else source_of(addr)
             try:  # what the connection sent during the kernel's deferral
-                first: bytes | None = conn.recv(HDR.size, _DONTWAIT)
+                first: bytes | None = conn.recv(_AUTH_HELLO_BYTES, _DONTWAIT)
             except BlockingIOError:
                 first = None
             except OSError:
                 first = b""
-            if not first and (first is not None or len(self._pre) >= MAX_PREAUTH
-                              or self._pre.count(source) >= MAX_PREAUTH_PER_SOURCE):
-                # closed already, or silent for the deferral while its table or its address's
-                # share is full: dropped at once (a legitimate initiator's hello is there)
+            mine = self._pre.count(source)
+            if first == b"" or (not _whole_hello(first) and (
+                    mine >= MAX_PREAUTH_PER_SOURCE
+                    or (len(self._pre) >= MAX_PREAUTH and mine >= self._pre.largest()))):
+                # closed already, or without a whole authentication hello (sent in one write
+                # by every initiator) while it would evict an entry of its own address (at its
+                # share, or the table full and its address among the largest): closed at once,
+                # before it costs a place or a registration
                 self.dropped += 1
                 conn.close()
                 continue
@@ -298,12 +323,19 @@ class Listener:
             for old in self._pre.add(state, source):  # fair eviction (admission.py)
                 self._close(old)
             try:
+                while first and state in self._pre and state.stage == _READING_HELLO:
+                    piece = state.need - len(state.buf)  # (the hello came with the connection)
+                    self._step_pre(state, first[:piece])
+                    first = first[piece:]
+            except Exception:  # a bug: log it, drop that connection, go on
+                logger.exception("kvdd fabric: a connection to %s:%d failed", self.ip, self.port)
+                self._drop(state)
+            if state not in self._pre:  # refused, malformed or dropped: done with
+                continue
+            try:
                 self._sel.register(conn, selectors.EVENT_READ, state)
             except (OSError, ValueError):
                 self._drop(state)
-                continue
-            if first:
-                self._step_pre(state, first)  # the hello's header came with the connection
 
     def _expire(self, now: float) -> None:
         for table in (self._pre, self._post):
@@ -322,6 +354,7 @@ class Listener:
         """Close a connection already removed from its table (evicted)."""
         if isinstance(state, _Hello):
             self._buffered -= len(state.body)
+            state.body = bytearray()  # counted once, however often it is closed
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(state.sock)
         with contextlib.suppress(OSError):

@@ -39,6 +39,7 @@ would grant the peer full ptrace.  ``KVDD_SIM_XPROC=tcp`` turns the path off.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -57,10 +58,14 @@ try:  # always built on Linux; absent elsewhere → TCP only
 except ImportError:  # pragma: no cover
     _xproc = None  # type: ignore[assignment]
 
+from .logutil import warn_limited
 from .samehost_attest import (SameHostRefused, attest, pass_pidfd, pidfd_passing,
                               recv_msg, same_sender)
 
 logger = logging.getLogger(__name__)
+
+_ACCEPT_FATAL = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # the socket is closed
+_ACCEPT_RETRY_S = 0.01  # after a failed accept (out of fds): the wait before the next
 
 __all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused", "Endpoint",
            "availability", "offer", "accept", "prove", "endpoint", "ptrace_scope", "boot_id"]
@@ -458,8 +463,15 @@ class Endpoint:
             try:
                 fd, _ = accept()
             except OSError as exc:
-                logger.warning("kvdd same-host endpoint stopped: %s", exc)
-                return
+                if self._sock.fileno() < 0 or exc.errno in _ACCEPT_FATAL:  # closed
+                    logger.warning("kvdd same-host endpoint stopped: %s", exc)
+                    return
+                # out of fds or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or a connection
+                # aborted in the queue: the endpoint stays; a link meanwhile may use TCP
+                warn_limited(logger, "samehost-accept", "kvdd same-host endpoint: accept "
+                             "failed: %s", exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             try:
                 same_uid = peer_cred(fd)[1] == uid
             except OSError:
@@ -468,8 +480,13 @@ class Endpoint:
                 close(fd)  # another user, or too many proofs at once: that link uses TCP
                 continue
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
-            threading.Thread(target=self._serve, args=(conn,), name="kvdd-samehost-proof",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="kvdd-samehost-proof",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread now: that link uses TCP
+                self._slots.release()
+                conn.close()
+                warn_limited(logger, "samehost-thread", "kvdd same-host endpoint: %s", exc)
 
     def _claim(self, sid: bytes) -> _Pending | None:
         with self._lock:

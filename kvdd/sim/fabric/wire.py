@@ -66,7 +66,9 @@ AUTH_FRAMES = frozenset((F_AUTH_HELLO, F_AUTH_CHALLENGE, F_AUTH_PROOF, F_AUTH_OK
 # ---- bounds (docs/security.md) ----
 PREAUTH_TIMEOUT_S = 2.0  # a connection must authenticate within this, from accept
 MAX_PREAUTH = 256  # connections not yet authenticated, per listener (fair eviction: admission.py)
-MAX_PREAUTH_PER_SOURCE = 64  # of them from one address (IPv4, or an IPv6 /64)
+MAX_PREAUTH_PER_SOURCE = MAX_PREAUTH  # of them from one address (IPv4, or an IPv6 /64): all
+#   (a full table evicts from the largest source, so one address's share only sets how long its
+#   own progressed entries last under its own flood)
 HELLO_TIMEOUT_S = 5.0  # an authenticated connection must deliver its whole hello within this
 MAX_POSTAUTH = 64  # authenticated connections still sending their hello, per listener
 MAX_POSTAUTH_PER_SOURCE = 16  # of them from one address
