@@ -207,8 +207,8 @@ class Watch:
                 if avail < need:
                     avail += _inq(self.sock)
                     if avail < need:  # the rest has not arrived: the next leader finishes it
-                        self._at_end()
                         self._rxs, self._rx_need = steps, need
+                        self._at_end()
                         return False
                 try:
                     need = steps.send(avail)
