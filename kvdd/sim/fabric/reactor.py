@@ -89,7 +89,10 @@ class Reactor:
                 self._start()
             assert self._ep is not None
             self._watched[fd] = (owner, 0)
-            self._ep.register(fd, _ONESHOT)
+            try:
+                self._ep.register(fd, _ONESHOT)
+            except FileExistsError:  # a socket closed without remove() had this number
+                self._ep.modify(fd, _ONESHOT)
 
     def remove(self, fd: int, owner: object) -> None:
         """Stop watching ``fd`` (call before closing it); a no-op when not watched for ``owner``."""

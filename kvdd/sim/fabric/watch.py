@@ -109,13 +109,13 @@ class Watch:
     def _bg_poke_locked(self) -> None:
         """Nobody may lead now: the pool's side looks again when it may (the lock held; a caller
         calls it as it stops leading or ends a request)."""
-        if (self._bg != _PARKED or not self._started or self._leader is not None
+        if (self._bg == _QUEUED or not self._started or self._leader is not None
                 or self._waiters or self.dead.is_set() or not self._here()):
             return
-        if self.rx.buffered:  # a leader left bytes behind: at once
+        if self.rx.buffered:  # a leader left bytes behind (the socket may have none): at once
             self._bg = _QUEUED
             self._reactor.submit(self._bg_run)
-        elif not self._active:
+        elif self._bg == _PARKED and not self._active:
             idle = time.monotonic() - self._last_active
             if idle >= IDLE_S:
                 self._bg = _ARMED
