@@ -24,6 +24,7 @@ import time
 from .rx import Pending, Rx, Sink, Stage, Steps
 from .small import encode_one_run
 from .tx import WAIT_LOCK
+from .watch import ARMED
 from .streams import Layout, send_stream
 from .watchdog import DeadlineGuard
 from .wire import F_LEASE_READ, HDR, MAGIC, PROTOCOL_VERSION, frame
@@ -58,6 +59,7 @@ class Calls:
     _tail: bytes | None
     _rxs: Steps[None] | None  # a frame a pool thread left half-read (finished by _frame)
     _tx_wait: int
+    _bg: int
 
     if TYPE_CHECKING:  # defined by Channel and the other mixins
         def kill(self) -> None: ...
@@ -66,6 +68,7 @@ class Calls:
         def _flush_tail(self) -> None: ...
         def _unlead(self) -> None: ...
         def _bg_poke_locked(self) -> None: ...
+        def _bg_quiet_locked(self) -> None: ...
         def _tx_unblock(self) -> None: ...
 
     def _release_send(self) -> None:
@@ -118,6 +121,8 @@ class Calls:
                     p = Pending(req, deadline, stage)
                     self._pending[req] = p
                     self._active += 1
+                    if self._bg == ARMED:
+                        self._bg_quiet_locked()
                     if self._leader is None and self._started:  # reading may begin
                         self._leader = p
                         lead = True
@@ -202,6 +207,8 @@ class Calls:
             p = Pending(req, deadline, sink)
             self._pending[req] = p
             self._active += 1
+            if self._bg == ARMED:
+                self._bg_quiet_locked()
         guard = self._guard
         if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
             guard.arm(deadline)

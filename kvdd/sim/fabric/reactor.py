@@ -122,6 +122,21 @@ class Reactor:
                 if exc.errno not in (errno.EBADF, errno.ENOENT):
                     raise
 
+    def disarm(self, fd: int, owner: object, events: int) -> None:
+        """No notification for ``events`` after all (one may be on its way: owners ignore it)."""
+        with self._lock:
+            got = self._watched.get(fd)
+            if got is None or got[0] is not owner or not got[1] & events:
+                return
+            armed = got[1] & ~events
+            self._watched[fd] = (owner, armed)
+            assert self._ep is not None
+            try:
+                self._ep.modify(fd, armed | _ONESHOT)
+            except OSError as exc:
+                if exc.errno not in (errno.EBADF, errno.ENOENT):
+                    raise
+
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on a pool thread, after the tasks already queued."""
         with self._lock:

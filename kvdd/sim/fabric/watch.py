@@ -35,11 +35,13 @@ from .rx import Rx, Steps
 from .watchdog import WATCHDOG
 from .wire import HDR, SMALL_BYTES
 
-__all__ = ["Watch", "IDLE_S"]
+__all__ = ["Watch", "IDLE_S", "IDLE_MAX_S", "ARMED"]
 
 IDLE_S = 0.001  # the pool leads once no caller was active for this long (seconds)
+IDLE_MAX_S = 0.008  # the longest between two looks while callers keep the socket busy (seconds)
 _POOL = object()  # the leader token of a pool thread
-_PARKED, _ARMED, _QUEUED = 0, 1, 2  # the pool's side: left to callers / watched / on the pool
+_PARKED, ARMED, _QUEUED = 0, 1, 2  # the pool's side: left to callers / watched / on the pool
+_ARMED = ARMED
 _FRAMES_SHARE = 64  # frames a pool task handles before it queues itself behind the others
 _ONE_RUN_FRAME = HDR.size + 36  # a one-run LEASE_READ frame, served in compiled code
 _INQ = struct.Struct("i")
@@ -83,7 +85,15 @@ class Watch:
         self._rx_need = 0  # the bytes it waits for
         self._bg = _PARKED  # the pool's side of receiving (under _lock)
         self._bg_timer = False  # a look after IDLE_S is scheduled
+        self._bg_wait = IDLE_S  # the next look's delay (doubles while callers stay busy)
         self._hup = False  # the reactor saw the connection's end (or an error)
+
+    def _bg_quiet_locked(self) -> None:
+        """A caller begins a request: it reads its own reply, so the socket is no longer watched
+        (its reply would only wake a pool thread for nothing) (the lock held)."""
+        if self._bg == _ARMED:
+            self._bg = _PARKED
+            self._reactor.disarm(self._fd, self, IN)
 
     def _bg_find_end(self) -> None:
         """The connection was aborted: whoever reads next finds its end (a pool thread, when
@@ -119,29 +129,32 @@ class Watch:
             idle = time.monotonic() - self._last_active
             if idle >= IDLE_S:
                 self._bg = _ARMED
+                self._bg_wait = IDLE_S
                 self._reactor.arm(self._fd, self, IN)
             elif not self._bg_timer:
                 self._bg_timer = True
-                WATCHDOG.schedule(IDLE_S - idle, self._bg_on_timer)
+                WATCHDOG.schedule(max(IDLE_S - idle, self._bg_wait), self._bg_on_timer)
 
     def _bg_on_timer(self) -> None:
         with self._lock:
             self._bg_timer = False
+            # callers keep the connection busy: look less often (up to IDLE_MAX_S)
+            self._bg_wait = min(self._bg_wait * 2, IDLE_MAX_S)
             self._bg_poke_locked()
 
     def on_readable(self, events: int) -> None:
         """The socket has bytes (or ended): the reactor's notification, on a pool thread."""
         if events & HUP:
             self._hup = True
-        with self._lock:
-            if self._bg != _ARMED:
-                return
-            self._bg = _QUEUED
-        self._bg_run()
+        self._bg_run(True)
 
-    def _bg_run(self) -> None:
+    def _bg_run(self, armed: bool = False) -> None:
         """A pool thread leads while it may and the bytes are there (never waiting for more)."""
         with self._lock:
+            if armed:  # a notification: only for the armed state (a late one is ignored)
+                if self._bg != _ARMED:
+                    return
+                self._bg = _QUEUED
             if self.dead.is_set():
                 self._bg = _PARKED
                 return
@@ -220,10 +233,11 @@ class Watch:
 
     def _bg_goes_on(self) -> bool:
         """Whether the pool keeps leading after a frame (read without the lock: a caller arriving
-        meanwhile finds its reply read by this leader, as when it arrives just after)."""
+        meanwhile finds its reply read by this leader, as when it arrives just after).  Not when
+        nothing is buffered: the socket is armed again instead, which notifies at once if more
+        has arrived (a request/answer exchange costs no look at the socket in between)."""
         return not (self._waiters or self.dead.is_set()) and bool(
-            self.rx.buffered or self._hup or not self._active
-            and time.monotonic() - self._last_active >= IDLE_S)
+            self.rx.buffered or self._hup)
 
     def _at_end(self) -> None:
         """Nothing more to read now: ConnectionError when the connection ended (else None)."""
