@@ -5,9 +5,9 @@ watched here while nobody else reads it, and the work it has (frames the peer se
 send) runs as short tasks on a pool of :data:`POOL_THREADS` threads shared by every connection of
 the process: the number of fabric threads does not grow with the number of links.
 
-*Readiness.*  :meth:`Reactor.arm` asks for one notification (``epoll`` one-shot) when a socket
-can be read (:data:`IN`) or written (:data:`OUT`); the pool runs the connection's
-:class:`Watched` method for it then.  The pool is a leader/follower pool: one of its threads waits
+*Readiness.*  :meth:`Reactor.arm` asks for notifications when a socket can be read
+(:data:`IN`: each time bytes arrive, ``epoll`` edge-triggered, until :meth:`Reactor.disarm`) or
+written (:data:`OUT`: once); the pool runs the connection's :class:`Watched` method for each.  The pool is a leader/follower pool: one of its threads waits
 in ``epoll``, and the thread that wakes runs the first ready task itself (no hand-off to another
 thread: a peer's small request is served by the thread that saw it arrive), handing the poller's
 role to the next idle thread.
@@ -41,7 +41,7 @@ THREAD_PREFIX = "kvdd-sim-fabric-"
 IN = select.EPOLLIN | select.EPOLLRDHUP
 OUT = select.EPOLLOUT
 HUP = select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP  # the peer's end, or an error
-_ONESHOT = select.EPOLLONESHOT
+_ET = select.EPOLLET  # IN stays armed across notifications: no system call per request
 
 
 class Watched(Protocol):
@@ -90,9 +90,9 @@ class Reactor:
             assert self._ep is not None
             self._watched[fd] = (owner, 0)
             try:
-                self._ep.register(fd, _ONESHOT)
+                self._ep.register(fd, _ET)
             except FileExistsError:  # a socket closed without remove() had this number
-                self._ep.modify(fd, _ONESHOT)
+                self._ep.modify(fd, _ET)
 
     def remove(self, fd: int, owner: object) -> None:
         """Stop watching ``fd`` (call before closing it); a no-op when not watched for ``owner``."""
@@ -108,16 +108,17 @@ class Reactor:
                 pass
 
     def arm(self, fd: int, owner: object, events: int) -> None:
-        """One notification when ``fd`` is ready for ``events`` (:data:`IN`, :data:`OUT`)."""
+        """Notifications when ``fd`` is ready for ``events`` (:data:`IN`: at once if it is, then
+        each time bytes arrive; :data:`OUT`: once)."""
         with self._lock:
             got = self._watched.get(fd)
-            if got is None or got[0] is not owner:
+            if got is None or got[0] is not owner or got[1] & events == events:
                 return
             armed = got[1] | events
             self._watched[fd] = (owner, armed)
             assert self._ep is not None
             try:
-                self._ep.modify(fd, armed | _ONESHOT)
+                self._ep.modify(fd, armed | _ET)
             except OSError as exc:  # closed under us: its owner learns it from its own I/O
                 if exc.errno not in (errno.EBADF, errno.ENOENT):
                     raise
@@ -132,7 +133,7 @@ class Reactor:
             self._watched[fd] = (owner, armed)
             assert self._ep is not None
             try:
-                self._ep.modify(fd, armed | _ONESHOT)
+                self._ep.modify(fd, armed | _ET)
             except OSError as exc:
                 if exc.errno not in (errno.EBADF, errno.ENOENT):
                     raise
@@ -171,20 +172,23 @@ class Reactor:
                 if task is None:
                     self._polling = True
             if task is None:
-                self._poll(ep)
-                continue
+                task = self._poll(ep)
+                if task is None:
+                    continue
             try:
                 task()
             except Exception:  # a bug: log it; the thread serves on
                 logger.exception("kvdd fabric: a pool task failed")
             del task
 
-    def _poll(self, ep: select.epoll) -> None:
-        """Wait for readiness and queue the tasks it brings (this thread then takes the first)."""
+    def _poll(self, ep: select.epoll) -> Callable[[], None] | None:
+        """Wait for readiness: the first task it brings, for this thread (the rest are queued,
+        and an idle thread is woken for them)."""
         try:
             events = ep.poll()
         except InterruptedError:
             events = []
+        first: Callable[[], None] | None = None
         with self._lock:
             self._polling = False
             for fd, ev in events:
@@ -199,22 +203,26 @@ class Reactor:
                 if got is None:
                     continue  # removed meanwhile
                 owner, armed = got
-                fired = 0
                 if ev & (select.EPOLLIN | HUP) and armed & select.EPOLLIN:
-                    fired |= IN
-                    self._tasks.append(_Readable(owner, ev))
+                    task: Callable[[], None] = _Readable(owner, ev)
+                    if first is None:
+                        first = task
+                    else:
+                        self._tasks.append(task)
                 if ev & (select.EPOLLOUT | HUP) and armed & select.EPOLLOUT:
-                    fired |= OUT
-                    self._tasks.append(owner.on_writable)
-                rest = armed & ~fired
-                self._watched[fd] = (owner, rest)
-                if rest:  # one-shot disarmed both: re-arm what did not fire
+                    if first is None:
+                        first = owner.on_writable
+                    else:
+                        self._tasks.append(owner.on_writable)
+                    armed &= ~OUT  # once
+                    self._watched[fd] = (owner, armed)
                     try:
-                        ep.modify(fd, rest | _ONESHOT)
+                        ep.modify(fd, armed | _ET)
                     except OSError:
                         pass
-            if len(self._tasks) > 1 and self._idle:  # this thread takes the first: help
-                self._cv.notify()  # (that thread, when no task is left, polls)
+            if self._tasks and self._idle:  # help with the rest (that thread, when no task
+                self._cv.notify()  # is left, polls)
+        return first
 
     def after_fork_in_child(self) -> None:
         """Forget the parent's poller and threads (its epoll set is shared with the parent: the

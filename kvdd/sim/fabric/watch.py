@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import fcntl
 import socket
-import struct
 import termios
 import threading
 import time
@@ -44,15 +43,13 @@ _PARKED, ARMED, _QUEUED = 0, 1, 2  # the pool's side: left to callers / watched 
 _ARMED = ARMED
 _FRAMES_SHARE = 64  # frames a pool task handles before it queues itself behind the others
 _ONE_RUN_FRAME = HDR.size + 36  # a one-run LEASE_READ frame, served in compiled code
-_INQ = struct.Struct("i")
+_FIONREAD = termios.FIONREAD
+_INT0 = bytes(4)
 
 
 def _inq(sock: socket.socket) -> int:
     """Bytes readable from ``sock`` now (FIONREAD)."""
-    buf = bytearray(4)
-    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf, True)
-    n: int = _INQ.unpack(buf)[0]
-    return n
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), _FIONREAD, _INT0), "little")
 
 
 class Watch:
@@ -87,21 +84,31 @@ class Watch:
         self._bg_timer = False  # a look after IDLE_S is scheduled
         self._bg_wait = IDLE_S  # the next look's delay (doubles while callers stay busy)
         self._hup = False  # the reactor saw the connection's end (or an error)
+        self._bg_in = False  # the reactor notifies this connection's arrivals (armed, or queued)
+        self._bg_again = False  # bytes arrived while a pool task led: it looks once more
+
+    def _bg_set_locked(self, state: int) -> None:
+        """Parked (not watched) or armed (watched): the reactor is told only of a change."""
+        self._bg = state
+        if state == _ARMED and not self._bg_in:
+            self._bg_in = True
+            self._reactor.arm(self._fd, self, IN)
+        elif state == _PARKED and self._bg_in:
+            self._bg_in = False
+            self._reactor.disarm(self._fd, self, IN)
 
     def _bg_quiet_locked(self) -> None:
         """A caller begins a request: it reads its own reply, so the socket is no longer watched
         (its reply would only wake a pool thread for nothing) (the lock held)."""
         if self._bg == _ARMED:
-            self._bg = _PARKED
-            self._reactor.disarm(self._fd, self, IN)
+            self._bg_set_locked(_PARKED)
 
     def _bg_find_end(self) -> None:
         """The connection was aborted: whoever reads next finds its end (a pool thread, when
         nobody reads)."""
         with self._lock:
             if self._bg == _PARKED and not self.dead.is_set() and self._here():
-                self._bg = _ARMED
-                self._reactor.arm(self._fd, self, IN)
+                self._bg_set_locked(_ARMED)
 
     def _unlead(self) -> None:
         with self._lock:
@@ -128,9 +135,8 @@ class Watch:
         elif self._bg == _PARKED and not self._active:
             idle = time.monotonic() - self._last_active
             if idle >= IDLE_S:
-                self._bg = _ARMED
                 self._bg_wait = IDLE_S
-                self._reactor.arm(self._fd, self, IN)
+                self._bg_set_locked(_ARMED)
             elif not self._bg_timer:
                 self._bg_timer = True
                 WATCHDOG.schedule(max(IDLE_S - idle, self._bg_wait), self._bg_on_timer)
@@ -151,18 +157,22 @@ class Watch:
     def _bg_run(self, armed: bool = False) -> None:
         """A pool thread leads while it may and the bytes are there (never waiting for more)."""
         with self._lock:
-            if armed:  # a notification: only for the armed state (a late one is ignored)
-                if self._bg != _ARMED:
+            if armed:  # a notification: bytes arrived
+                if self._bg == _QUEUED:  # while a task leads: it looks once more
+                    self._bg_again = True
+                    return
+                if self._bg != _ARMED:  # a late one (parked meanwhile): callers read
                     return
                 self._bg = _QUEUED
             if self.dead.is_set():
                 self._bg = _PARKED
                 return
             if not self._bg_wants():
-                self._bg = _PARKED
+                self._bg_set_locked(_PARKED)
                 self._bg_poke_locked()  # (a look after IDLE_S, when that is what it waits for)
                 return
             self._leader = _POOL
+            self._bg_again = False
         more = False
         try:
             more = self._bg_lead()
@@ -180,14 +190,14 @@ class Watch:
                 self._rx_cv.notify_all()
             if self.dead.is_set():
                 self._bg = _PARKED
-            elif more and self._bg_wants():  # others' turn first
+            elif (more or self._bg_again) and self._bg_wants():  # (others' turn first)
+                self._bg_again = False
                 self._bg = _QUEUED
                 self._reactor.submit(self._bg_run)
             elif self._rxs is not None or self._bg_wants():  # wait for the bytes
-                self._bg = _ARMED
-                self._reactor.arm(self._fd, self, IN)
+                self._bg_set_locked(_ARMED)
             else:
-                self._bg = _PARKED
+                self._bg_set_locked(_PARKED)
                 self._bg_poke_locked()
 
     def _bg_lead(self) -> bool:
@@ -233,11 +243,10 @@ class Watch:
 
     def _bg_goes_on(self) -> bool:
         """Whether the pool keeps leading after a frame (read without the lock: a caller arriving
-        meanwhile finds its reply read by this leader, as when it arrives just after).  Not when
-        nothing is buffered: the socket is armed again instead, which notifies at once if more
-        has arrived (a request/answer exchange costs no look at the socket in between)."""
+        meanwhile finds its reply read by this leader, as when it arrives just after)."""
         return not (self._waiters or self.dead.is_set()) and bool(
-            self.rx.buffered or self._hup)
+            self.rx.buffered or self._hup or not self._active
+            and time.monotonic() - self._last_active >= IDLE_S)
 
     def _at_end(self) -> None:
         """Nothing more to read now: ConnectionError when the connection ended (else None)."""
