@@ -30,6 +30,7 @@ import select
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 __all__ = ["Reactor", "REACTOR", "Watched", "POOL_THREADS", "IN", "OUT", "HUP", "THREAD_PREFIX"]
@@ -204,7 +205,7 @@ class Reactor:
                     continue  # removed meanwhile
                 owner, armed = got
                 if ev & (select.EPOLLIN | HUP) and armed & select.EPOLLIN:
-                    task: Callable[[], None] = _Readable(owner, ev)
+                    task: Callable[[], None] = partial(owner.on_readable, ev)
                     if first is None:
                         first = task
                     else:
@@ -237,19 +238,6 @@ class Reactor:
     def threads(self) -> int:
         """Pool threads started (0 or :data:`POOL_THREADS`)."""
         return len(self._threads)
-
-
-class _Readable:
-    """A readable notification's task (the events it came with)."""
-
-    __slots__ = ("owner", "events")
-
-    def __init__(self, owner: Watched, events: int) -> None:
-        self.owner = owner
-        self.events = events
-
-    def __call__(self) -> None:
-        self.owner.on_readable(self.events)
 
 
 REACTOR = Reactor()

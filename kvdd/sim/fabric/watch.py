@@ -190,11 +190,13 @@ class Watch:
                 self._rx_cv.notify_all()
             if self.dead.is_set():
                 self._bg = _PARKED
-            elif (more or self._bg_again) and self._bg_wants():  # (others' turn first)
+                return
+            wants = self._bg_wants()
+            if (more or self._bg_again) and wants:  # (others' turn first)
                 self._bg_again = False
                 self._bg = _QUEUED
                 self._reactor.submit(self._bg_run)
-            elif self._rxs is not None or self._bg_wants():  # wait for the bytes
+            elif wants or self._rxs is not None:  # wait for the bytes
                 self._bg_set_locked(_ARMED)
             else:
                 self._bg_set_locked(_PARKED)
@@ -210,7 +212,8 @@ class Watch:
                 if avail < _ONE_RUN_FRAME:
                     avail += _inq(self.sock)
                 if avail == 0:
-                    self._at_end()
+                    if self._hup:
+                        self._at_end()
                     return False
                 if avail >= _ONE_RUN_FRAME and not _injections.armed:
                     got = rx.serve_lease_read(self._grant_resolving_owner, None, self.served,
@@ -231,7 +234,8 @@ class Watch:
                     avail += _inq(self.sock)
                     if avail < need:  # the rest has not arrived: the next leader finishes it
                         self._rxs, self._rx_need = steps, need
-                        self._at_end()
+                        if self._hup:
+                            self._at_end()
                         return False
                 try:
                     need = steps.send(avail)
