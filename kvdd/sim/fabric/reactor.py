@@ -7,10 +7,11 @@ the process: the number of fabric threads does not grow with the number of links
 
 *Readiness.*  :meth:`Reactor.arm` asks for notifications when a socket can be read
 (:data:`IN`: each time bytes arrive, ``epoll`` edge-triggered, until :meth:`Reactor.disarm`) or
-written (:data:`OUT`: once); the pool runs the connection's :class:`Watched` method for each.  The pool is a leader/follower pool: one of its threads waits
-in ``epoll``, and the thread that wakes runs the first ready task itself (no hand-off to another
-thread: a peer's small request is served by the thread that saw it arrive), handing the poller's
-role to the next idle thread.
+written (:data:`OUT`: once); the pool runs the connection's :class:`Watched` method for each.
+The pool is a leader/follower pool: one of its threads waits in ``epoll``, and the thread that
+wakes runs the first ready task itself (no hand-off to another thread: a peer's small request is
+served by the thread that saw it arrive); an idle thread is woken only for the tasks beyond the
+first, and the thread polls again once its task is done (tasks are short, below).
 *Tasks never block.*  Sockets are read only as far as their bytes have arrived and written with
 non-blocking sends (see :mod:`~.channel`): a slow or hostile peer costs a pool thread a few
 microseconds per notification, never a wait, so it cannot stall other links' service.  A task
@@ -51,8 +52,6 @@ class Watched(Protocol):
     def on_readable(self, events: int) -> None: ...
 
     def on_writable(self) -> None: ...
-
-
 
 
 class Reactor:

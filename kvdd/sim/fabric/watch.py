@@ -11,8 +11,12 @@ when more arrives.  It stops leading as soon as a caller waits (that caller lead
 :data:`_FRAMES_SHARE` frames queues itself behind the other connections' work.  A leader that
 leaves bytes in the buffer hands them to the pool at once.
 
-States of the pool's side (``_bg``, under the channel lock): *parked* (callers lead, or a look is
-scheduled), *armed* (the reactor watches the socket), *queued* (a pool task runs or will).
+States of the pool's side (``_bg``, under the channel lock): *parked* (not watched: callers lead,
+or a look is scheduled), *armed* (the reactor notifies each arrival of bytes), *queued* (a pool
+task runs or will; bytes arriving meanwhile make it look once more before it is armed again).  A
+caller that begins a request parks an armed connection (its reply would only wake a pool thread),
+so the reactor is told of a change once per burst of calls, not per call; while callers keep the
+connection busy, the look after the last one backs off from :data:`IDLE_S` to :data:`IDLE_MAX_S`.
 """
 
 from __future__ import annotations
