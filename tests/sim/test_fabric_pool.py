@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -100,14 +101,17 @@ def test_threads_do_not_grow_with_links() -> None:
 
 
 def test_a_peer_that_does_not_read_stalls_no_other_link() -> None:
-    """2 x POOL_THREADS peers send PINGs as fast as they can and never read the PONGs (each is
-    cut off at the queue bound); meanwhile another connection answers its PINGs at once, and
-    every flooding one ends."""
+    """2 x POOL_THREADS peers send small reads (LEASE_READ of one run: answered inline, 16 bytes
+    each) as fast as they can and never read the answers: their sockets fill, the rest of the
+    answers wait for the sending side (which waits for the socket without a thread), then in the
+    queue, and each is cut off at the queue bound; meanwhile another connection answers its PINGs
+    at once, and every flooding one ends."""
     owner = MinimalOwner()
     stuck = _open(2 * POOL_THREADS, owner)
     live = _open(1, owner)
     try:
-        pings = b"".join(_frame(wire.F_PING, 1 + i, b"x" * 60000) for i in range(8))
+        one_run = struct.pack("<QII", 5, 1, 1) + struct.pack("<Iqq", 0, 0, 64)
+        pings = b"".join(_frame(wire.F_LEASE_READ, 1 + i, one_run) for i in range(1000))
         stop = time.monotonic() + 10
 
         def flood(s: socket.socket) -> None:
