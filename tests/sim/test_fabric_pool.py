@@ -166,3 +166,37 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
         _ping(links[0][1], 2)  # the parent's pool is untouched
     finally:
         _close(links)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def test_a_half_sent_payload_costs_what_arrived() -> None:
+    """32 peers announce a READ of 4 MiB (the bound of a request) and send 8 KiB of it, then
+    wait: the pool reads what arrived and no more (memory grows with the bytes that came, not the
+    announced length: 32 x 4 MiB would be 128 MiB), and the other links are served meanwhile;
+    a peer that then sends the rest has its request handled (here refused: it is malformed)."""
+    owner = MinimalOwner()
+    live = _open(1, owner)
+    _ping(live[0][1], 1)
+    rss0 = _rss_mib()
+    half = _open(32, owner)
+    try:
+        head = wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_READ, 9, wire.MAX_REQUEST)
+        for _chan, theirs in half:
+            theirs.sendall(head + bytes(8192))
+        time.sleep(0.5)
+        _ping(live[0][1], 2)
+        grown = _rss_mib() - rss0
+        assert grown < 32, f"RSS grew by {grown:.0f} MiB"
+        assert not any(chan.dead.is_set() for chan, _ in half)
+        chan, theirs = half[0]
+        theirs.sendall(bytes(wire.MAX_REQUEST - 8192))  # the rest: a malformed request
+        deadline = time.monotonic() + 5
+        while not chan.dead.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert chan.dead.is_set()
+    finally:
+        _close(half + live)

@@ -337,20 +337,17 @@ class Channel(Calls, Sender, Watch):
 
     def _payload_steps(self, length: int) -> Steps[bytes]:
         """A payload of a checked length: read whole once it arrived (up to _WHOLE bytes), else
-        piece by piece as it comes (memory: the payload, as for a blocking read)."""
+        piece by piece as it comes (memory grows with the bytes that arrived, as for a blocking
+        read: a peer announcing 4 MiB and sending 1 byte costs 1 byte)."""
         if length == 0:
             return b""
         avail = yield min(length, _WHOLE)
         if avail >= length:
             return self.rx.exact(length)
-        buf = bytearray(length)
-        mv = memoryview(buf)
-        pos = 0
+        buf = bytearray()
         while True:
-            take = min(length - pos, avail)
-            self.rx.into(mv[pos:pos + take])
-            pos += take
-            if pos == length:
+            buf += self.rx.exact(min(length - len(buf), avail))  # there: no wait
+            if len(buf) == length:
                 return bytes(buf)
             avail = yield 1
 
