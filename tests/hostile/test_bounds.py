@@ -28,6 +28,7 @@ import pytest
 
 from kvdd import LlmRole, Status
 from kvdd.sim.fabric import auth, samehost, wire
+from kvdd.sim.fabric.reactor import POOL_THREADS
 from kvdd.sim.fabric.wire import (HANDSHAKE_WORKERS, MAX_DRAINING, MAX_LINKS,
                                   MAX_LINKS_PER_SOURCE)
 
@@ -162,9 +163,10 @@ def test_links_from_one_key_holder_are_bounded(victim: Victim, world: World,  # 
               f"victim threads {threads0} -> {threads}, fds {fds0} -> {fds}, "
               f"RSS {rss0:.0f} -> {rss:.0f} MiB")
         assert len(held) == MAX_LINKS_PER_SOURCE and refused == 2000 - MAX_LINKS_PER_SOURCE
-        # two threads per link (receiver, sender), the handshake workers, RPC threads of the
-        # test harness; one fd per link, the answered connections still draining
-        assert threads - threads0 <= 2 * MAX_LINKS_PER_SOURCE + HANDSHAKE_WORKERS + 8
+        # no thread per link: the fabric's pool (POOL_THREADS, started with the victim's first
+        # link), the handshake workers, RPC threads of the test harness; one fd per link, the
+        # answered connections still draining
+        assert threads - threads0 <= POOL_THREADS + HANDSHAKE_WORKERS + 8 < MAX_LINKS_PER_SOURCE
         assert fds - fds0 <= MAX_LINKS_PER_SOURCE + MAX_DRAINING + 8
         assert rss - rss0 < RSS_BOUND_MIB
         assert _legit_link(port, 19999) is not None  # another address still links
@@ -215,7 +217,7 @@ def test_links_from_many_addresses_are_bounded_in_all(victim: Victim,  # noqa: F
               f"{threads0} -> {threads}")
         # D's own link counts too
         assert MAX_LINKS - 2 <= len(held) <= MAX_LINKS
-        assert threads - threads0 <= 2 * MAX_LINKS + HANDSHAKE_WORKERS + 8
+        assert threads - threads0 <= POOL_THREADS + HANDSHAKE_WORKERS + 8  # none per link
     finally:
         for s in held:
             s.close()

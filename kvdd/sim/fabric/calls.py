@@ -14,13 +14,17 @@ channel's own (one object, one lock; split in two modules by concern).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import socket
 import struct
 import threading
 import time
 
-from .rx import Pending, Rx, Sink, Stage
+from .rx import Pending, Rx, Sink, Stage, Steps
 from .small import encode_one_run
+from .tx import WAIT_LOCK
+from .watch import ARMED
 from .streams import Layout, send_stream
 from .watchdog import DeadlineGuard
 from .wire import F_LEASE_READ, HDR, MAGIC, PROTOCOL_VERSION, frame
@@ -43,7 +47,6 @@ class Calls:
     _lock: threading.Lock
     _sink_lock: threading.Lock
     _rx_cv: threading.Condition
-    _bg_cv: threading.Condition
     _pending: dict[int, Pending]
     _guard: DeadlineGuard
     _req_ids: int
@@ -54,21 +57,25 @@ class Calls:
     _started: bool
     _running: threading.Event
     _tail: bytes | None
+    _rxs: Steps[None] | None  # a frame a pool thread left half-read (finished by _frame)
+    _tx_wait: int
+    _bg: int
 
-    def kill(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # defined by Channel and the other mixins
+        def kill(self) -> None: ...
+        def _frame(self) -> None: ...
+        def _fail(self, exc: BaseException) -> None: ...
+        def _flush_tail(self) -> None: ...
+        def _unlead(self) -> None: ...
+        def _bg_poke_locked(self) -> None: ...
+        def _bg_quiet_locked(self) -> None: ...
+        def _tx_unblock(self) -> None: ...
 
-    def _frame(self) -> None:
-        raise NotImplementedError
-
-    def _fail(self, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def _flush_tail(self) -> None:
-        raise NotImplementedError
-
-    def _unlead(self) -> None:
-        raise NotImplementedError
+    def _release_send(self) -> None:
+        """Let go of send_lock (a sending task waiting for it is queued again)."""
+        self.send_lock.release()
+        if self._tx_wait == WAIT_LOCK:
+            self._tx_unblock()
 
     def request(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None = None,
                 data: Layout | None = None) -> bytes | None:
@@ -114,6 +121,8 @@ class Calls:
                     p = Pending(req, deadline, stage)
                     self._pending[req] = p
                     self._active += 1
+                    if self._bg == ARMED:
+                        self._bg_quiet_locked()
                     if self._leader is None and self._started:  # reading may begin
                         self._leader = p
                         lead = True
@@ -131,7 +140,7 @@ class Calls:
                     self._end(p, lead)
                     return None
             finally:
-                self.send_lock.release()
+                self._release_send()
         else:
             q = self._submit(F_LEASE_READ, encode_one_run(cache_id, tensor, off, stage.size),
                              deadline, stage, None)
@@ -143,6 +152,9 @@ class Calls:
                 rx = self.rx
                 try:
                     while not p.done:
+                        if self._rxs is not None:  # a frame left half-read comes first
+                            self._frame()
+                            continue
                         status = rx.small_reply(req, stage)
                         if status >= 0:
                             p.reply = status
@@ -180,11 +192,10 @@ class Calls:
                 self._leader = None
                 if self._waiters:
                     self._rx_cv.notify_all()
-                if self.rx.buffered:
-                    self._bg_cv.notify()
             self._pending.pop(p.req, None)
             self._active -= 1
             self._last_active = time.monotonic()
+            self._bg_poke_locked()
 
     def _submit(self, ftype: int, payload: bytes, deadline: float, sink: Sink | None,
                 data: Layout | None) -> Pending | None:
@@ -196,6 +207,8 @@ class Calls:
             p = Pending(req, deadline, sink)
             self._pending[req] = p
             self._active += 1
+            if self._bg == ARMED:
+                self._bg_quiet_locked()
         guard = self._guard
         if guard.armed_until is None or guard.armed_until > deadline:  # else no lock needed
             guard.arm(deadline)
@@ -214,7 +227,7 @@ class Calls:
                 self.kill()
                 return None
             finally:
-                self.send_lock.release()
+                self._release_send()
             sent = True
             return p
         finally:
@@ -255,6 +268,9 @@ class Calls:
             if type(sink) is Stage:  # a small READ: its own DATA and DONE in compiled code
                 rx = self.rx
                 while not p.done:
+                    if self._rxs is not None:  # a frame left half-read comes first
+                        self._frame()
+                        continue
                     status = rx.small_reply(p.req, sink)
                     if status >= 0:
                         p.reply = status

@@ -9,16 +9,16 @@ an entity.
 that sent a request leads until its own reply is in, so a small call costs the caller no thread
 hand-off (it sends, reads its answer itself, and returns); frames for other waiters or requests of
 the peer that arrive meanwhile are handled on the way.  A caller whose reply another leader reads
-is woken by it.  The connection's receiver thread leads when no caller was active for
-:data:`IDLE_S` (it then waits in ``recv``: the peer's requests, the connection's end, and the
-first reply of a caller arriving meanwhile); while callers are active it leaves the socket to
-them, looking again after :data:`IDLE_S`, then less and less often while they stay busy (at
-most every :data:`IDLE_MAX_S`: a peer's request arriving just after a burst of calls waits that
-long at most), and at once when a leader leaves bytes behind.
-*Sending.*  ``send_lock`` orders whole frames; a worker thread answers queued requests and sends
-READ data; a receiving leader answers a small request with a non-blocking send when the
-connection is free (the rest goes to the worker, counted in the queue bounds; whoever sends next
-sends that rest first: ``_tail``).
+is woken by it.  The connection has no thread of its own: when no caller was active for
+:data:`IDLE_S` its socket is watched by the fabric's reactor (:mod:`~.reactor`) and a pool thread
+leads when bytes arrive (the peer's requests, the connection's end), reading only as far as they
+have arrived (a frame that is not all there yet is left half-read, :data:`~.rx.Steps`, and
+finished by the next leader); while callers are active it leaves the socket to them, and at once
+takes it when a leader leaves bytes behind.
+*Sending.*  ``send_lock`` orders whole frames; the connection's queue of jobs (:mod:`~.tx`)
+answers queued requests and sends READ data, on the pool, without blocking; a receiving leader
+answers a small request with a non-blocking send when the connection is free (the rest goes to
+the queue, counted in its bounds; whoever sends next sends that rest first: ``_tail``).
 
 Leases (SEMANTICS.md §10 rule 5 across processes, :mod:`~.leases`): a transfer first asks the
 owner for a lease on the remote cache; the owner checks the cache is still registered (else
@@ -30,21 +30,21 @@ transfers (:mod:`~.small`) take one round trip: LEASE_READ / LEASE_WRITE, served
 inline with the same checks and statuses, the cache held only around the copy (a one-run
 LEASE_READ by compiled code: :meth:`~.rx.Rx.serve_lease_read`).
 
-This end's requests (registering, sending, waiting and leading) are :class:`~.calls.Calls`, a
-mixin of :class:`Channel` in its own module.
+This end's requests (registering, sending, waiting and leading) are :class:`~.calls.Calls`, and
+the queue of what it sends without a caller is :class:`~.tx.Sender`: mixins of :class:`Channel`
+in their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import struct
 import threading
-import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from ..._native._small import serve_one_run
 from ...status import PARAM_INVALID, S_OK, Status
@@ -55,36 +55,23 @@ from .endpoints import add_endpoint, close_channels, close_endpoint, discard_end
 from .leases import Lease, LeaseTable
 from .logutil import warn_limited
 from .protocol import LinkOffer, LinkOwner, PeerHandle, ServedCache, Snapshot
-from .rx import Goodbye, Pending, Rx, Sink
-from .serving import serve_read, serve_write
-from .small import serve_small_read, serve_small_write
+from .reactor import REACTOR
+from .rx import ALL, Goodbye, Pending, Rx, Sink, Steps
+from .serving import serve_write_steps
+from .small import serve_small_read, serve_small_write_steps
+from .tx import Sender
+from .watch import IDLE_S, Watch
 from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
-                   F_WRITE, MAGIC, MAX_JOBS, MAX_QUEUED_BYTES, PROTOCOL_VERSION,
-                   SMALL_BYTES, ProtocolError, Reader, decode_request, frame)
+                   F_WRITE, HDR, MAGIC, PROTOCOL_VERSION, SMALL_BYTES, ProtocolError, Reader)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "Pending", "Sink", "take_endpoint", "close_channels", "close_endpoint",
-           "IDLE_S", "IDLE_MAX_S"]
+           "IDLE_S"]
 
-IDLE_S = 0.001  # the receiver thread leaves the socket to callers active within this (seconds)
-IDLE_MAX_S = 0.008  # the longest it sleeps while callers keep the socket busy (seconds)
-_J_SEND = -1  # worker job: send this end's own frame (RELEASE, CLOSE_HANDLE)
-_J_CLOSE = -2  # worker job: (GOODBYE and) FIN, after every frame queued before
-_J_REPLY = 101  # worker job: send an answer the reader prepared (counted in the queue bounds)
-_J_FLUSH = 102  # worker job: send the rest of an answer the reader began (``_tail``)
-ANSWER_CHARGE = 4096  # queue bytes a prepared answer counts as, at least (2,048 fit the bound)
-
-
-def _charge(ftype: int, payload: bytes | bytearray | int) -> tuple[int, int]:
-    """What a queued job counts in the bounds: (requests, bytes)."""
-    if ftype in (_J_REPLY, _J_FLUSH):
-        return 0, max(len(payload) if not isinstance(payload, int) else 0, ANSWER_CHARGE)
-    return 1, 0 if isinstance(payload, int) else len(payload)
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-_RECEIVER = object()  # the leader token of the receiver thread
+_WHOLE = 4096  # a payload up to this is read once all of it arrived; longer ones as they come
 
 
 class GoneOwner:
@@ -110,7 +97,7 @@ class GoneOwner:
         return S_OK
 
 
-class Channel(Calls):
+class Channel(Calls, Sender, Watch):
     """One end of a link's TCP connection: serves the peer's requests on ``owner``'s caches and
     carries this end's requests (see the module docstring)."""
 
@@ -130,24 +117,24 @@ class Channel(Calls):
         self._sink_lock = threading.Lock()  # held while DATA goes into a caller's sink
         self._guard = DeadlineGuard(self._waiting, self.kill)  # closes it when a request is late
         self._req_ids = 0
-        self._leader: object | None = None  # who reads the socket now (a Pending, _RECEIVER)
+        self._leader: object | None = None  # who reads the socket now (a Pending, a pool thread)
         self._waiters = 0  # callers waiting on _rx_cv (for their reply or to lead)
         self._active = 0  # callers with a request in progress
         self._last_active = 0.0
         self._rx_cv = threading.Condition(self._lock)
-        self._bg_cv = threading.Condition(self._lock)
-        self._jobs: deque[tuple[int, int, bytes | bytearray | int] | None] = deque()
-        self._jobs_cv = threading.Condition(self._lock)
-        self._queued_jobs = 0  # the peer's requests waiting for the worker
-        self._queued_bytes = 0
+        self._watch_init()
         self._tail: bytes | None = None  # the unsent rest of a frame (under send_lock)
+        self._tx_init()
         self._closing = False
-        self._closed_wr = threading.Event()  # the worker sent FIN (after GOODBYE, if asked)
+        self._closed_wr = threading.Event()  # the sending side sent FIN (after GOODBYE, if asked)
         self.dead = threading.Event()
         self.peer_finalized = False
         self.local_user = False  # our PeerHandle on the peer uses this connection
         self.peer_user = False  # the peer's PeerHandle on us uses it
         self._started = False
+        self._pid = os.getpid()
+        self._reactor = REACTOR
+        self._fd = -1
         self._running = threading.Event()  # set by start(): the socket may be read from then
         self.on_dead: Callable[[], None] | None = None  # the listener's link count (gate.py)
 
@@ -157,14 +144,25 @@ class Channel(Calls):
         owner = self._owner()
         return self._gone if owner is None else owner
 
+    def _here(self) -> bool:
+        """In the process that started the connection (a forked child only inherited it)."""
+        return self._pid == os.getpid()
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.sock.settimeout(None)
         add_endpoint(self.owner, self)
-        self._started = True
-        self._running.set()
-        threading.Thread(target=self._receiver, name=f"kvdd-sim-rx {self.label}", daemon=True).start()
-        threading.Thread(target=self._worker, name=f"kvdd-sim-tx {self.label}", daemon=True).start()
+        self._pid = os.getpid()
+        self._fd = self.sock.fileno()
+        self._reactor.add(self._fd, self)
+        with self._lock:
+            self._started = True
+            self._running.set()
+            if self.dead.is_set():
+                return
+            self._bg_poke_locked()
+            if self._jobs:
+                self._tx_kick_locked()
 
     def kill(self) -> None:
         """Abort the connection (errors, deadlines): both directions stop at once."""
@@ -172,10 +170,12 @@ class Channel(Calls):
             self.sock.shutdown(socket.SHUT_RDWR)
         if not self._started:
             self._on_dead()
+            return
+        self._bg_find_end()
 
     def close(self, goodbye: bool = False) -> None:
-        """Close gracefully: optional GOODBYE, then FIN; the receiver drains until the peer
-        closes (at most CLOSE_LINGER_S)."""
+        """Close gracefully: optional GOODBYE, then FIN; the receiving side drains until the
+        peer closes (at most CLOSE_LINGER_S)."""
         with self._lock:
             if self._closing or self.dead.is_set():
                 return
@@ -183,9 +183,7 @@ class Channel(Calls):
         if not self._started:
             self._on_dead()
             return
-        with self._lock:  # after the frames already queued (CLOSE_HANDLE, RELEASE)
-            self._jobs.append((_J_CLOSE, int(goodbye), b""))
-            self._jobs_cv.notify()
+        self._queue_close(goodbye)
         WATCHDOG.schedule(CLOSE_LINGER_S, self.kill)
         if goodbye:  # finalize returns once the peers have been told (or the link is dead)
             self._closed_wr.wait(CLOSE_LINGER_S)
@@ -226,15 +224,19 @@ class Channel(Calls):
                     p.failed = True
                     p.done = True
             self._rx_cv.notify_all()
-            self._bg_cv.notify_all()
             self._jobs.clear()
             self._jobs.append(None)
-            self._jobs_cv.notify_all()
+            self._tx_wake_dead()
+            half, self._rxs = (self._rxs, None) if self._leader is None else (None, self._rxs)
+        if half is not None:  # a half-read frame lets go of what it holds (a WRITE's lease)
+            half.close()
         for lease in self.leases.take_all(close=True):  # a dead reader releases at once
             lease.drop()
         self._closed_wr.set()
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked in send
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a caller blocked in send or recv
+        if self._started:
+            self._reactor.remove(self._fd, self)
         with contextlib.suppress(OSError):
             self.sock.close()
         discard_endpoint(self._owner(), self)
@@ -262,65 +264,30 @@ class Channel(Calls):
             logger.exception("kvdd fabric %s: receiving failed", self.label, exc_info=exc)
         self._on_dead()
 
-    # -- receiving ------------------------------------------------------------------------------
-    def _unlead(self) -> None:
-        with self._lock:
-            self._leader = None
-            if self._waiters:
-                self._rx_cv.notify_all()
-            if self.rx.buffered:
-                self._bg_cv.notify()
-
-    def _receiver(self) -> None:
-        """The receiver thread: leads while no caller is active (see the module docstring); it
-        then waits in ``recv`` itself (a caller arriving meanwhile gets its first reply from it)."""
+    # -- receiving: frames ----------------------------------------------------------------------------
+    def _frame(self) -> None:
+        """Read one frame and handle it, blocking (a leader; it first finishes a frame a pool
+        thread left half-read)."""
+        steps = self._rxs
+        if steps is None:
+            steps = self._frame_steps()
+            next(steps)
+        else:
+            self._rxs = None
         try:
             while True:
-                with self._lock:
-                    wait = IDLE_S
-                    while True:
-                        if self.dead.is_set():
-                            return
-                        if self._leader is None and not self._waiters and (
-                                self.rx.buffered or not self._active
-                                and time.monotonic() - self._last_active >= IDLE_S):
-                            break
-                        self._bg_cv.wait(wait)
-                        # callers keep the socket busy: look less often (up to IDLE_MAX_S)
-                        wait = min(wait * 2, IDLE_MAX_S)
-                    self._leader = _RECEIVER
-                try:
-                    rx = self.rx
-                    # the compiled read blocks until a frame comes: it gets no reference to the
-                    # owner (that would keep a dropped instance alive, §3.1); the grant resolves
-                    # the owner when a request arrives
-                    grant = self._grant_resolving_owner
-                    while True:
-                        got = None if _injections.armed else rx.serve_lease_read(
-                            grant, None, self.served, SMALL_BYTES, PARAM_INVALID)
-                        if got is not None:  # a one-run LEASE_READ, served in compiled code
-                            self._answer(*got)
-                        else:
-                            self._frame()
-                        # keep leading while it would take the lead again; read without the lock
-                        # (a caller arriving meanwhile finds its reply read by this leader, as
-                        # when it arrives just after the check)
-                        if (self._waiters or self.dead.is_set() or not (
-                                rx.buffered or not self._active
-                                and time.monotonic() - self._last_active >= IDLE_S)):
-                            break
-                finally:
-                    self._unlead()
-        except BaseException as exc:
-            self._fail(exc)
+                steps.send(ALL)
+        except StopIteration:
+            pass
 
-    def _frame(self) -> None:
-        """Read one frame and handle it (the leader only)."""
+    def _frame_steps(self) -> Steps[None]:
+        """Read one frame and handle it, as far as its bytes have arrived (:data:`~.rx.Steps`)."""
+        yield HDR.size
         ftype, req, length = self.rx.header()
         if ftype == F_DATA:
-            self._recv_data(req, length)
+            yield from self._data_steps(req, length)
             return
-        payload = self.rx.exact(length)
+        payload = yield from self._payload_steps(length)
         if ftype in (F_LEASE_REPLY, F_DONE, F_PONG):
             with self._lock:
                 p = self._pending.get(req)
@@ -350,10 +317,12 @@ class Channel(Calls):
         elif ftype in (F_LEASE, F_READ, F_PING):
             self._enqueue(ftype, req, payload)
         elif ftype == F_LEASE_WRITE:
-            self._answer(req, serve_small_write(self.owner, self._grant_small, self.rx, req,
-                                                payload))
+            answer = yield from serve_small_write_steps(self.owner, self._grant_small, self.rx,
+                                                        req, payload)
+            self._answer(req, answer)
         elif ftype == F_WRITE:
-            self._serve_write(req, payload)
+            status = yield from serve_write_steps(self.leases, self.owner, self.rx, req, payload)
+            self._enqueue(F_DONE, req, status)
         elif ftype == F_RELEASE:
             lease_id = Reader(payload).u("Q")
             lease = self.leases.forget(lease_id)
@@ -366,39 +335,45 @@ class Channel(Calls):
         else:
             raise ProtocolError(f"unexpected frame type {ftype} on a link")
 
-    def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
-        """Queue work for the worker: at most MAX_JOBS requests of the peer and MAX_QUEUED_BYTES
-        wait; a peer sending more (one that does not read our answers) loses its connection.
-        Answers already prepared (small replies waiting for the send side) count in the bytes
-        only, each as at least ANSWER_CHARGE: a peer that reads, only late, may have many small
-        requests in flight, and one that never reads is still cut off."""
-        jobs, size = _charge(ftype, payload)
-        with self._lock:
-            if (self._queued_jobs + jobs > MAX_JOBS
-                    or self._queued_bytes + size > MAX_QUEUED_BYTES):
-                raise ProtocolError(f"too many queued requests ({self._queued_jobs}, "
-                                    f"{self._queued_bytes} bytes)")
-            self._queued_jobs += jobs
-            self._queued_bytes += size
-            self._jobs.append((ftype, req, payload))
-            self._jobs_cv.notify()
+    def _payload_steps(self, length: int) -> Steps[bytes]:
+        """A payload of a checked length: read whole once it arrived (up to _WHOLE bytes), else
+        piece by piece as it comes (memory grows with the bytes that arrived, as for a blocking
+        read: a peer announcing 4 MiB and sending 1 byte costs 1 byte)."""
+        if length == 0:
+            return b""
+        avail = yield min(length, _WHOLE)
+        if avail >= length:
+            return self.rx.exact(length)
+        buf = bytearray()
+        while True:
+            buf += self.rx.exact(min(length - len(buf), avail))  # there: no wait
+            if len(buf) == length:
+                return bytes(buf)
+            avail = yield 1
 
-    def _recv_data(self, req: int, length: int) -> None:
-        """DATA for a pending READ: into its sink (unless its caller gave up)."""
+    def _data_steps(self, req: int, length: int) -> Steps[None]:
+        """DATA for a pending READ: into its sink (unless its caller gave up), as it arrives."""
         with self._lock:
             p = self._pending.get(req)
         if p is None or p.sink is None:
             raise ProtocolError("DATA without a pending read")
         if p.done and not p.failed:
             raise ProtocolError("DATA after the request's DONE")
-        with self._sink_lock:
-            if p.cancelled:
-                self.rx.discard(length)
-            else:
-                p.sink.recv(self.rx, length)
-
-    def _serve_write(self, req: int, payload: bytes) -> None:
-        self._enqueue(F_DONE, req, serve_write(self.leases, self.owner, self.rx, req, payload))
+        sink = p.sink
+        left = length
+        while True:
+            avail = yield 1 if left else 0
+            take = min(left, avail)
+            with self._sink_lock:
+                if p.cancelled:
+                    self.rx.discard(take)
+                else:
+                    if take < length and left == length and length > sink.left:
+                        raise ProtocolError("more DATA than the transfer holds")  # as the sink
+                    sink.recv(self.rx, take)
+            left -= take
+            if not left:
+                return
 
     def _grant_resolving_owner(self, _owner: object, served: Mapping[int, ServedCache],
                                cache_id: int) -> tuple[int, ServedCache | None]:
@@ -406,104 +381,3 @@ class Channel(Calls):
 
     def _grant_small(self, cache_id: int) -> tuple[int, ServedCache | None]:
         return self.leases.grant_small(self.owner, self.served, cache_id)
-
-    # -- the worker thread ------------------------------------------------------------------------
-    def _worker(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    while not self._jobs:
-                        self._jobs_cv.wait()
-                    job = self._jobs.popleft()
-                    if job is not None and job[0] > 0:
-                        jobs, size = _charge(job[0], job[2])
-                        self._queued_jobs -= jobs
-                        self._queued_bytes -= size
-                if job is None:
-                    return
-                ftype, req, payload = job
-                if isinstance(payload, int):  # F_DONE of a WRITE
-                    self._send(F_DONE, req, struct.pack("<I", payload))
-                elif ftype == F_LEASE:
-                    self._send(F_LEASE_REPLY, req, self.leases.grant(
-                        self.owner, self.served, bytes(payload), self.peer_wait_ms))
-                elif ftype == F_READ:
-                    self._serve_read(req, payload)
-                elif ftype == F_LEASE_READ:
-                    self._send_raw(serve_small_read(self.owner, self._grant_small, req,
-                                                    bytes(payload)))
-                elif ftype in (_J_REPLY, _J_SEND):
-                    self._send_raw(payload)
-                elif ftype == _J_FLUSH:
-                    self._send_raw(b"")
-                elif ftype == F_PING:
-                    self._send(F_PONG, req, b"")
-                elif ftype == _J_CLOSE:
-                    try:
-                        with self.send_lock:
-                            self._flush_tail()
-                            if req:
-                                self.sock.sendall(frame(F_GOODBYE, 0))
-                            self.sock.shutdown(socket.SHUT_WR)
-                    finally:
-                        self._closed_wr.set()
-                    return  # the receiver drains until the peer closes too
-        except OSError as exc:  # the connection ends; the owner's leases are dropped on its end
-            logger.debug("kvdd fabric %s: send failed: %s", self.label, exc)
-            self.kill()
-        except Exception:  # a bug: log it; the connection ends (transfers get LLM_TIMEOUT)
-            logger.exception("kvdd fabric %s: worker failed", self.label)
-            self.kill()
-
-    def _send(self, ftype: int, req: int, payload: bytes | bytearray) -> None:
-        self._send_raw(frame(ftype, req, payload))
-
-    def _send_raw(self, data: bytes | bytearray) -> None:
-        with self.send_lock:
-            self._flush_tail()
-            if data:
-                self.sock.sendall(data)
-
-    def _flush_tail(self) -> None:
-        """Send the rest of a frame a leader began (call with send_lock held)."""
-        tail, self._tail = self._tail, None
-        if tail:
-            self.sock.sendall(tail)
-
-    def _answer(self, req: int, data: bytes) -> None:
-        """A leader's answer to a small request, never blocking: a non-blocking send when no
-        other thread is sending; what does not fit is the worker's (counted in the queue
-        bounds, so a peer that does not read its answers loses its connection)."""
-        if self.send_lock.acquire(False):
-            try:
-                if self._tail is None:
-                    try:
-                        sent = self.sock.send(data, _DONTWAIT)
-                    except BlockingIOError:
-                        sent = 0
-                    if sent == len(data):
-                        return
-                    if sent:  # nobody may send before the rest of this frame
-                        self._tail = data[sent:]
-                        self._enqueue(_J_FLUSH, req, self._tail)
-                        return
-            finally:
-                self.send_lock.release()
-        self._enqueue(_J_REPLY, req, data)
-
-    def _serve_read(self, req: int, payload: bytes | bytearray) -> None:
-        with self.send_lock:
-            self._flush_tail()
-            serve_read(self.leases, self.owner, self.sock, req, payload)
-
-    # -- requests of this end -----------------------------------------------------------------------
-    def send_oneway(self, ftype: int, payload: bytes) -> None:
-        """A frame with no reply (RELEASE, CLOSE_HANDLE), sent by the worker thread: the caller
-        never waits behind a long transfer the worker is sending in the other direction (a
-        RELEASE that comes late only keeps a lease until it arrives or expires)."""
-        if self.dead.is_set():
-            return
-        with self._lock:
-            if not self._closing:
-                self._jobs.append((_J_SEND, 0, frame(ftype, 0, payload)))
-                self._jobs_cv.notify()

@@ -12,13 +12,14 @@ the socket likes).  Memory per connection: the buffer, plus what a frame's check
 from __future__ import annotations
 
 import socket
-from typing import Protocol
+from collections.abc import Generator
+from typing import Protocol, TypeVar
 
 from ..._native import _small
 from .wire import (F_DATA, F_DONE, F_LEASE_READ, HDR, MAGIC, MAX_LEN, PROTOCOL_VERSION, RECV_CHUNK,
                    REQ, ProtocolError, check_header)
 
-__all__ = ["Rx", "RX_BUFFER", "Sink", "Pending", "Goodbye", "Stage"]
+__all__ = ["Rx", "RX_BUFFER", "Sink", "Pending", "Goodbye", "Stage", "Steps", "drive", "ALL"]
 
 RX_BUFFER = 64 << 10  # bytes buffered per connection
 # the compiled reader's twins of the wire format (kvdd/_native/_small.pyx)
@@ -28,6 +29,28 @@ assert (_small.HEADER_SIZE, _small.F_DATA, _small.F_DONE, _small.F_LEASE_READ,
 
 #: A one-run small READ's staging buffer (``Stage(size, limit)``): a :class:`Sink`.
 Stage = _small.Stage
+
+
+T = TypeVar("T")
+
+#: Reading that proceeds as far as the bytes have arrived: a generator that yields how many bytes
+#: must be readable (buffered, or in the socket) before it reads on, and is sent how many are
+#: (at least that many); it returns its result.  A blocking reader sends :data:`ALL` (its reads
+#: then wait for the bytes: :func:`drive`); the fabric's pool (:mod:`~.reactor`) resumes it only
+#: when the bytes are there, so its reads never wait.
+Steps = Generator[int, int, T]
+ALL = 1 << 62  # "every byte asked for": what a blocking reader sends
+
+
+def drive(steps: Steps[T]) -> T:
+    """Run ``steps`` to its end, reading blocking; its result."""
+    try:
+        next(steps)
+        while True:
+            steps.send(ALL)
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
 
 
 def _bad_header(head: bytes) -> None:

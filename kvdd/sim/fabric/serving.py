@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -23,12 +23,13 @@ from ...status import S_OK, Status
 from .. import faults
 from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
-from .rx import Rx
+from .rx import Rx, Steps, drive
 from .streams import region_view, sendmsg_all
 from .wire import (F_DATA, F_DONE, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
                    STAGE_RUN_BYTES, ProtocolError, decode_request, frame)
 
-__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_write", "MAX_DISCARD"]
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_read_steps", "serve_write",
+           "serve_write_steps", "MAX_DISCARD"]
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 
@@ -128,14 +129,21 @@ class RunPlan:
             copy_runs([self._stage_region], [region], cum, self.off[a:b], lengths)
 
     def send(self, sock: socket.socket, req: int) -> None:
-        """The stream as DATA frames (one per piece, split at MAX_DATA), zero-copy for long runs."""
+        """The stream as DATA frames, sent (blocking): :meth:`send_steps`."""
+        for bufs in self.send_steps(req):
+            sendmsg_all(sock, bufs)
+
+    def send_steps(self, req: int) -> Iterator[list[memoryview]]:
+        """The stream as DATA frames (one per piece, split at MAX_DATA), zero-copy for long runs:
+        the buffers of each system call in turn (each list sent whole before the next is asked
+        for: the staging buffer is reused)."""
         if self.small:
             views = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, self.total))]
             pairs = [(o, n) for o, n in zip(self.off.tolist(), self.length.tolist()) if n]
             for k in self.tensors.tolist():
                 mv = region_view(self.regions[k])
                 views.extend(mv[o:o + n] for o, n in pairs)
-            sendmsg_all(sock, views)
+            yield views
             return
         self._plan()
         for k in self.tensors.tolist():
@@ -145,11 +153,16 @@ class RunPlan:
                     self._stage_copy(region, a, b, True)
                 for pos in range(0, len(view), MAX_DATA):
                     part = view[pos:pos + MAX_DATA]
-                    sendmsg_all(sock, [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req,
-                                                           len(part))), part])
+                    yield [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, len(part))),
+                           part]
 
     def receive(self, rx: Rx, req: int) -> None:
-        """The stream from the peer's DATA frames (any sizes) into the tensors."""
+        """The stream from the peer's DATA frames into the tensors (blocking): :meth:`receive_steps`."""
+        drive(self.receive_steps(rx, req))
+
+    def receive_steps(self, rx: Rx, req: int) -> Steps[None]:
+        """The stream from the peer's DATA frames (any sizes) into the tensors, read as far as
+        its bytes have arrived (:data:`~.rx.Steps`)."""
         left = 0  # bytes of the current DATA frame not yet received
         self._plan()
         for k in self.tensors.tolist():
@@ -158,10 +171,13 @@ class RunPlan:
                 pos = 0
                 while pos < len(view):
                     if left == 0:
+                        yield HDR.size
                         ftype, freq, left = rx.header()
                         if ftype != F_DATA or freq != req:
                             raise ProtocolError("WRITE data expected")
-                    take = min(left, len(view) - pos)
+                        continue
+                    avail = yield 1
+                    take = min(left, len(view) - pos, avail)
                     rx.into(view[pos:pos + take])
                     pos += take
                     left -= take
@@ -169,7 +185,6 @@ class RunPlan:
                     self._stage_copy(region, a, b, False)
         if left:
             raise ProtocolError("more DATA than the WRITE holds")
-
 
 
 class RunChecker(Protocol):
@@ -191,8 +206,14 @@ class UsedLease(Protocol):
 
 
 def serve_write(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int, payload: bytes) -> int:
-    """A WRITE and its DATA frames, received straight into the owner's cache; the status for
-    its DONE.
+    """:func:`serve_write_steps`, blocking."""
+    return drive(serve_write_steps(leases, owner, rx, req, payload))
+
+
+def serve_write_steps(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int,
+                      payload: bytes) -> Steps[int]:
+    """A WRITE and its DATA frames, received straight into the owner's cache as far as they have
+    arrived (:data:`~.rx.Steps`); the status for its DONE.
 
     A WRITE refused for its lease (revoked, expired) has its DATA discarded and is answered with
     the status; one refused for its runs or size ends the connection (ProtocolError: a correct
@@ -206,16 +227,21 @@ def serve_write(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int, payload:
         if total > MAX_DISCARD:
             raise ProtocolError("refused WRITE of too many bytes")
         while total > 0:  # the peer sends the data anyway: read it into nothing
+            yield HDR.size
             ftype, freq, n = rx.header()
             if ftype != F_DATA or freq != req or n > total:
                 raise ProtocolError("WRITE data expected")
-            rx.discard(n)
             total -= n
+            while n > 0:
+                avail = yield 1
+                take = min(n, avail)
+                rx.discard(take)
+                n -= take
         return status
     try:
         plan = RunPlan(lease.entry.regions, tensors, off, length)
         faults.on_serve(owner, "write", plan.total)
-        plan.receive(rx, req)
+        yield from plan.receive_steps(rx, req)
     finally:
         lease.unuse()
     return status
@@ -223,20 +249,28 @@ def serve_write(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int, payload:
 
 def serve_read(leases: RunChecker, owner: LinkOwner, sock: socket.socket, req: int,
                payload: bytes | bytearray) -> None:
-    """A READ: its DATA frames and DONE, or DONE with the refusal (call with the connection's
-    send lock held)."""
+    """:func:`serve_read_steps`, sent (blocking; call with the connection's send lock held)."""
+    for bufs in serve_read_steps(leases, owner, req, payload):
+        sendmsg_all(sock, bufs)
+
+
+def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,
+                     payload: bytes | bytearray) -> Generator[list[memoryview], None, None]:
+    """A READ: its DATA frames and DONE, or DONE with the refusal, as the buffers of each system
+    call in turn (each list sent whole before the next is asked for; the lease is held until
+    the last is).  The sender holds the connection's send lock meanwhile."""
     lease_id, tensors, off, length = decode_request(payload)
     status, lease = leases.check_runs(lease_id, tensors, off, length)
     if lease is None:
-        sock.sendall(frame(F_DONE, req, struct.pack("<I", status)))
+        yield [memoryview(frame(F_DONE, req, struct.pack("<I", status)))]
         return
     try:
         plan = RunPlan(lease.entry.regions, tensors, off, length)
         faults.on_serve(owner, "read", plan.total)
-        plan.send(sock, req)
+        yield from plan.send_steps(req)
         served, lease.on_served = lease.on_served, None
         if served is not None:  # the owner's action before DONE (a two-sided pull's key)
             served(tensors.tolist())
-        sock.sendall(frame(F_DONE, req, struct.pack("<I", S_OK)))
+        yield [memoryview(frame(F_DONE, req, struct.pack("<I", S_OK)))]
     finally:
         lease.unuse()

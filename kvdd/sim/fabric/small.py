@@ -24,12 +24,12 @@ from ...status import PARAM_INVALID, S_OK
 from .. import faults
 from ..memory import Region
 from .protocol import LinkOwner, ServedCache
-from .rx import Rx
+from .rx import Rx, Steps, drive
 from .wire import (F_DATA, F_DONE, HDR, MAGIC, PROTOCOL_VERSION, REQ, SMALL_BYTES, SMALL_MAX_RUNS,
                    ProtocolError)
 
 __all__ = ["Grant", "SmallRequest", "decode_small", "encode_one_run", "encode_small", "serve_small_read",
-           "serve_small_write", "SmallSink", "is_small"]
+           "serve_small_write", "serve_small_write_steps", "SmallSink", "is_small"]
 
 #: The lease checks of a small request: ``(status, entry)``, the entry acquired when S_OK.
 Grant = Callable[[int], tuple[int, ServedCache | None]]
@@ -186,9 +186,15 @@ def serve_small_read(owner: LinkOwner, grant: Grant, req: int, payload: bytes) -
 
 
 def serve_small_write(owner: LinkOwner, grant: Grant, rx: Rx, req: int, payload: bytes) -> bytes:
-    """A LEASE_WRITE and its DATA (staged first, so a stalled peer holds no cache): the checks
-    of LEASE and WRITE, the copy into the cache while it is held; the DONE frame.  Runs outside
-    the cache end the connection, as for a WRITE."""
+    """:func:`serve_small_write_steps`, blocking."""
+    return drive(serve_small_write_steps(owner, grant, rx, req, payload))
+
+
+def serve_small_write_steps(owner: LinkOwner, grant: Grant, rx: Rx, req: int,
+                            payload: bytes) -> Steps[bytes]:
+    """A LEASE_WRITE and its DATA (staged first, as far as it has arrived: a stalled peer holds
+    no cache; :data:`~.rx.Steps`): the checks of LEASE and WRITE, the copy into the cache while
+    it is held; the DONE frame.  Runs outside the cache end the connection, as for a WRITE."""
     r = decode_small(payload)
     if any(n < 0 for n in r.length):
         raise ProtocolError("refused LEASE_WRITE (negative length)")
@@ -196,11 +202,16 @@ def serve_small_write(owner: LinkOwner, grant: Grant, rx: Rx, req: int, payload:
     mv = memoryview(stage)
     pos = 0
     while pos < r.total:
+        yield HDR.size
         ftype, freq, n = rx.header()
         if ftype != F_DATA or freq != req or n > r.total - pos:
             raise ProtocolError("WRITE data expected")
-        rx.into(mv[pos:pos + n])
-        pos += n
+        end = pos + n
+        while pos < end:
+            avail = yield 1
+            take = min(end - pos, avail)
+            rx.into(mv[pos:pos + take])
+            pos += take
     faults.on_serve(owner, "lease")
     status, entry = grant(r.cache_id)
     if entry is not None:
