@@ -165,7 +165,10 @@ class Channel(Calls, Sender, Watch):
                 self._tx_kick_locked()
 
     def kill(self) -> None:
-        """Abort the connection (errors, deadlines): both directions stop at once."""
+        """Abort the connection (errors, deadlines): both directions stop at once.  Nothing in a
+        forked child: the socket is its parent's connection too."""
+        if self._started and not self._here():
+            return
         with contextlib.suppress(OSError):  # already closed: nothing to abort
             self.sock.shutdown(socket.SHUT_RDWR)
         if not self._started:
@@ -175,7 +178,10 @@ class Channel(Calls, Sender, Watch):
 
     def close(self, goodbye: bool = False) -> None:
         """Close gracefully: optional GOODBYE, then FIN; the receiving side drains until the
-        peer closes (at most CLOSE_LINGER_S)."""
+        peer closes (at most CLOSE_LINGER_S).  Nothing in a forked child (the parent's
+        connection)."""
+        if self._started and not self._here():
+            return
         with self._lock:
             if self._closing or self.dead.is_set():
                 return

@@ -3,6 +3,7 @@ closes them)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -22,6 +23,16 @@ _lock = threading.Lock()
 # §3.1, kvdd.sim.reaper); the connections hold their instance only weakly
 _endpoints: dict[int, set[Channel]] = {}
 _key_of: dict[Channel, int] = {}
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent may have held the lock at the fork; the tables are kept (a
+    # child's close of an inherited connection does nothing: Channel.kill / close)
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def add_endpoint(owner: LinkOwner, chan: Channel) -> None:

@@ -29,6 +29,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -161,6 +162,7 @@ class Reactor:
         ep = self._ep
         assert ep is not None
         while True:
+            harvest = False
             with self._lock:
                 while not self._tasks and self._polling:
                     self._idle += 1
@@ -168,10 +170,22 @@ class Reactor:
                         self._cv.wait()
                     finally:
                         self._idle -= 1
-                task = self._tasks.popleft() if self._tasks else None
+                if self._tasks and not self._polling:  # nobody polls: look before queued work
+                    self._polling = harvest = True
+                    task = None
+                else:
+                    task = self._tasks.popleft() if self._tasks else None
+                    if task is None:
+                        self._polling = True
+            if harvest:
+                got = self._poll(ep, 0)
+                with self._lock:
+                    if got is not None:
+                        self._tasks.append(got)
+                    task = self._tasks.popleft() if self._tasks else None
                 if task is None:
-                    self._polling = True
-            if task is None:
+                    continue
+            elif task is None:
                 task = self._poll(ep)
                 if task is None:
                     continue
@@ -181,12 +195,16 @@ class Reactor:
                 logger.exception("kvdd fabric: a pool task failed")
             del task
 
-    def _poll(self, ep: select.epoll) -> Callable[[], None] | None:
+    def _poll(self, ep: select.epoll, timeout: float = -1) -> Callable[[], None] | None:
         """Wait for readiness: the first task it brings, for this thread (the rest are queued,
         and an idle thread is woken for them)."""
         try:
-            events = ep.poll()
+            events = ep.poll(timeout)
         except InterruptedError:
+            events = []
+        except OSError:  # a bug (the set closed under it?): log it; the next poll tries again,
+            logger.exception("kvdd fabric: the pool's poll failed")  # never leaving the others
+            time.sleep(0.01)  # waiting on a poller that is gone
             events = []
         first: Callable[[], None] | None = None
         with self._lock:

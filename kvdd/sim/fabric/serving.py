@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Protocol
 
@@ -25,8 +26,9 @@ from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
 from .streams import region_view, sendmsg_all
-from .wire import (F_DATA, F_DONE, HDR, MAGIC, MAX_DATA, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK,
-                   STAGE_RUN_BYTES, ProtocolError, decode_request, frame)
+from .wire import (F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
+                   PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
+                   frame)
 
 __all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_read_steps", "serve_write",
            "serve_write_steps", "MAX_DISCARD"]
@@ -173,8 +175,8 @@ class RunPlan:
                     if left == 0:
                         yield HDR.size
                         ftype, freq, left = rx.header()
-                        if ftype != F_DATA or freq != req:
-                            raise ProtocolError("WRITE data expected")
+                        if ftype != F_DATA or freq != req or left == 0:  # (an empty DATA
+                            raise ProtocolError("WRITE data expected")  # only spins the reader)
                         continue
                     avail = yield 1
                     take = min(left, len(view) - pos, avail)
@@ -226,11 +228,16 @@ def serve_write_steps(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int,
         total = int(length.sum()) * len(tensors)
         if total > MAX_DISCARD:
             raise ProtocolError("refused WRITE of too many bytes")
-        while total > 0:  # the peer sends the data anyway: read it into nothing
+        # the peer sends the data anyway: read it into nothing, within the time a lease
+        # would have had (the longest an owner honours, and its grace)
+        deadline = time.monotonic() + (MAX_LEASE_MS + LEASE_GRACE_MS) / 1000
+        while total > 0:
             yield HDR.size
             ftype, freq, n = rx.header()
-            if ftype != F_DATA or freq != req or n > total:
+            if ftype != F_DATA or freq != req or n > total or n == 0:
                 raise ProtocolError("WRITE data expected")
+            if time.monotonic() > deadline:
+                raise ProtocolError("the data of a refused WRITE outlived a lease")
             total -= n
             while n > 0:
                 avail = yield 1

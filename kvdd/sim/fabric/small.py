@@ -204,8 +204,8 @@ def serve_small_write_steps(owner: LinkOwner, grant: Grant, rx: Rx, req: int,
     while pos < r.total:
         yield HDR.size
         ftype, freq, n = rx.header()
-        if ftype != F_DATA or freq != req or n > r.total - pos:
-            raise ProtocolError("WRITE data expected")
+        if ftype != F_DATA or freq != req or n > r.total - pos or n == 0:  # (an empty DATA
+            raise ProtocolError("WRITE data expected")  # only spins the reader)
         end = pos + n
         while pos < end:
             avail = yield 1

@@ -209,6 +209,7 @@ class Watch:
     def _bg_lead(self) -> bool:
         """Handle the frames that have arrived (a share of them): True when more may be there."""
         rx = self.rx
+        steps_left = 4 * _FRAMES_SHARE  # reads within frames (a request's DATA) count too
         for _ in range(_FRAMES_SHARE):
             steps = self._rxs
             if steps is None:
@@ -241,6 +242,10 @@ class Watch:
                         if self._hup:
                             self._at_end()
                         return False
+                if steps_left <= 0:  # others' turn: the next task goes on with this frame
+                    self._rxs, self._rx_need = steps, need
+                    return True
+                steps_left -= 1
                 try:
                     need = steps.send(avail)
                 except StopIteration:

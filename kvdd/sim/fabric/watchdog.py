@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -81,7 +82,17 @@ class Watchdog:
                     logger.exception("kvdd fabric: a deadline callback failed")
 
 
+    def after_fork_in_child(self) -> None:
+        """A forked child starts with no timers: the inherited ones are its parent's (they would
+        act on connections the child only shares), and so is the lock's state."""
+        self._cv = threading.Condition(threading.Lock())
+        self._heap = []
+        self._thread = None
+        self._cancelled = 0
+
+
 WATCHDOG = Watchdog()
+os.register_at_fork(after_in_child=WATCHDOG.after_fork_in_child)
 
 
 
