@@ -28,6 +28,8 @@ source is what the tests import)::
     python tools/mutate.py                 # every target
     python tools/mutate.py auth leases     # some targets
     python tools/mutate.py --list          # the mutants, without running anything
+    python tools/mutate.py --equivalent    # the mutants marked equivalent, with their lines
+    python tools/mutate.py auth --at kvdd/sim/fabric/auth.py:109   # one line's mutants
 
 The exit status is 0 when every mutant was killed, 1 when some survived.  Each mutated file is
 restored after its mutant ran (and on Ctrl-C).  A run of the whole catalogue takes tens of
@@ -67,7 +69,8 @@ TARGETS: tuple[Target, ...] = (
            ("tests/hostile/test_auth_socket_bounds.py", "tests/hostile/test_check_bounds.py",
             "tests/hostile/test_secret.py")),
     Target("secret", "kvdd/sim/fabric/secret.py", ("*",),
-           ("tests/hostile/test_check_bounds.py", "tests/hostile/test_secret.py",
+           ("tests/hostile/test_secret_bounds.py", "tests/hostile/test_check_bounds.py",
+            "tests/hostile/test_secret.py",
             # test_bounds.py's secret tests (its floods guard the listener)
             *(f"tests/hostile/test_bounds.py::test_{name}" for name in (
                 "special_file_as_the_secret_is_refused_within_a_second", "all_zero_secret_is_refused",
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("targets", nargs="*", help=f"targets to run (default all): "
                     f"{', '.join(t.name for t in TARGETS)}")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--at", action="append", default=[], metavar="FILE:LINE",
+                    help="only the mutants of this line (repeatable; e.g. the survivors of a run)")
     ap.add_argument("--equivalent", action="store_true",
                     help="list the mutants marked equivalent (with their lines) and exit")
     ap.add_argument("--timeout", type=float, default=90.0,
@@ -262,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(marked)} mutants marked equivalent")
         return 0
     todo = [m for t in chosen for m in mutants(t)]
+    if args.at:
+        todo = [m for m in todo if f"{m.target.file}:{m.line}" in set(args.at)]
     if args.list:
         for m in todo:
             print(f"{m.target.file}:{m.line}  {m.operator:10}  {m.what}")

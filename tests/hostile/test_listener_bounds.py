@@ -25,6 +25,7 @@ import pytest
 from kvdd import Status
 from kvdd.sim.engine import SimBackend
 from kvdd.sim.fabric import Listener, wire
+from kvdd.sim.fabric import listener as listener_mod
 from kvdd.sim.fabric.auth import NONCE_BYTES
 
 from hostile import rawpeer
@@ -100,6 +101,25 @@ def test_a_frame_other_than_a_hello_after_authentication_is_closed_unanswered(
                 assert _closed(t, 3.0), ftype
         assert 4242 in owner.entities
         assert listener.held()["hello"] == 0
+    # announced, not sent: a READ of 1 MiB is closed on its header, nothing is held for its body
+    with rawpeer.connect(listener.port) as t:
+        rawpeer.authenticate(t)
+        t.sendall(rawpeer.hdr(wire.F_READ, MIB))
+        assert _closed(t, 3.0)
+        assert listener.held()["hello_bytes"] == 0
+
+
+def test_a_hello_header_in_pieces_links(owner: SimBackend) -> None:
+    listener = _listener(owner)
+    with rawpeer.connect(listener.port) as s:
+        rawpeer.authenticate(s)
+        hello = rawpeer.frame(wire.F_HELLO_LINK, rawpeer.hello_link(4343))
+        s.sendall(hello[:5])  # part of the header; the rest after the listener read it
+        time.sleep(0.2)
+        s.sendall(hello[5:])
+        ftype, _req, body = rawpeer.read_frame(s)
+        assert ftype == wire.F_LINK_REPLY and wire.Reader(body).u("I") == S
+        assert 4343 in owner.entities
 
 
 def _announce(port: int, length: int) -> socket.socket:
@@ -163,3 +183,57 @@ def test_a_refused_connection_that_keeps_sending_is_read_until_it_closes(owner: 
         s.shutdown(socket.SHUT_WR)
         assert _closed(s, 2.0)
     assert _within(1.0, lambda: listener.held()["draining"] == 0)
+
+
+def test_closing_a_listener_while_it_accepts_logs_no_accept_failure(
+        owner: SimBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the listener is closed (from its own thread: the first hello it reads closes it) in the
+    # middle of a turn of accepting: the next accept fails on the closed socket, and that is
+    # no failure worth a warning, nor a reason to drop a connection
+    listener = _listener(owner)
+    warned: list[str] = []
+    real_check = wire.check_header  # what the listener checks headers with
+
+    def closing_check(head: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+        listener.stop_accepting()
+        return real_check(head)
+
+    monkeypatch.setattr(listener_mod, "warn_limited",
+                        lambda _logger, kind, *_args: warned.append(kind))
+    monkeypatch.setattr(listener_mod, "check_header", closing_check)
+    with rawpeer.connect(listener.port) as s:
+        s.sendall(rawpeer.frame(wire.F_AUTH_HELLO, bytes(NONCE_BYTES) + b"\x00"))
+        assert _closed(s, 3.0)  # the loop ended and closed what it held
+    assert warned == []
+
+
+@pytest.mark.parametrize("ftype", [wire.F_HELLO_LINK, wire.F_AUTH_PROOF, wire.F_AUTH_CHALLENGE])
+def test_a_first_frame_other_than_the_authentication_hello_is_closed_unanswered(
+        owner: SimBackend, ftype: int) -> None:
+    listener = _listener(owner)
+    with rawpeer.connect(listener.port) as s:
+        s.sendall(rawpeer.frame(ftype, bytes(NONCE_BYTES) + b"\x00"))  # a hello's shape and size
+        assert _closed(s, 3.0)  # no challenge
+
+
+def test_a_second_hello_instead_of_the_proof_is_closed_unanswered(owner: SimBackend) -> None:
+    listener = _listener(owner)
+    with rawpeer.connect(listener.port) as s:
+        s.sendall(rawpeer.frame(wire.F_AUTH_HELLO, bytes(NONCE_BYTES) + b"\x00"))
+        ftype, _req, _challenge = rawpeer.read_frame(s)
+        assert ftype == wire.F_AUTH_CHALLENGE
+        s.sendall(rawpeer.frame(wire.F_AUTH_HELLO, bytes(NONCE_BYTES) + b"\x00"))
+        assert _closed(s, 3.0)  # no second challenge
+
+
+def test_a_connection_closed_in_the_middle_of_its_hello_leaves_at_once(owner: SimBackend) -> None:
+    listener = _listener(owner)
+    s = rawpeer.connect(listener.port)
+    rawpeer.authenticate(s)
+    s.sendall(rawpeer.hdr(wire.F_HELLO_LINK, 1000) + bytes(10))  # 10 of 1000 bytes, then gone
+    assert _within(1.0, lambda: listener.held()["hello_bytes"] == 1000)
+    s.close()
+    assert _within(0.5, lambda: listener.held()["hello"] == 0), listener.held()
+    assert listener.held()["hello_bytes"] == 0
+    t, _snap = rawpeer.link(listener.port, 4444)  # and the listener goes on
+    t.close()
