@@ -94,7 +94,7 @@ TARGETS: tuple[Target, ...] = (
            ("tests/conformance/test_link.py", "tests/conformance/test_hixl_relink.py",
             "tests/conformance/test_hixl_already_linked.py", "tests/conformance/test_peer_hangs_up.py",
             "tests/sim/test_faults.py", "tests/sim/test_fault_points.py",
-            "tests/sim/test_hixl_link_race.py")),
+            "tests/sim/test_hixl_link_race.py", "tests/sim/test_unlink_refusals.py")),
     Target("option-json", "kvdd/option_json.py", ("adxl_engine_config",),
            ("tests/test_option_table.py", "tests/conformance/test_options_fidelity.py",
             "tests/conformance/test_option_bounds.py")),
