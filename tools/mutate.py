@@ -78,7 +78,7 @@ TARGETS: tuple[Target, ...] = (
                 "the_secret_is_read_once_and_again_when_it_changes")))),
     Target("listener", "kvdd/sim/fabric/listener.py", ("*",),
            ("tests/hostile/test_listener_bounds.py", "tests/hostile/test_check_bounds.py",
-            "tests/hostile/test_attacks.py",
+            "tests/hostile/test_attacks.py", "tests/hostile/test_admission_attacks.py",
             "tests/hostile/test_admission.py", "tests/hostile/test_bounds.py")),
     Target("admission", "kvdd/sim/fabric/admission.py", ("*",),
            ("tests/hostile/test_admission.py", "tests/hostile/test_bounds.py")),
