@@ -204,13 +204,10 @@ def adxl_engine_config(text: str) -> None:
     max_channel = _MAX_CHANNEL
     if "channel_pool.max_channel" in flat:
         m = _STREAM_INT.match(flat["channel_pool.max_channel"])
-        # the int32 bounds lie outside [1, 512], which the checks below enforce too
-        if m is None or not -(2**31) <= int(m.group(1)) < 2**31:  # mutation: equivalent
+        if m is None or not -(2**31) <= int(m.group(1)) < 2**31:
             raise ValueError("channel_pool.max_channel is not an int32")
         max_channel = int(m.group(1))
-        # max_channel needs both waterlines, and below 3 channels they leave none between them:
-        # that rule refuses what this one does (so weakening this one changes nothing)
-        if max_channel < 1:  # mutation: equivalent
+        if max_channel < 1:
             raise ValueError(f"channel_pool.max_channel must be in [1, {_MAX_CHANNEL}]")
         if max_channel > _MAX_CHANNEL:
             raise ValueError(f"channel_pool.max_channel must be in [1, {_MAX_CHANNEL}]")
@@ -232,8 +229,9 @@ def adxl_engine_config(text: str) -> None:
         raise ValueError("channel_pool.max_channel needs both waterlines")
     if "comm_resource_config.listen_port" in flat:
         m = _STREAM_INT.match(flat["comm_resource_config.listen_port"])
-        # global_resource_config() (HixlOptions) refuses every value this one does, first
-        if m is None or not 1 <= int(m.group(1)) <= 65535:  # mutation: equivalent
+        # global_resource_config() (HixlOptions) refuses, first, every value outside [1, 65535]:
+        # removing or widening this check changes nothing (narrowing it does: tested)
+        if m is None or not 1 <= int(m.group(1)) <= 65535:  # mutation: equivalent(skip, or -> and, 1 -> 0, 65535 -> 65536)
             raise ValueError("comm_resource_config.listen_port must be in [1, 65535]")
 
 

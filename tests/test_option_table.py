@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvdd import Status
-from kvdd.option_json import GlobalResourceConfig, SignedInt, loads
+from kvdd.option_json import GlobalResourceConfig, SignedInt, adxl_engine_config, loads
 from kvdd.options import OPTION_RULES, OptionError, parse_option, rule, to_number
 
 
@@ -57,3 +57,21 @@ def test_loads_classifies_numbers_as_nlohmann() -> None:
     for bad in ("NaN", '{"x": Infinity}', "", "{} x"):
         with pytest.raises(ValueError):
             loads(bad)
+
+
+@pytest.mark.parametrize("max_channel,why", [
+    ("2147483647", "channel_pool.max_channel must be in [1, 512]"),  # the int32 maximum: in range?
+    ("2147483648", "channel_pool.max_channel is not an int32"),  # one past it
+    ("-2147483648", "channel_pool.max_channel must be in [1, 512]"),  # the int32 minimum
+    ("-2147483649", "channel_pool.max_channel is not an int32"),  # one below it
+    ("0", "channel_pool.max_channel must be in [1, 512]"),  # one below the range: its own check
+    ("1", "high_waterline must leave at least one channel above low_waterline"),  # in range
+])
+def test_comm_engine_max_channel_refusals_name_the_check_that_refused(max_channel: str,
+                                                                      why: str) -> None:
+    # the comm (adxl) engine's checks in order: an int32, then [1, 512], then the waterlines
+    text = ('{"channel_pool.max_channel": %s, "channel_pool.high_waterline": 0.9, '
+            '"channel_pool.low_waterline": 0.1}' % max_channel)
+    with pytest.raises(ValueError) as info:
+        adxl_engine_config(text)
+    assert str(info.value) == why

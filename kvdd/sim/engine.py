@@ -302,8 +302,8 @@ class SimBackend:
             return status, self.last_error_detail() or "injected fault"
         # the same connection object whether the peer lives in this process or elsewhere
         status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
-        # connect() gives a connection exactly when it succeeds (either test alone decides)
-        if status != S_OK or conn is None:  # mutation: equivalent
+        # connect() gives a connection exactly when it succeeds, so "and" decides as "or" does
+        if status != S_OK or conn is None:  # mutation: equivalent(or -> and)
             why = (f"no answer within {timeout_ms} ms" if status == Status.LLM_TIMEOUT
                    else "refused or unreachable")
             return status, (f"cannot connect to {remote.ip}:{remote.port} ({why}: is the peer "
@@ -312,8 +312,9 @@ class SimBackend:
             force_link = cluster.remote_cluster_id not in self.entities  # comm: §3.5 d
             # the peer's side first: backend/initialized check, on comm its acceptance (§3.5 e)
             res = conn.link(self, force_link)
-            # a link result carries an offer and a handle exactly when it succeeded
-            if res.status != S_OK or res.offer is None or res.handle is None:  # mutation: equivalent
+            # a link result carries an offer and a handle exactly when it succeeded (both
+            # Connection.link's), so "and" decides as "or" does
+            if res.status != S_OK or res.offer is None or res.handle is None:  # mutation: equivalent(or -> and)
                 return res.status, res.detail or "the peer refused the link"
             handle = res.handle
             if self.transfer_backend == "hixl":
@@ -442,8 +443,8 @@ class SimBackend:
             return status
         remote = cluster.remote_ip_infos[0]
         status, conn = fabric.connect(remote.ip, remote.port, timeout_ms)
-        # connect() gives a connection exactly when it succeeds (either test alone decides)
-        if status != S_OK or conn is None:  # mutation: equivalent
+        # connect() gives a connection exactly when it succeeds, so "and" decides as "or" does
+        if status != S_OK or conn is None:  # mutation: equivalent(or -> and)
             if status == Status.LLM_LINK_FAILED:
                 status = Status.LLM_UNLINK_FAILED
             return self.note_failure(status, f"cannot reach {remote.ip}:{remote.port} to unlink")

@@ -327,6 +327,17 @@ def test_comm_non_force_unlink_with_wrong_id_keeps_local_entity(world: World) ->
         d.set_role(LlmRole.DECODER)  # D's entity (key 1) is alive
 
 
+def test_comm_link_after_a_one_sided_unlink_is_refused_by_the_local_side(world: World) -> None:
+    # §3.5 d-e: after a non-force unlink with a wrong id D keeps its entity for P's real id and P
+    # has none; a link by the real id is then not forced: P accepts, D's own acceptance refuses
+    d, p = pair(world, "comm")
+    p.register()
+    link(d, p, remote_cluster_id=99)
+    assert unlink(d, p, remote_cluster_id=99) == [S]
+    with raises(ALREADY_LINK, rets=[Status.LLM_ALREADY_LINK]):
+        link(d, p)
+
+
 def test_hixl_keyed_by_user_id(world: World) -> None:
     d, p = pair(world, "hixl")
     ph, dh = p.register(), d.register()

@@ -76,7 +76,10 @@ def test_oldest_is_insertion_order() -> None:
     (("2001:db8:1:2:aaaa::1", 5000, 0, 0), "2001:db8:1:2::/64"),
     (("2001:db8:1:2:bbbb::9", 6000, 0, 0), "2001:db8:1:2::/64"),  # one /64: one source
     (("fe80::1%eth0", 1, 0, 2), "fe80::/64"),
-    ("", "local"),
+    ("", "local"),  # an AF_UNIX peer (accept gives no address)
+    ((), "local"),
+    ("/run/kvdd.sock", "local"),  # an AF_UNIX path
+    (None, "local"),
 ])
 def test_sources(address: object, source: str) -> None:
     assert source_of(address) == source
@@ -124,3 +127,28 @@ def test_a_full_table_evicts_the_oldest_idle_entry_of_the_largest_sources() -> N
             t.progressed(k)
             moved.setdefault(k, clock)
         assert len(t) == len(added) <= 24
+
+
+@pytest.mark.parametrize("total,per_source,ok", [
+    (1, 1, True), (5, 1, True), (5, 5, True),  # the smallest share, a share of the whole table
+    (5, 0, False), (5, -1, False), (5, 6, False),  # no share, a share one past the table
+])
+def test_a_table_needs_a_share_between_one_and_its_size(total: int, per_source: int,
+                                                        ok: bool) -> None:
+    if ok:
+        t: FairTable[str] = FairTable(total, per_source)
+        assert (t.total, t.per_source, len(t)) == (total, per_source, 0)
+    else:
+        with pytest.raises(ValueError, match="need 0 < per_source <= total"):
+            FairTable(total, per_source)
+
+
+def test_progress_of_an_entry_no_longer_held_changes_nothing() -> None:
+    t: FairTable[str] = FairTable(total=2, per_source=2)
+    t.add("a1", "A")
+    t.add("a2", "A")
+    t.progressed("gone")  # evicted or removed meanwhile (the listener's loop may still report it)
+    assert t.remove("a1") and not t.remove("a1")
+    t.progressed("a1")
+    assert t.items() == ["a2"] and t.count("A") == 1
+    assert t.add("a3", "A") == [] and t.add("a4", "A") == ["a2"]  # a2 is still the idle oldest

@@ -290,6 +290,27 @@ def test_a_full_table_closes_at_accept_what_is_not_a_whole_hello() -> None:
             time.sleep(0.01)
         assert lst._pre.count("127.0.0.3") == 1 and lst.dropped == 1
         assert len(lst._pre) == wire.MAX_PREAUTH
+        # exactly a header of another protocol version, from the largest address: let in and
+        # answered with the version refusal; one byte less is no whole header: closed at accept
+        head = bytearray(rawpeer.frame(wire.F_AUTH_HELLO, b"")[:wire.HDR.size])
+        head[2] = (wire.PROTOCOL_VERSION + 1) & 0xFF
+        with socket.create_connection(("127.0.0.1", lst.port), timeout=5,
+                                      source_address=(ATTACKER, 0)) as newer:
+            newer.sendall(bytes(head))
+            newer.settimeout(5)
+            assert newer.recv(1 << 16).startswith(bytes(head[:3]))  # the refusal, its version
+        assert lst.dropped == 1
+        one_byte()  # (the refused one left the table: full again)
+        deadline = time.monotonic() + 5
+        while len(lst._pre) < wire.MAX_PREAUTH and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(lst._pre) == wire.MAX_PREAUTH
+        with socket.create_connection(("127.0.0.1", lst.port), timeout=5,
+                                      source_address=(ATTACKER, 0)) as short:
+            short.sendall(bytes(head[:-1]))
+            short.settimeout(1)
+            assert short.recv(1) == b""
+        assert lst.dropped == 2
     finally:
         for s in junk:
             s.close()

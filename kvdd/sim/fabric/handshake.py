@@ -57,7 +57,9 @@ class InProcessConnection:
         mine = local.snapshot_for_link()
         status, detail, snap = self.peer.serve_link(LinkOffer.of(local), force_link,
                                                     lambda: InProcessPeer(local, *mine))
-        if status != S_OK or snap is None:
+        # serve_link (SimBackend's, PkgInstance's) gives a snapshot exactly when its status is
+        # S_OK, so "and" decides as "or" does
+        if status != S_OK or snap is None:  # mutation: equivalent(or -> and)
             return LinkResult(status, detail)
         return LinkResult(S_OK, "", LinkOffer.of(self.peer), InProcessPeer(self.peer, *snap))
 

@@ -80,7 +80,7 @@ class Lease:
     def drop(self) -> None:
         with self.lock:
             # a second drop is a no-op without this too (released, unwatch cleared, timer gone)
-            if self.dropped:  # mutation: equivalent
+            if self.dropped:  # mutation: equivalent(skip)
                 return
             self.dropped = True
             WATCHDOG.cancel(self.timer)
@@ -206,7 +206,9 @@ class LeaseTable:
         if not owner.initialized or resolve is None:
             return NOT_EXIST, None, b"", None
         status, entry, extra, on_served = resolve(request)
-        if status != S_OK or entry is None:
+        # the resolver (kvdd.sim.pypkg.twosided.resolve) gives an entry exactly when its status
+        # is S_OK, so "and" decides as "or" does
+        if status != S_OK or entry is None:  # mutation: equivalent(or -> and)
             return (status if status != S_OK else NOT_EXIST), None, extra, None
         if len(self._leases) >= MAX_LEASES:
             return Status.LLM_FAILED, None, b"", None

@@ -102,7 +102,10 @@ def _world_writable(path: str) -> bool:
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (0, euid):
                 return True
-        elif _unsafe_dir(st.st_mode, i == 0):
+        # "-1": the first directory judged as one above it; the loop below judges that same
+        # directory (``p`` is no link here, so its real path names it) as the first, so the
+        # answer cannot change
+        elif _unsafe_dir(st.st_mode, i == 0):  # mutation: equivalent(0 -> -1)
             return True
     real = Path(os.path.realpath(p))
     for i, d in enumerate((real, *real.parents)):
@@ -311,7 +314,8 @@ def load_secret(create: bool = True) -> Secret:
     value = os.environ.get(ENV_SECRET)
     if value:
         got = _cached
-        if got is not None and got[0] == ("env", value):
+        # without this the value is decoded again: the same key, from the same source
+        if got is not None and got[0] == ("env", value):  # mutation: equivalent(skip)
             return got[1]
         secret = Secret(_check_key(_decode(value), f"${ENV_SECRET}"), f"env {ENV_SECRET}")
         _cached = (("env", value), secret)

@@ -47,7 +47,7 @@ def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: 
         return Status.LLM_PARAM_INVALID
     t = tensor_nbytes
     # the common small request: plain Python is faster than numpy here (both give the same answer)
-    if len(length) <= 16:  # mutation: equivalent (picks one of two equal checks)
+    if len(length) <= 16:  # mutation: equivalent(skip, boundary, constant): picks one of two equal checks
         if len(tensors) and int(tensors.max()) >= n_tensors:
             return Status.LLM_PARAM_INVALID
         for o, n in zip(off.tolist(), length.tolist()):
