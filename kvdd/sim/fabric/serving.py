@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,9 @@ __all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_read_s
            "serve_write_steps", "MAX_DISCARD"]
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
+
+PLAN_SHARE = 256  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
+T = TypeVar("T")
 
 SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
 #                   as one DATA frame gathered from the tensors (zero-copy, one system call)
@@ -78,37 +81,41 @@ class RunPlan:
         self._stage = np.empty(0, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), 0, self._stage)
 
-    def _plan(self) -> None:
-        """The segments and the staging buffer (not needed by a small READ)."""
-        self.segments = self._segments()
-        biggest = max((int(self.length[a:b].sum()) for a, b, staged in self.segments if staged),
-                      default=0)
+    def _plan_steps(self, tick: T) -> Generator[T, object, None]:
+        """The segments and the staging buffer (not needed by a small READ), built a share at a
+        time: ``tick`` is yielded after every :data:`PLAN_SHARE` stretches of runs, so that a
+        request of many runs is one pool task's step after another, not one long step (a
+        blocking driver goes straight on)."""
+        length = self.length
+        csum = np.concatenate(([0], np.cumsum(length))).tolist()  # bytes before run j
+        out: list[tuple[int, int, bool]] = []
+        biggest = 0
+        if len(length) == 1:
+            out.append((0, 1, int(length[0]) < STAGE_RUN_BYTES))
+            biggest = int(length[0]) if out[0][2] else 0
+        else:
+            # consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone
+            j, n = 0, len(length)
+            longs = np.flatnonzero(length >= STAGE_RUN_BYTES).tolist()
+            for i, stop in enumerate((*longs, n)):
+                if i % PLAN_SHARE == PLAN_SHARE - 1:
+                    yield tick
+                if j < stop:  # short runs j..stop-1, split where the staged bytes exceed STAGE_CHUNK
+                    cum = np.cumsum(length[j:stop])
+                    cuts = np.searchsorted(cum, np.arange(STAGE_CHUNK, int(cum[-1]), STAGE_CHUNK),
+                                           side="right")
+                    start = j
+                    for cut in (*(int(c) + j for c in cuts), stop):
+                        if cut > start:
+                            out.append((start, cut, True))
+                            biggest = max(biggest, csum[cut] - csum[start])
+                            start = cut
+                if stop < n:
+                    out.append((stop, stop + 1, False))
+                j = stop + 1
+        self.segments = out
         self._stage = np.empty(biggest, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), biggest, self._stage)
-
-    def _segments(self) -> list[tuple[int, int, bool]]:
-        """Consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone."""
-        length = self.length
-        if len(length) == 1:
-            return [(0, 1, int(length[0]) < STAGE_RUN_BYTES)]
-        out: list[tuple[int, int, bool]] = []
-        is_long = length >= STAGE_RUN_BYTES
-        j, n = 0, len(length)
-        longs = np.flatnonzero(is_long)
-        for stop in (*longs.tolist(), n):
-            if j < stop:  # short runs j..stop-1, split where the staged bytes exceed STAGE_CHUNK
-                cum = np.cumsum(length[j:stop])
-                cuts = np.searchsorted(cum, np.arange(STAGE_CHUNK, int(cum[-1]), STAGE_CHUNK),
-                                       side="right")
-                start = j
-                for cut in (*(int(c) + j for c in cuts), stop):
-                    if cut > start:
-                        out.append((start, cut, True))
-                        start = cut
-            if stop < n:
-                out.append((stop, stop + 1, False))
-            j = stop + 1
-        return out
 
     def _pieces(self, region: Region) -> Iterator[tuple[memoryview, int, int, bool]]:
         mv = region_view(region)
@@ -133,7 +140,8 @@ class RunPlan:
     def send(self, sock: socket.socket, req: int) -> None:
         """The stream as DATA frames, sent (blocking): :meth:`send_steps`."""
         for bufs in self.send_steps(req):
-            sendmsg_all(sock, bufs)
+            if bufs:  # (an empty list is a planning step)
+                sendmsg_all(sock, bufs)
 
     def send_steps(self, req: int) -> Iterator[list[memoryview]]:
         """The stream as DATA frames (one per piece, split at MAX_DATA), zero-copy for long runs:
@@ -147,7 +155,9 @@ class RunPlan:
                 views.extend(mv[o:o + n] for o, n in pairs)
             yield views
             return
-        self._plan()
+        if not self.total:  # no byte to send: no tensor to walk (there may be a million)
+            return
+        yield from self._plan_steps([])
         for k in self.tensors.tolist():
             region = self.regions[k]
             for view, a, b, staged in self._pieces(region):
@@ -166,7 +176,9 @@ class RunPlan:
         """The stream from the peer's DATA frames (any sizes) into the tensors, read as far as
         its bytes have arrived (:data:`~.rx.Steps`)."""
         left = 0  # bytes of the current DATA frame not yet received
-        self._plan()
+        if not self.total:  # no byte to receive: no tensor to walk (there may be a million)
+            return
+        yield from self._plan_steps(0)
         for k in self.tensors.tolist():
             region = self.regions[k]
             for view, a, b, staged in self._pieces(region):
@@ -258,7 +270,8 @@ def serve_read(leases: RunChecker, owner: LinkOwner, sock: socket.socket, req: i
                payload: bytes | bytearray) -> None:
     """:func:`serve_read_steps`, sent (blocking; call with the connection's send lock held)."""
     for bufs in serve_read_steps(leases, owner, req, payload):
-        sendmsg_all(sock, bufs)
+        if bufs:  # (an empty list is a planning step)
+            sendmsg_all(sock, bufs)
 
 
 def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,

@@ -44,6 +44,8 @@ _J_REPLY = 101  # job: send an answer the reader prepared (counted in the queue 
 _J_FLUSH = 102  # job: send the rest of an answer the reader began (``_tail``)
 ANSWER_CHARGE = 4096  # queue bytes a prepared answer counts as, at least (2,048 fit the bound)
 TX_SHARE = 4 << 20  # bytes one pool task sends before it queues itself behind the others
+TX_CALL = 64 << 10  # what one system call counts in that share, at least (64 calls a task)
+TX_STEP = 16 << 10  # what one step of an answer's generator counts in it (256 steps a task)
 WAIT_LOCK = 1  # the sending task waits for send_lock (its holder queues it again)
 _WAIT_OUT = 2  # it waits for the socket to be writable (the reactor queues it again)
 _LOCK_RETRY_S = 0.01  # and looks again after this, should a holder not queue it
@@ -235,8 +237,8 @@ class Sender:
                 self._tx_bufs = [memoryview(tail)]
         share = TX_SHARE
         while True:
-            if self._tx_bufs:
-                share -= self._send_some()
+            if self._tx_bufs:  # tiny frames (a READ of many tensors) count per system call
+                share -= max(self._send_some(), TX_CALL)
                 if self._tx_bufs:  # the socket is full: go on when it takes bytes again
                     with self._lock:
                         self._tx_wait = _WAIT_OUT
@@ -246,6 +248,10 @@ class Sender:
                     self._reactor.submit(self._tx_run)
                     return
             elif self._tx_gen is not None:
+                if share <= 0:  # (steps that send nothing, e.g. planning, count too)
+                    self._reactor.submit(self._tx_run)
+                    return
+                share -= TX_STEP
                 bufs = next(self._tx_gen, None)
                 if bufs is None:
                     self._tx_gen = None
