@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Protocol, TypeVar
 
@@ -35,7 +36,7 @@ __all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_read_s
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 
-PLAN_SHARE = 256  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
+PLAN_SHARE = 64  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
 T = TypeVar("T")
 
 SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
@@ -77,49 +78,66 @@ class RunPlan:
         self.total = self.per_k * len(tensors)
         self.small = (0 < self.total <= STAGE_CHUNK
                       and len(tensors) * len(self.length) <= SMALL_RUNS)
-        self.segments: list[tuple[int, int, bool]] = []
+        self._seg_a = array("q")  # the segments (RunPlan.segments), once planned
+        self._seg_b = array("q")
+        self._seg_staged = bytearray()
         self._stage = np.empty(0, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), 0, self._stage)
+
+    @property
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """``(j0, j1, staged)``: runs ``j0..j1-1`` staged together, or one long run alone."""
+        return [(a, b, bool(st)) for a, b, st in zip(self._seg_a, self._seg_b, self._seg_staged)]
 
     def _plan_steps(self, tick: T) -> Generator[T, object, None]:
         """The segments and the staging buffer (not needed by a small READ), built a share at a
         time: ``tick`` is yielded after every :data:`PLAN_SHARE` stretches of runs, so that a
         request of many runs is one pool task's step after another, not one long step (a
-        blocking driver goes straight on)."""
+        blocking driver goes straight on).  Segments are kept in compact arrays (17 bytes each)."""
         length = self.length
-        csum = np.concatenate(([0], np.cumsum(length))).tolist()  # bytes before run j
-        out: list[tuple[int, int, bool]] = []
+        seg_a, seg_b, seg_staged = self._seg_a, self._seg_b, self._seg_staged
         biggest = 0
         if len(length) == 1:
-            out.append((0, 1, int(length[0]) < STAGE_RUN_BYTES))
-            biggest = int(length[0]) if out[0][2] else 0
+            staged = int(length[0]) < STAGE_RUN_BYTES
+            seg_a.append(0)
+            seg_b.append(1)
+            seg_staged.append(staged)
+            biggest = int(length[0]) if staged else 0
         else:
             # consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone
+            csum = np.concatenate(([0], np.cumsum(length)))  # bytes before run j
             j, n = 0, len(length)
             longs = np.flatnonzero(length >= STAGE_RUN_BYTES).tolist()
             for i, stop in enumerate((*longs, n)):
                 if i % PLAN_SHARE == PLAN_SHARE - 1:
                     yield tick
                 if j < stop:  # short runs j..stop-1, split where the staged bytes exceed STAGE_CHUNK
-                    cum = np.cumsum(length[j:stop])
-                    cuts = np.searchsorted(cum, np.arange(STAGE_CHUNK, int(cum[-1]), STAGE_CHUNK),
-                                           side="right")
+                    nbytes = int(csum[stop] - csum[j])
+                    if nbytes <= STAGE_CHUNK:  # one segment (no numpy call per stretch)
+                        cuts: list[int] = []
+                    else:
+                        cum = np.cumsum(length[j:stop])
+                        cuts = (np.searchsorted(cum, np.arange(STAGE_CHUNK, nbytes, STAGE_CHUNK),
+                                                side="right") + j).tolist()
                     start = j
-                    for cut in (*(int(c) + j for c in cuts), stop):
+                    for cut in (*cuts, stop):
                         if cut > start:
-                            out.append((start, cut, True))
-                            biggest = max(biggest, csum[cut] - csum[start])
+                            seg_a.append(start)
+                            seg_b.append(cut)
+                            seg_staged.append(1)
+                            biggest = max(biggest, int(csum[cut] - csum[start]))
                             start = cut
                 if stop < n:
-                    out.append((stop, stop + 1, False))
+                    seg_a.append(stop)
+                    seg_b.append(stop + 1)
+                    seg_staged.append(0)
                 j = stop + 1
-        self.segments = out
         self._stage = np.empty(biggest, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), biggest, self._stage)
 
     def _pieces(self, region: Region) -> Iterator[tuple[memoryview, int, int, bool]]:
         mv = region_view(region)
-        for a, b, staged in self.segments:
+        for a, b, staged in zip(self._seg_a, self._seg_b, self._seg_staged):
             if staged:
                 nbytes = int(self.length[a:b].sum())
                 if nbytes:
