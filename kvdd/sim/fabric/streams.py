@@ -12,7 +12,7 @@ from ..memory import Region, copy_runs
 from .rx import Rx
 from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
-__all__ = ["region_view", "Layout", "Cursor", "sendmsg_all", "send_stream"]
+__all__ = ["region_view", "Layout", "Cursor", "advance", "sendmsg_all", "send_stream"]
 
 def region_view(region: Region) -> memoryview:
     n = region.nbytes
@@ -92,17 +92,21 @@ class Cursor:
                 self.pos = 0
 
 
+def advance(bufs: list[memoryview], sent: int) -> None:
+    """Drop the ``sent`` bytes a gathering send took from the front of ``bufs`` (in place)."""
+    while sent and bufs:
+        if sent >= len(bufs[0]):
+            sent -= len(bufs[0])
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][sent:]
+            sent = 0
+
+
 def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
     """sendmsg (gather, zero-copy) until every buffer is sent."""
     while bufs:
-        sent = sock.sendmsg(bufs)
-        while sent and bufs:
-            if sent >= len(bufs[0]):
-                sent -= len(bufs[0])
-                bufs.pop(0)
-            else:
-                bufs[0] = bufs[0][sent:]
-                sent = 0
+        advance(bufs, sock.sendmsg(bufs))
 
 
 def send_stream(sock: socket.socket, req: int, layout: Layout) -> None:

@@ -30,6 +30,7 @@ from .protocol import LinkOwner, ServedCache
 from .reactor import OUT, Reactor
 from .serving import serve_read_steps
 from .small import serve_small_read
+from .streams import advance
 from .watchdog import WATCHDOG
 from .wire import (F_DONE, F_GOODBYE, F_LEASE, F_LEASE_READ, F_LEASE_REPLY, F_PING, F_PONG,
                    F_READ, MAX_JOBS, MAX_QUEUED_BYTES, ProtocolError, frame)
@@ -287,13 +288,7 @@ class Sender:
             except BlockingIOError:
                 break
             total += sent
-            while sent and bufs:
-                if sent >= len(bufs[0]):
-                    sent -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][sent:]
-                    sent = 0
+            advance(bufs, sent)
         return total
 
     def _tx_begin(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
