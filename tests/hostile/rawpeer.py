@@ -21,6 +21,17 @@ from kvdd.sim.fabric.handshake import transcript_of
 HDR = struct.Struct("<2sBBII")
 
 
+class MinimalOwner:
+    """The least a :class:`~kvdd.sim.fabric.channel.Channel` needs of its instance, for tests
+    that drive a bare connection (it serves no cache)."""
+
+    cluster_id = 7
+    transfer_backend = "comm"
+    comm_res_text: str | None = None
+    sync_wait_ms = 2000
+    initialized = True
+
+
 def hdr(ftype: int, length: int, req: int = 0, magic: bytes = b"KV",
         version: int = wire.PROTOCOL_VERSION) -> bytes:
     return HDR.pack(magic, version, ftype, req, length)

@@ -28,37 +28,28 @@ from kvdd.sim.fabric.channel import Channel
 from kvdd.sim.fabric.reactor import POOL_THREADS
 from kvdd.sim.fabric.small import encode_one_run
 
+from hostile import rawpeer
+from hostile.rawpeer import MinimalOwner
+
 ANSWER_WITHIN_S = 1.0
 ATTACK_S = 4.0
 
 
-class MinimalOwner:
-    """The least a Channel needs of its instance (the attacks never reach its caches)."""
-
-    cluster_id = 7
-    transfer_backend = "comm"
-    comm_res_text: str | None = None
-    sync_wait_ms = 2000
-    initialized = True
-
-
-def _frame(ftype: int, req: int, body: bytes = b"") -> bytes:
-    return wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, ftype, req, len(body)) + body
 
 
 def _endless(kind: str) -> tuple[bytes, bytes]:
     """The request that opens the data, and the DATA frame repeated after it (or, for a flood of
     whole requests, nothing and the request repeated)."""
     if kind == "lease_read_flood":  # valid small reads (of a cache the owner does not serve)
-        return b"", b"".join(_frame(wire.F_LEASE_READ, r, encode_one_run(1, 0, 0, 0))
+        return b"", b"".join(rawpeer.frame(wire.F_LEASE_READ, encode_one_run(1, 0, 0, 0), r)
                              for r in range(1, 101))
     if kind == "lease_write_empty_data":
-        return (_frame(wire.F_LEASE_WRITE, 1, encode_one_run(1, 0, 0, 1)),
-                _frame(wire.F_DATA, 1))
+        return (rawpeer.frame(wire.F_LEASE_WRITE, encode_one_run(1, 0, 0, 1), 1),
+                rawpeer.frame(wire.F_DATA, req=1))
     assert kind == "forged_write_byte_data"
-    return (_frame(wire.F_WRITE, 1, wire.encode_request(0xDEAD, [0], np.array([0]),
-                                                        np.array([1 << 40]))),
-            _frame(wire.F_DATA, 1, b"x"))
+    return (rawpeer.frame(wire.F_WRITE, wire.encode_request(0xDEAD, [0], np.array([0]),
+                                                           np.array([1 << 40])), 1),
+            rawpeer.frame(wire.F_DATA, b"x", 1))
 
 
 PUMP = r"""
@@ -128,7 +119,7 @@ def _attack_and_ping(kind: str) -> None:
         time.sleep(1.0)  # the pump process is up and the socket full
         for req in range(1, 6):
             t0 = time.monotonic()
-            theirs.sendall(_frame(wire.F_PING, req))
+            theirs.sendall(rawpeer.frame(wire.F_PING, req=req))
             try:
                 head = theirs.recv(wire.HDR.size, socket.MSG_WAITALL)
                 ftype, rreq = wire.HDR.unpack(head)[2:4]
@@ -159,7 +150,7 @@ def test_an_empty_data_frame_of_a_write_ends_the_connection(kind: str) -> None:
     (chan, theirs), = _open(1, owner)
     try:
         theirs.settimeout(ANSWER_WITHIN_S)
-        theirs.sendall(first + _frame(wire.F_DATA, 1))
+        theirs.sendall(first + rawpeer.frame(wire.F_DATA, req=1))
         assert _closed_by_owner(theirs)
     finally:
         chan.kill()
@@ -183,7 +174,7 @@ def test_a_refused_writes_data_is_discarded_no_longer_than_a_lease(
         closed_at = None
         while time.monotonic() - t0 < 1.5 and closed_at is None:
             try:
-                theirs.sendall(_frame(wire.F_DATA, 1, b"x"))
+                theirs.sendall(rawpeer.frame(wire.F_DATA, b"x", 1))
                 if theirs.recv(1) == b"":
                     closed_at = time.monotonic() - t0
             except TimeoutError:

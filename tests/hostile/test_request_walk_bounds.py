@@ -22,7 +22,7 @@ from kvdd.sim.fabric.serving import PLAN_SHARE, RunPlan
 from kvdd.sim.fabric.wire import STAGE_RUN_BYTES
 from kvdd.sim.memory import Region
 
-from hostile.test_pool_attacks import MinimalOwner
+from hostile.rawpeer import MinimalOwner
 
 K = 100_000
 

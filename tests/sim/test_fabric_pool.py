@@ -18,21 +18,12 @@ from kvdd.sim.fabric.reactor import POOL_THREADS, REACTOR
 
 import pytest
 
+from hostile import rawpeer
+from hostile.rawpeer import MinimalOwner
+
 PONG_WAIT_S = 5.0
 
 
-class MinimalOwner:
-    """The least a Channel needs of its instance (it serves nothing here)."""
-
-    cluster_id = 7
-    transfer_backend = "comm"
-    comm_res_text: str | None = None
-    sync_wait_ms = 2000
-    initialized = True
-
-
-def _frame(ftype: int, req: int, body: bytes = b"") -> bytes:
-    return wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, ftype, req, len(body)) + body
 
 
 def _read_frame(s: socket.socket) -> tuple[int, int, bytes]:
@@ -72,7 +63,7 @@ def _close(links: list[tuple[Channel, socket.socket]]) -> None:
 
 
 def _ping(theirs: socket.socket, req: int) -> None:
-    theirs.sendall(_frame(wire.F_PING, req))
+    theirs.sendall(rawpeer.frame(wire.F_PING, req=req))
     assert _read_frame(theirs)[:2] == (wire.F_PONG, req)
 
 
@@ -111,7 +102,7 @@ def test_a_peer_that_does_not_read_stalls_no_other_link() -> None:
     live = _open(1, owner)
     try:
         one_run = struct.pack("<QII", 5, 1, 1) + struct.pack("<Iqq", 0, 0, 64)
-        pings = b"".join(_frame(wire.F_LEASE_READ, 1 + i, one_run) for i in range(1000))
+        pings = b"".join(rawpeer.frame(wire.F_LEASE_READ, one_run, 1 + i) for i in range(1000))
         stop = time.monotonic() + 10
 
         def flood(s: socket.socket) -> None:
