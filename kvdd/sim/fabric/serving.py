@@ -116,7 +116,7 @@ class RunPlan:
                     if nbytes <= STAGE_CHUNK:  # one segment (no numpy call per stretch)
                         cuts: list[int] = []
                     else:
-                        cum = np.cumsum(length[j:stop])
+                        cum = csum[j + 1:stop + 1] - csum[j]  # the stretch's running total
                         cuts = (np.searchsorted(cum, np.arange(STAGE_CHUNK, nbytes, STAGE_CHUNK),
                                                 side="right") + j).tolist()
                     start = j
