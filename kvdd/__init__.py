@@ -17,6 +17,7 @@ from ._version import __version__  # noqa: E402
 from .backend import Backend, available_backends
 from .datadist import LlmDataDist
 from .memory import TensorAddrs, tensor_addrs
+from .shm import empty
 from .options import (
     OPTION_BUF_POOL_CFG,
     OPTION_DEVICE_ID,
@@ -49,6 +50,7 @@ __all__ = [
     "LlmDataDist",
     "TensorAddrs",
     "tensor_addrs",
+    "empty",
     "OPTION_BUF_POOL_CFG",
     "OPTION_DEVICE_ID",
     "OPTION_ENABLE_SET_ROLE",

@@ -26,3 +26,6 @@ cdef Py_ssize_t group_runs(const uint64_t *s, const uint64_t *d, Py_ssize_t n, u
 cdef int byte_plan(const uint64_t *s0, const uint64_t *d0, const uint64_t *ln, Py_ssize_t n, int64_t block,
                    int64_t tail, int64_t *so, int64_t *do, int64_t *nb, uint64_t *total, uint64_t *s_end,
                    uint64_t *d_end) noexcept nogil
+
+cdef uint64_t copy_trusted_runs(const int64_t *so, const int64_t *do, const int64_t *ln, Py_ssize_t J,
+                                uint64_t call_bytes) noexcept nogil

@@ -156,3 +156,43 @@ def copy_tables(RegionTable src not None, Py_ssize_t s_first, RegionTable dst no
     finally:
         if runs != small:
             PyMem_RawFree(runs)
+
+
+cdef uint64_t copy_trusted_runs(const int64_t *so, const int64_t *do, const int64_t *ln,
+                                Py_ssize_t J, uint64_t call_bytes) noexcept nogil:
+    """Copy ``J`` runs between absolute addresses: ``memmove(do[j], so[j], ln[j])`` (addresses as
+    int64, lengths > 0), with the stores :func:`copy_runs` would use for a call of ``call_bytes``
+    and its automatic threads for these runs.  The runs are not checked: the caller (the
+    same-host path's mapped copy, ``kvdd/_native/_xproc.pyx``) validated every one against its
+    regions and its peer's mapped tensors.  Returns the bytes copied."""
+    cdef kvdd_pair pair
+    cdef kvdd_job job
+    cdef uint64_t total = 0
+    cdef Py_ssize_t j
+    for j in range(J):
+        total += <uint64_t>ln[j]
+    if total == 0:
+        return 0
+    pair.src = 0
+    pair.dst = 0
+    job.pairs = &pair
+    job.K = 1
+    job.soff = so
+    job.doff = do
+    job.len = ln
+    job.J = <size_t>J
+    job.per_k = total
+    job.isa = _isa
+    job.stream = _isa != KVDD_ISA_MEMCPY and call_bytes >= _streaming_threshold
+    job.chunk = _chunk_size
+    job.threads = 1
+    cdef uint64_t auto_min = (<uint64_t>_threads_threshold if _threads_threshold >= 0
+                              else kvdd_threads_min_bytes())
+    cdef bint two = False
+    if total >= auto_min:
+        two = kvdd_auto_threads_allowed()
+    elif _threads_threshold < 0 and total >= (256 << 10) and kvdd_auto_threads_allowed():
+        two = kvdd_threads_probe()
+    if two and kvdd_job_independent(&job):
+        job.threads = 2
+    return kvdd_job_run(&job)

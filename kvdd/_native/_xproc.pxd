@@ -28,6 +28,7 @@ cdef class SameHostMover:
     cdef readonly uint64_t moved
     cdef Py_ssize_t copies        # copies using the fds now (the GIL guards it)
     cdef bint closing
+    cdef object maps              # PeerMaps: the owner's cache memory mapped here, or None
 
     cdef int move(self, object rc, object addrs, RegionTable lt, bint pull, Py_ssize_t l_first,
                   Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off, const int64_t *r_off,

@@ -28,8 +28,10 @@ from libc.errno cimport EFAULT, EINTR, EIO, ENOENT, ESRCH, errno
 from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.stat cimport S_ISREG, fstat, struct_stat
 from posix.types cimport pid_t
 
+from kvdd._native._copy cimport copy_trusted_runs
 from kvdd._native._copy import Region
 
 cdef extern from "<sys/uio.h>" nogil:
@@ -334,7 +336,7 @@ LEASE_ABORT = _ABORT
 def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off, length,
              write: bool, *, timeout_ms: int = -1, chunk: int = DEFAULT_CHUNK,
              pidfd: int = -1, LeaseTable leases=None, Py_ssize_t slot=-1,
-             int mem_fd=-1) -> int:
+             int mem_fd=-1, PeerMaps maps=None, tuple map_tensors=None) -> int:
     """Copy runs between this process's regions and another process's memory.
 
     For ``k in range(len(local))``, for ``j in range(len(length))``::
@@ -376,6 +378,13 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         file was opened on and no other, even if ``pid`` is reused meanwhile, and never wait on a
         page the peer froze with a userfaultfd (EFAULT at once).  Negative: ``process_vm_readv``
         / ``writev`` on ``pid`` (identity by pid number only: the benchmarks' baseline).
+    maps, map_tensors : PeerMaps, tuple[int, ...], keyword-only
+        The peer's cache memory mapped here (the same-host path's mapped copies) and the tensor
+        index in ``slot`` of each remote address: when every tensor is placed in ``maps`` with at
+        least ``remote_nbytes`` bytes, the runs (checked as above first) are copied with kvdd's
+        copy kernels between the local regions and the mappings, at most ``chunk`` bytes per
+        kernel call, the deadline and the abort checked before each (``pidfd`` before and after
+        the copy, as for system calls); otherwise as without them.
 
     Returns
     -------
@@ -425,14 +434,14 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         job.abort_word = leases._slot(slot) + _S_STATE
         job.abort_link = leases.base + _H_STATE
     job.deadline = -1 if timeout_ms < 0 else _now_ns() + <int64_t>timeout_ms * 1000000
-    cdef uintptr_t addrs_small[2 * _SMALL + 1]
+    cdef uintptr_t addrs_small[3 * _SMALL + 1]
     cdef int64_t runs_small[3 * _SMALL + 1]
     cdef uintptr_t *addrs = addrs_small
     cdef int64_t *runs = runs_small
     cdef int cfd = pidfd
-    cdef bint gone_before = False, gone_after = False
+    cdef bint gone_before = False, gone_after = False, mapped = False
     if K > _SMALL:
-        addrs = <uintptr_t *>PyMem_RawMalloc(<size_t>(2 * K + 1) * sizeof(uintptr_t))
+        addrs = <uintptr_t *>PyMem_RawMalloc(<size_t>(3 * K + 1) * sizeof(uintptr_t))
     if J > _SMALL:
         runs = <int64_t *>PyMem_RawMalloc(<size_t>(3 * J + 1) * sizeof(int64_t))
     cdef int64_t lmin = INT64_MAX, n, total = 0
@@ -470,12 +479,20 @@ def pvm_copy(pid: int, local, remote, remote_nbytes: int, local_off, remote_off,
         job.loff = runs
         job.roff = runs + J
         job.ln = runs + 2 * J
+        if maps is not None and total > 0 and leases is not None:
+            if map_tensors is None or len(map_tensors) != K:
+                raise ValueError("pvm_copy: map_tensors must name the tensor of every remote")
+            mapped = maps.bases(slot, map_tensors, 0, K, rn, addrs + 2 * K)
+            if mapped:
+                job.raddr = addrs + 2 * K
         if total > 0:
             with nogil:
                 if cfd >= 0 and _pidfd_exited(cfd):
                     gone_before = True
                 else:
-                    if job.mem_fd >= 0:
+                    if mapped:
+                        _run_map(&job, <uint64_t>total * <uint64_t>K)
+                    elif job.mem_fd >= 0:
                         _run_mem(&job)
                     else:
                         _run(&job)
@@ -539,4 +556,5 @@ include "_xproc_bench.pxi"
 
 include "_xproc_identity.pxi"
 include "_xproc_leases.pxi"
+include "_xproc_maps.pxi"
 include "_xproc_mover.pxi"

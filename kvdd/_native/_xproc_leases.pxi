@@ -97,6 +97,22 @@ cdef class LeaseTable:
         return (kvdd_load(&self.base[_H_MAGIC]), kvdd_load(&self.base[_H_SLOTS]),
                 kvdd_load(&self.base[_H_STATE]))
 
+    def load_header(self, int word) -> int:
+        """Header word ``word`` (3..7: labels; 3: the owner's memory announcement) as stored."""
+        if self.base == NULL:
+            raise ValueError("LeaseTable is closed")
+        if word < 3 or word >= _HDR_BYTES // 8:
+            raise ValueError("word must lie in [3, 8)")
+        return kvdd_load(&self.base[word])
+
+    def store_header(self, int word, uint64_t value) -> None:
+        """Store ``value`` in header word ``word`` (3..7)."""
+        if self.base == NULL:
+            raise ValueError("LeaseTable is closed")
+        if word < 3 or word >= _HDR_BYTES // 8:
+            raise ValueError("word must lie in [3, 8)")
+        kvdd_store(&self.base[word], value)
+
     def enter(self, Py_ssize_t slot) -> int:
         """Reader: count one transfer in flight on ``slot``, then check the states.
 

@@ -22,8 +22,9 @@ cdef void forget_failure() noexcept nogil:
 cdef class SameHostMover:
     """One link reader's compiled copy (:class:`kvdd.sim.fabric.samehost_path.OneSidedPeer`):
     the lease protocol of :meth:`~kvdd.sim.fabric.samehost_path.OneSidedPeer.acquire` /
-    ``move`` / ``release`` (enter the slot, copy through the peer's ``/proc/<pid>/mem`` under the
-    reader's deadline and the owner's abort, leave) with the same meaning, called from C by
+    ``move`` / ``release`` (enter the slot, copy through the owner's cache memory mapped here
+    when every tensor of the call is (``maps``), else through the peer's ``/proc/<pid>/mem``,
+    under the reader's deadline and the owner's abort, leave) with the same meaning, called from C by
     ``kvdd.sim._fastpath`` after the call's checks; no Python object per call but the reader's
     copy count.
 
@@ -39,11 +40,15 @@ cdef class SameHostMover:
     mem_fd, pidfd, pid : int
         The attested peer's ``/proc/<pid>/mem``, pidfd and pid (owned by the reader's link).
     max_lease_ms, chunk : int
-        A lease's longest life (``MAX_LEASE_MS``) and the bytes per system call.
+        A lease's longest life (``MAX_LEASE_MS``) and the bytes per system call (or per kernel
+        call of a mapped copy).
+    maps : PeerMaps or None
+        The owner's cache memory mapped by the reader (unmapped by the reader's
+        ``release_fds`` with the other fds, when no copy runs).
     """
 
     def __cinit__(self, reader, LeaseTable table not None, dict slot_of not None, int mem_fd,
-                  int pidfd, int pid, int64_t max_lease_ms, uint64_t chunk):
+                  int pidfd, int pid, int64_t max_lease_ms, uint64_t chunk, PeerMaps maps=None):
         if mem_fd < 0 or pidfd < 0 or pid <= 0 or chunk < 4096:
             raise ValueError("SameHostMover: an open memory fd, a pidfd, a pid and a chunk "
                              ">= 4096 are required")
@@ -61,6 +66,7 @@ cdef class SameHostMover:
         self.moved = 0
         self.copies = 0
         self.closing = False
+        self.maps = maps
 
     def take_failure(self, Py_ssize_t slot) -> int:
         """The errno of this thread's compiled copy on ``slot`` that failed after it started (the
@@ -117,10 +123,10 @@ cdef class SameHostMover:
             if (n < 0 or l_off[j] < 0 or n > lmin or l_off[j] > lmin - n or r_off[j] < 0
                     or n > rn or r_off[j] > rn - n):
                 return _DECLINED
-        cdef uintptr_t small[2 * _SMALL]
+        cdef uintptr_t small[3 * _SMALL]
         cdef uintptr_t *addr = small
         if K > _SMALL:
-            addr = <uintptr_t *>PyMem_RawMalloc(<size_t>(2 * K) * sizeof(uintptr_t))
+            addr = <uintptr_t *>PyMem_RawMalloc(<size_t>(3 * K) * sizeof(uintptr_t))
             if addr == NULL:
                 return _DECLINED
         try:
@@ -138,13 +144,24 @@ cdef class SameHostMover:
         cdef uintptr_t *laddr = addr
         cdef uintptr_t *raddr = addr + K
         cdef uintptr_t a
-        cdef Py_ssize_t k
+        cdef Py_ssize_t k, j
         for k in range(K):
             a = (<tuple>addrs)[r_first + k]
             if a == 0 or a > UINTPTR_MAX - <uintptr_t>rn:
                 return _DECLINED
             raddr[k] = a
             laddr[k] = lt.addrs[l_first + k]
+        # the owner's memory mapped here, when every tensor is (checked after the runs and the
+        # remote addresses, as pvm_copy does); the copy stays inside each mapped tensor
+        cdef bint mapped = (self.maps is not None and
+                            (<PeerMaps>self.maps).bases(slot, None, r_first, K, rn, addr + 2 * K))
+        cdef uint64_t call_bytes = 0
+        for j in range(J):
+            call_bytes += <uint64_t>ln[j]
+        call_bytes *= <uint64_t>K
+        cdef int cpidfd = self.pidfd
+        if mapped:
+            raddr = addr + 2 * K
         cdef _Job job
         job.pid = self.pid
         job.mem_fd = self.mem_fd
@@ -180,8 +197,16 @@ cdef class SameHostMover:
                     if wait_ms > self.max_lease_ms:
                         wait_ms = self.max_lease_ms  # the owner waits no longer
                     job.deadline = _now_ns() + wait_ms * 1000000
-                    with nogil:  # (no pidfd check: the file names the attested address space)
-                        _run_mem(&job)
+                    with nogil:
+                        if mapped:  # the peer alive before and after, as /proc/<pid>/mem says
+                            if _pidfd_exited(cpidfd):
+                                job.err = ESRCH
+                            else:
+                                _run_map(&job, call_bytes)
+                                if _pidfd_exited(cpidfd):
+                                    job.err = ESRCH
+                        else:  # (no pidfd check: the file names the attested address space)
+                            _run_mem(&job)
                 finally:
                     kvdd_sub(&s[_S_INFLIGHT], 1)  # LeaseTable.leave
             finally:
@@ -189,7 +214,7 @@ cdef class SameHostMover:
         finally:
             self.copies -= 1
             if self.closing and self.copies == 0:
-                self.reader.link.close()  # the reader closed meanwhile: the last copy closes
+                self.reader.release_fds()  # the reader closed meanwhile: the last copy closes
         if job.timed_out or job.aborted or job.err == ESRCH:
             return _TIMED_OUT
         if job.err:  # the Python path answers the call, reporting this errno (take_failure)

@@ -39,11 +39,11 @@ OWNER = 1
 _OWNER = r"""
 import sys, numpy as np, kvdd
 from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-G = eval(sys.argv[1])
+G, ALLOC = eval(sys.argv[1]), sys.argv[2]
 dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
 dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
 sizes = [n * int(np.prod(shape)) for n, shape in G]
-arena = np.zeros(sum(sizes), np.uint8)
+arena = kvdd.empty(sum(sizes), np.uint8) if ALLOC == "shm" else np.zeros(sum(sizes), np.uint8)
 ids, at = [], 0
 for (n, shape), size in zip(G, sizes):
     T = size // n
@@ -82,9 +82,11 @@ class World:
     owner: Owner
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES)],
+@pytest.fixture(scope="module", params=["numpy", "shm"])
+def world(request: pytest.FixtureRequest) -> Iterator[World]:
+    """The owner's cache memory from numpy (copies through its /proc/<pid>/mem) or from
+    kvdd.empty (copies through its memory mapped here)."""
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES), request.param],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     port, addr, size, *ids = (int(x) for x in proc.stdout.readline().split())
@@ -96,6 +98,8 @@ def world() -> Iterator[World]:
         path = me.dd.backend.link_data_path(OWNER)  # type: ignore[attr-defined]
         if path != "process_vm":
             pytest.skip(f"the link uses {path}, not the same-host path")
+        reader = me.dd.backend.entities[OWNER].peer._path._reader  # type: ignore[attr-defined]
+        assert (reader.maps is not None) == (request.param == "shm")
         yield World(me, Owner(proc, port, addr, size, ids, mem))
     finally:
         me.dd.finalize()

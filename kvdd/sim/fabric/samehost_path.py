@@ -49,6 +49,7 @@ import numpy as np
 
 from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
 from .samehost import SameHostLink, SameHostRefused
+from .samehost_shm import announce, map_owner
 from .wire import LEASE_GRACE_MS, MAX_LEASE_MS
 
 if TYPE_CHECKING:
@@ -126,6 +127,11 @@ class ServedTable:
         self.table = _xproc.LeaseTable(self._fd, len(self.entries), True)
         for slot, entry in enumerate(self.entries):
             self.table.store(slot, 2, entry.cache_id)
+        try:  # the served tensors in shareable memory, for the reader to map (.samehost_shm)
+            self._announce_fd = announce(self.table, self.entries)
+        except OSError as exc:
+            logger.info("kvdd same-host: shared cache memory not announced: %s", exc)
+            self._announce_fd = -1
         self._lock = threading.Lock()
         self._pidfd = -1  # the reader's, our own duplicate (closed by the last user after close)
         self._waiting = 0  # threads in _wait (they use the pidfd)
@@ -227,6 +233,9 @@ class ServedTable:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._announce_fd >= 0:
+            os.close(self._announce_fd)
+            self._announce_fd = -1
 
 
 class OneSidedLease:
@@ -267,11 +276,13 @@ class OneSidedPeer:
         self._slot = {cid: i for i, cid in enumerate(labels) if cid and cid not in twice}
         self.link = link
         self.mem_fd = link.open_memory()  # the attested address space (closed with the link)
+        #: The owner's cache memory mapped here (.samehost_shm), or None: /proc/<pid>/mem only.
+        self.maps = map_owner(link.pidfd, self.table)
         self.usable = True  # False after EPERM (ptrace rules) or close: TCP from then on
         #: The compiled copy of kvdd.sim._fastpath (the same lease protocol, from C); it also
         #: counts this reader's copies, so that close() leaves the fds to the last one.
         self.mover = _xproc.SameHostMover(self, self.table, self._slot, self.mem_fd, link.pidfd,
-                                          link.peer_pid, MAX_LEASE_MS, PVM_CHUNK)
+                                          link.peer_pid, MAX_LEASE_MS, PVM_CHUNK, self.maps)
 
     def begin_copy(self) -> bool:
         """Count one copy that uses the link's fds (False once closed: copy nothing)."""
@@ -281,7 +292,13 @@ class OneSidedPeer:
         """The copy counted by :meth:`begin_copy` is over (the last one after close closes the
         fds)."""
         if self.mover.end():
-            self.link.close()
+            self.release_fds()
+
+    def release_fds(self) -> None:
+        """Unmap the owner's memory and close the link's fds (no copy runs: the copy count)."""
+        if self.maps is not None:
+            self.maps.close()
+        self.link.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, OneSidedLease | None] | None:
@@ -326,7 +343,8 @@ class OneSidedPeer:
             _xproc.pvm_copy(self.link.peer_pid, local, remote, lease.rc.tensor_nbytes,
                             local_off, remote_off, length, write,
                             timeout_ms=left_ms, chunk=PVM_CHUNK, pidfd=self.link.pidfd,
-                            leases=self.table, slot=lease.slot, mem_fd=self.mem_fd)
+                            leases=self.table, slot=lease.slot, mem_fd=self.mem_fd,
+                            maps=self.maps, map_tensors=tuple(tensors))
         except PermissionError as exc:  # ptrace rules changed (Yama: another reader admitted)
             logger.warning("kvdd same-host: process_vm refused by the kernel (%s); this link "
                            "uses TCP from now on", exc)
@@ -350,4 +368,4 @@ class OneSidedPeer:
         copy running now ends (the mapping goes with the last reference)."""
         self.usable = False
         if self.mover.close():
-            self.link.close()
+            self.release_fds()

@@ -1,0 +1,263 @@
+# Included by _xproc.pyx: the same-host path's mappings of a peer's shareable cache memory
+# (kvdd.empty: sealed memfds) and the copies through them.
+
+cdef extern from "<sys/vfs.h>" nogil:
+    struct statfs:
+        long f_type
+    int fstatfs(int fd, statfs *buf)
+
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #include <fcntl.h>
+    #ifndef SYS_pidfd_getfd
+    #define SYS_pidfd_getfd 438
+    #endif
+    #ifndef F_GET_SEALS
+    #define F_GET_SEALS 1034
+    #endif
+    #ifndef F_SEAL_SHRINK
+    #define F_SEAL_SHRINK 0x0002
+    #endif
+    #ifndef MADV_DONTFORK
+    #define MADV_DONTFORK 10
+    #endif
+    static inline long kvdd_pidfd_getfd(int pidfd, int fd) {
+        return syscall(SYS_pidfd_getfd, pidfd, fd, 0); }
+    static inline int kvdd_get_seals(int fd) { return fcntl(fd, F_GET_SEALS); }
+    static inline int kvdd_dontfork(void *p, size_t n) { return madvise(p, n, MADV_DONTFORK); }
+    """
+    long kvdd_pidfd_getfd(int pidfd, int fd) nogil
+    int kvdd_get_seals(int fd) nogil
+    int kvdd_dontfork(void *p, size_t n) nogil
+    enum: F_SEAL_SHRINK
+
+#: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
+TMPFS_MAGIC = 0x01021994
+#: Largest file (bytes) mapped from a peer (a check against absurd sizes; 1 TiB).
+SHM_MAX_BYTES = 1 << 40
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """``pidfd_getfd(pidfd, fd, 0)``: a duplicate, in this process, of file descriptor ``fd`` of
+    the process behind ``pidfd`` (Linux >= 5.6; needs ptrace access to it, like
+    ``/proc/<pid>/mem``).  The caller owns it (``os.close``); it is close-on-exec.
+
+    Raises OSError (EBADF: no such fd there, EPERM, ESRCH: the process exited, ENOSYS)."""
+    if pidfd < 0 or fd < 0 or fd > 0x7FFFFFFF:
+        raise ValueError(f"pidfd_getfd: invalid fd {fd} or pidfd {pidfd}")
+    cdef long r
+    cdef int err = 0, cpidfd = pidfd, cfd = fd
+    with nogil:
+        r = kvdd_pidfd_getfd(cpidfd, cfd)
+        if r < 0:
+            err = errno
+    if r < 0:
+        raise OSError(err, f"pidfd_getfd({fd}): {strerror(err).decode(errors='replace')}")
+    return r
+
+
+def shm_check(int fd, unsigned long ino) -> int:
+    """Validate a peer's shareable memory before it is mapped; its size in bytes.
+
+    The file must be on tmpfs (``fstatfs``: a ``memfd_create`` file without MFD_HUGETLB; a disk
+    file, a pipe, a socket, a hugetlbfs memfd are refused), a regular file, the inode ``ino`` the
+    peer announced, sealed with ``F_SEAL_SHRINK`` (it can never shrink under the mapping: no
+    SIGBUS; ``/dev/shm`` files cannot be sealed), and of 1 byte .. :data:`SHM_MAX_BYTES`.
+
+    Raises ValueError (the reason) when it is not."""
+    cdef statfs sfs
+    cdef struct_stat st
+    cdef int seals
+    if fstatfs(fd, &sfs) != 0:
+        raise ValueError(f"fstatfs failed ({strerror(errno).decode(errors='replace')})")
+    if <unsigned long>sfs.f_type != TMPFS_MAGIC:
+        raise ValueError(f"not a tmpfs memfd (file system magic {<unsigned long>sfs.f_type:#x})")
+    if fstat(fd, &st) != 0:
+        raise ValueError(f"fstat failed ({strerror(errno).decode(errors='replace')})")
+    if not S_ISREG(st.st_mode):
+        raise ValueError(f"not a regular file (mode {st.st_mode:#o})")
+    if st.st_ino != ino:
+        raise ValueError(f"inode {st.st_ino}, announced {ino}")
+    seals = kvdd_get_seals(fd)
+    if seals < 0 or not (seals & F_SEAL_SHRINK):
+        raise ValueError(f"not sealed against shrinking (seals {seals:#x})")
+    if st.st_size <= 0 or st.st_size > SHM_MAX_BYTES:
+        raise ValueError(f"size {st.st_size} bytes is outside [1, {SHM_MAX_BYTES}]")
+    return st.st_size
+
+
+cdef class PeerMaps:
+    """One link reader's mappings of the owner's cache memory, and which tensor of which lease
+    slot lies where in them.
+
+    :meth:`add` maps a file that :func:`shm_check` accepted (MAP_SHARED, read-write,
+    ``MADV_DONTFORK`` so a forked child never holds it); :meth:`place` says where a slot's tensor
+    starts in a mapping.  A copy uses the mappings only when every tensor it touches is placed and
+    its mapping holds the tensor's registered bytes from its offset on (:meth:`lookup`, checked at
+    every call, after the run checks).  :meth:`close` unmaps: the caller does it only when no copy
+    runs (the reader's copy count, as for the link's other fds).
+
+    Parameters
+    ----------
+    slots : int
+        The lease table's slot count.
+    """
+
+    cdef Py_ssize_t slots
+    cdef list _maps          # [(addr, size)]
+    cdef dict _placed        # slot -> list of (addr, avail) per tensor index (0: not placed)
+    cdef readonly bint closed
+    #: Copies that went through the mappings (both paths), for tests and ``kvdd bench``.
+    cdef readonly uint64_t uses
+    #: False: every copy goes through ``/proc/<pid>/mem`` (tests and ``kvdd bench`` compare).
+    cdef public bint enabled
+
+    def __cinit__(self, Py_ssize_t slots):
+        if slots < 0 or slots > _MAX_SLOTS:
+            raise ValueError(f"PeerMaps: {slots} slots")
+        self.slots = slots
+        self._maps = []
+        self._placed = {}
+        self.closed = False
+        self.enabled = True
+
+    def __dealloc__(self):
+        self._unmap()
+
+    cdef void _unmap(self):
+        if self._maps is None:
+            return
+        for addr, size in self._maps:
+            munmap(<void *><uintptr_t>addr, <size_t>size)
+        self._maps = []
+        self._placed = {}
+
+    def add(self, int fd, unsigned long ino) -> int:
+        """Check (:func:`shm_check`) and map ``fd`` whole; returns the mapping's index.  The fd
+        stays the caller's (close it: the mapping keeps the memory).  ValueError: refused."""
+        if self.closed:
+            raise ValueError("PeerMaps is closed")
+        cdef long size = shm_check(fd, ino)
+        cdef void *p
+        cdef int err = 0
+        with nogil:
+            p = mmap(NULL, <size_t>size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            if p == MAP_FAILED:
+                err = errno
+            elif kvdd_dontfork(p, <size_t>size) != 0:
+                err = errno
+                munmap(p, <size_t>size)
+        if err:
+            raise ValueError(f"mmap failed ({strerror(err).decode(errors='replace')})")
+        self._maps.append((<uintptr_t>p, size))
+        return len(self._maps) - 1
+
+    def place(self, Py_ssize_t slot, Py_ssize_t tensor, Py_ssize_t index, uint64_t offset) -> bool:
+        """Tensor ``tensor`` of ``slot`` starts ``offset`` bytes into mapping ``index``; False
+        (not placed) when that lies outside the mapping."""
+        if slot < 0 or slot >= self.slots or tensor < 0 or tensor >= _MAX_MAPPED_TENSORS:
+            return False
+        if index < 0 or index >= len(self._maps):
+            return False
+        addr, size = self._maps[index]
+        if offset >= <uint64_t>size:
+            return False
+        placed = self._placed.setdefault(slot, [])
+        while len(placed) <= tensor:
+            placed.append((0, 0))
+        placed[tensor] = (addr + offset, size - offset)
+        return True
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped (the sum of the mapped files' sizes)."""
+        return sum(size for _addr, size in self._maps)
+
+    def __len__(self):
+        return len(self._maps)
+
+    def placed(self, Py_ssize_t slot) -> int:
+        """How many tensors of ``slot`` are placed."""
+        return sum(1 for a, _n in self._placed.get(slot, ()) if a)
+
+    cdef bint bases(self, Py_ssize_t slot, object tensors, Py_ssize_t first, Py_ssize_t K,
+                    int64_t rn, uintptr_t *out) except -1:
+        """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
+        ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
+        from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
+        if self.closed or not self.enabled or rn < 0:
+            return False
+        placed = self._placed.get(slot)
+        if placed is None:
+            return False
+        cdef Py_ssize_t k, t, n = len(<list>placed)
+        cdef uintptr_t a
+        cdef uint64_t avail
+        for k in range(K):
+            t = tensors[k] if tensors is not None else first + k
+            if t < 0 or t >= n:
+                return False
+            a, avail = (<list>placed)[t]
+            if a == 0 or avail < <uint64_t>rn:
+                return False
+            out[k] = a
+        self.uses += 1
+        return True
+
+    def close(self) -> None:
+        """Unmap everything (no copy may run: the caller's copy count says so)."""
+        self.closed = True
+        self._unmap()
+
+
+cdef enum:
+    _WIN = 256  # runs per kernel call of a mapped copy
+    _MAX_MAPPED_TENSORS = 1 << 20
+
+
+cdef void _run_map(_Job *job, uint64_t call_bytes) noexcept nogil:
+    """The runs with kvdd's copy kernels between local memory and the peer's memory mapped here
+    (``job.raddr``: mapped addresses): at most ``chunk`` bytes per kernel call, the deadline and
+    the owner's abort checked right before each, like :func:`_run_mem` before each system call."""
+    cdef int64_t so[_WIN]
+    cdef int64_t do[_WIN]
+    cdef int64_t ln[_WIN]
+    cdef Py_ssize_t n = 0, k, j
+    cdef uint64_t batch = 0
+    cdef int64_t pos, left, take
+    cdef uintptr_t la, ra
+    for k in range(job.K):
+        for j in range(job.J):
+            pos = 0
+            left = job.ln[j]
+            while left > 0:
+                take = left
+                if <uint64_t>take > job.chunk - batch:
+                    take = <int64_t>(job.chunk - batch)
+                la = job.laddr[k] + <uintptr_t>(job.loff[j] + pos)
+                ra = job.raddr[k] + <uintptr_t>(job.roff[j] + pos)
+                if job.write:
+                    so[n] = <int64_t>la
+                    do[n] = <int64_t>ra
+                else:
+                    so[n] = <int64_t>ra
+                    do[n] = <int64_t>la
+                ln[n] = take
+                n += 1
+                batch += <uint64_t>take
+                pos += take
+                left -= take
+                if n == _WIN or batch >= job.chunk:
+                    if _stop(job):
+                        return
+                    job.done += copy_trusted_runs(so, do, ln, n, call_bytes)
+                    n = 0
+                    batch = 0
+    if n:
+        if _stop(job):
+            return
+        job.done += copy_trusted_runs(so, do, ln, n, call_bytes)
+    if job.deadline >= 0 and _now_ns() > job.deadline:
+        job.timed_out = True

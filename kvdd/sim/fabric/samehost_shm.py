@@ -1,0 +1,186 @@
+"""Mapped copies for the same-host path: the owner's cache memory, mapped by the proven reader.
+
+Caches registered over memory from :func:`kvdd.empty` (sealed memfds, :mod:`kvdd.shm`) are
+copied with kvdd's copy kernels through a mapping of the same pages in the reader, instead of
+``pread`` / ``pwrite`` on the owner's ``/proc/<pid>/mem`` (which the kernel copies through a
+bounce page, at about half the speed of ``process_vm_readv``).  Identity, leases and deadlines
+keep their meaning (:mod:`.samehost_path`).
+
+How the memory is passed
+------------------------
+The owner, when it creates a link's lease table (:class:`.samehost_path.ServedTable`), writes one
+record per served tensor that lives in a :func:`kvdd.empty` allocation — ``(slot, tensor, fd,
+offset, inode)``: the owner's fd number of the allocation's memfd and the tensor's offset in it —
+into a new memfd, sealed against every change (``F_SEAL_WRITE | SHRINK | GROW | SEAL``), and
+announces that file in the table's header (word 3: its fd number + 1, word 4: its inode).
+
+The reader, once the owner is proven (it holds the owner's pidfd from the kernel's ``SCM_PIDFD``),
+takes the files it needs out of that very process with ``pidfd_getfd`` (:func:`map_owner`): the
+same kernel permission as opening its ``/proc/<pid>/mem``, and the same binding to the attested
+process (a pidfd never names a later process that reused the pid).  No message of the proof
+changes.  Every value read is untrusted: each file is checked before it is mapped
+(:func:`kvdd._native._xproc.shm_check`: tmpfs, a regular file, the announced inode, sealed against
+shrinking, so a mapping never faults past the file's end), mapped ``MAP_SHARED`` read-write with
+``MADV_DONTFORK``, and its fd closed at once.  A file refused leaves the tensors in it on
+``/proc/<pid>/mem``; so does a tensor whose registered bytes do not fit in its file from its
+offset (checked at every copy, after the usual checks of every run).
+
+Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
+``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
+through ``/proc/<pid>/mem``).  The owner keeps every announced fd open while the table lives.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ... import shm
+
+if TYPE_CHECKING:
+    from .protocol import ServedCache
+
+try:  # always built on Linux; absent elsewhere → TCP only
+    from ..._native import _xproc
+except ImportError:  # pragma: no cover
+    _xproc = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_LINK_MAPS", "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
+
+#: Distinct files (memfds) a reader maps from one owner per link.
+MAX_LINK_MAPS = 1024
+#: Records (tensors) a reader reads from one owner's announcement per link.
+MAX_RECORDS = 1 << 18
+#: One record: slot, tensor, fd, offset, inode (uint64 little-endian each).
+RECORD = 5 * 8
+#: Environment variable: ``0`` turns the mapped copies off (every copy through /proc/<pid>/mem).
+ENV_MAPPED = "KVDD_SIM_XPROC_MAPPED"
+
+_H_ANNOUNCE, _H_INODE = 3, 4  # lease table header words
+_IMMUTABLE = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_MAPPED, "1").strip() != "0"
+
+
+def records_of(entries: Sequence[ServedCache]) -> np.ndarray:
+    """The owner's records for ``entries`` (slot ``i`` = ``entries[i]``): one row per tensor
+    that lies whole in a :func:`kvdd.empty` allocation."""
+    rows: list[tuple[int, int, int, int, int]] = []
+    for slot, entry in enumerate(entries):
+        for t, addr in enumerate(entry.addrs):
+            found = shm.lookup(addr, entry.T)
+            if found is not None:
+                alloc, off = found
+                rows.append((slot, t, alloc.fd, off, alloc.ino))
+    return np.array(rows, dtype="<u8").reshape(-1, 5)
+
+
+def announce(table: _xproc.LeaseTable, entries: Sequence[ServedCache]) -> int:
+    """Owner: write the records of ``entries`` into a sealed memfd announced in ``table``'s
+    header; returns its fd (the caller keeps it open while the table lives, then closes it), or
+    -1 when no served tensor lives in shareable memory (nothing announced)."""
+    if not _enabled():
+        return -1
+    rows = records_of(entries)
+    if rows.shape[0] == 0:
+        return -1
+    fd = os.memfd_create("kvdd-shm-records", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        data = rows.tobytes()
+        os.ftruncate(fd, len(data))
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError("short write of the shared-memory records")
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _IMMUTABLE)
+        table.store_header(_H_INODE, os.fstat(fd).st_ino)
+        table.store_header(_H_ANNOUNCE, fd + 1)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
+    """The owner's announcement, checked: a sealed, immutable tmpfs memfd of whole records."""
+    assert _xproc is not None
+    word, ino = table.load_header(_H_ANNOUNCE), table.load_header(_H_INODE)
+    if word == 0:
+        return None
+    if word - 1 > 0x7FFFFFFF:
+        raise ValueError(f"announced fd {word - 1} is not an fd number")
+    fd = _xproc.pidfd_getfd(pidfd, word - 1)
+    try:
+        size = _xproc.shm_check(fd, ino)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & _IMMUTABLE != _IMMUTABLE:
+            raise ValueError(f"the records' file is not sealed against writes (seals {seals:#x})")
+        if size % RECORD or size // RECORD > MAX_RECORDS:
+            raise ValueError(f"the records' file has {size} bytes (whole records of {RECORD} "
+                             f"bytes, at most {MAX_RECORDS})")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise ValueError("short read of the records")
+    return np.frombuffer(data, dtype="<u8").reshape(-1, 5)
+
+
+def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
+    """Reader: map the memory the owner behind ``pidfd`` announced in ``table``, every file
+    checked first; None when nothing is mapped (every copy then goes through /proc/<pid>/mem).
+    Never raises for what the owner sent: the reason is logged."""
+    assert _xproc is not None
+    if not _enabled():
+        return None
+    try:
+        rows = _read_records(pidfd, table)
+    except (OSError, ValueError) as exc:
+        logger.info("kvdd same-host: the owner's shared memory is not used: %s", exc)
+        return None
+    if rows is None or rows.shape[0] == 0:
+        return None
+    files = sorted({(int(r[2]), int(r[4])) for r in rows})
+    cap = min(rows.shape[0], MAX_LINK_MAPS)
+    if len(files) > cap:
+        logger.info("kvdd same-host: the owner announced %d memory files (at most %d): not "
+                    "mapped", len(files), cap)
+        return None
+    maps = _xproc.PeerMaps(table.slots)
+    index: dict[tuple[int, int], int] = {}
+    try:
+        for fdnum, ino in files:
+            if fdnum > 0x7FFFFFFF:
+                continue
+            try:
+                fd = _xproc.pidfd_getfd(pidfd, fdnum)
+            except OSError as exc:
+                logger.info("kvdd same-host: cannot take the owner's fd %d: %s", fdnum, exc)
+                continue
+            try:
+                index[(fdnum, ino)] = maps.add(fd, ino)
+            except ValueError as exc:
+                logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
+            finally:
+                os.close(fd)
+        per_slot = Counter(int(r[0]) for r in rows)
+        for slot, tensor, fdnum, off, ino in rows.tolist():
+            i = index.get((fdnum, ino))
+            # a slot's tensors are numbered below its record count: bounded lists
+            if i is not None and slot < table.slots and tensor < per_slot[slot]:
+                maps.place(slot, tensor, i, off)
+    except BaseException:
+        maps.close()
+        raise
+    if not len(maps):
+        maps.close()
+        return None
+    return maps
