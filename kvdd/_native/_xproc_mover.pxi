@@ -68,6 +68,11 @@ cdef class SameHostMover:
         self.closing = False
         self.maps = maps
 
+    @property
+    def maps(self):
+        """The owner's memory mapped by the reader (:class:`PeerMaps`), or None."""
+        return self.maps
+
     def take_failure(self, Py_ssize_t slot) -> int:
         """The errno of this thread's compiled copy on ``slot`` that failed after it started (the
         call the Python path answers now), or 0; the record is dropped either way.

@@ -41,6 +41,7 @@ from .. import (
     KvCacheExtParam,
     LlmDataDist,
     LlmRole,
+    empty,
     tensor_addrs,
 )
 from .._native import _copy
@@ -105,7 +106,7 @@ def _xp_peer_main(conn: Any, row_bytes: int, cluster_id: int, tcp: bool) -> None
         os.environ[ENV_XPROC] = "tcp"
     parent = os.getppid()
     try:
-        mem = arena(row_bytes)
+        mem = arena(row_bytes) if tcp else empty(row_bytes, np.uint8)  # the same-host path maps it
         fill_pattern(mem)
         server = socket.create_server((LOCALHOST, 0))
         with server, LlmDataDist(cluster_id, LlmRole.PROMPT, backend="sim") as dd:
@@ -386,9 +387,9 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
 
     # this side: `src` holds the peer's pattern (memcpy source, push source, expected bytes), `dst`
     # receives (pulls, raw limits); both registered as paged caches, `dst` also as the row
-    src = arena(row_bytes)
+    src = empty(row_bytes, np.uint8)  # kvdd's shareable memory, as the peer's
     fill_pattern(src)
-    dst = arena(row_bytes)
+    dst = empty(row_bytes, np.uint8)
     dst.fill(0)
     small = arena(XP_SMALL)
     src_r = _copy.Region(src.ctypes.data, src.nbytes, src)
@@ -485,7 +486,7 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                     fn()
                     verified = verify()
                     fns: dict[str, Callable[[], object]] = {"transfer": fn}
-                    fns.update(limits(nbytes, write, kind != "pull_row"))
+                    fns.update(limits(nbytes, write, not kind.startswith("pull_row")))
                     if "socket" in fns:  # the raw socket moves the same bytes
                         dst.fill(0)
                         fns["socket"]()
@@ -493,11 +494,20 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                     reps = repeats if repeats is not None else repeats_for(nbytes, 2 * budget_s, 5e9, lo=5, hi=50)
                     res = interleaved(fns, reps)
                     cpu = meter.per_gb(fn, nbytes, max(1, min(reps, 10)))
-                    limit = ("socket" if path == "tcp" else "pvm" if kind == "pull_row" else "pvm_iov")
+                    limit = ("socket" if path == "tcp" else "pvm" if kind.startswith("pull_row") else "pvm_iov")
                     rows.append(_xp_row(path, kind, nbytes, run_bytes, res, verified, limit, data_path, cpu))
 
                 measure("pull_row", pull_row, row_bytes, row_bytes, False,
                         lambda: bool(np.array_equal(dst, src)))
+                maps = getattr(getattr(dd.backend, "entities", {})[peer.cluster_id].peer.one_sided(),
+                               "maps", None) if path == "process_vm" else None
+                if maps is not None:  # the same row through /proc/<pid>/mem (memory not shared)
+                    maps.enabled = False
+                    try:
+                        measure("pull_row_proc_mem", pull_row, row_bytes, row_bytes, False,
+                                lambda: bool(np.array_equal(dst, src)))
+                    finally:
+                        maps.enabled = True
                 measure("pull_blocks", pull_blocks, blk_bytes, B, False, blocks_equal)
                 if path == "process_vm":
                     def pushed() -> bool:  # read the peer's blocks back (pull verified above)
