@@ -24,6 +24,7 @@ import pytest
 from kvdd import (OPTION_DEVICE_ID, OPTION_LISTEN_IP_INFO, Cache, CacheDesc, CacheIndex,
                   ClusterInfo, DataType, IpInfo, KvCacheExtParam, LlmDataDist,
                   LlmRole, tensor_addrs)
+from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost, samehost_shm
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
@@ -118,8 +119,10 @@ class Link:
     def owner_arena(self) -> np.ndarray:
         return np.frombuffer(os.pread(self.mem, N + 2 * G, self.addr), np.uint8)
 
-    def maps(self) -> object:
-        return self.me.backend.entities[OWNER].peer._path._reader.maps  # type: ignore[attr-defined]
+    def maps(self) -> _xproc.PeerMaps | None:
+        maps = self.me.backend.entities[OWNER].peer._path._reader.maps  # type: ignore[attr-defined]
+        assert maps is None or isinstance(maps, _xproc.PeerMaps)
+        return maps
 
     def command(self, cmd: str) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -185,10 +188,10 @@ def test_a_file_that_is_not_a_sealed_tmpfs_memfd_is_not_mapped(link: Link) -> No
 @pytest.mark.parametrize("link", ["small"], indirect=True)
 def test_a_memfd_smaller_than_the_tensor_is_not_used(link: Link) -> None:
     maps = link.maps()
-    assert maps is not None and maps.placed(0) == 1  # type: ignore[attr-defined]
-    before = maps.uses  # type: ignore[attr-defined]
+    assert maps is not None and maps.placed(0) == 1
+    before = maps.uses
     _honest_calls(link)
-    assert maps.uses == before  # type: ignore[attr-defined]  (all through /proc/<pid>/mem)
+    assert maps.uses == before  # all through /proc/<pid>/mem
 
 
 @pytest.fixture
@@ -199,10 +202,10 @@ def two_maps(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("link", ["files2"], indirect=True)
 def test_exactly_max_link_maps_files_are_mapped(two_maps: None, link: Link) -> None:
     maps = link.maps()
-    assert maps is not None and len(maps) == 2  # type: ignore[arg-type]
-    before = maps.uses  # type: ignore[attr-defined]
+    assert maps is not None and len(maps) == 2
+    before = maps.uses
     _honest_calls(link)
-    assert maps.uses == before + 2  # type: ignore[attr-defined]
+    assert maps.uses == before + 2
 
 
 @pytest.mark.parametrize("link", ["files3"], indirect=True)
@@ -214,10 +217,10 @@ def test_one_file_past_max_link_maps_maps_none(two_maps: None, link: Link) -> No
 @pytest.mark.parametrize("link", ["honest"], indirect=True)
 def test_the_honest_owner_is_mapped(link: Link) -> None:
     maps = link.maps()
-    assert maps is not None and len(maps) == 1  # type: ignore[arg-type]
-    before = maps.uses  # type: ignore[attr-defined]
+    assert maps is not None and len(maps) == 1
+    before = maps.uses
     _honest_calls(link)
-    assert maps.uses == before + 2  # type: ignore[attr-defined]
+    assert maps.uses == before + 2
 
 
 @pytest.mark.parametrize("link", ["punch"], indirect=True)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam
+from kvdd._native import _xproc
 from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost
 
@@ -50,8 +51,10 @@ def world() -> Iterator[World]:
         os.close(mem)
 
 
-def _maps(w: World) -> object:
-    return w.me.dd.backend.entities[OWNER].peer._path._reader.maps  # type: ignore[attr-defined]
+def _maps(w: World) -> _xproc.PeerMaps | None:
+    maps = w.me.dd.backend.entities[OWNER].peer._path._reader.maps  # type: ignore[attr-defined]
+    assert maps is None or isinstance(maps, _xproc.PeerMaps)
+    return maps
 
 
 def _four_ways(w: World, call: Callable[[], None], seed: int) -> int:
@@ -65,17 +68,17 @@ def _four_ways(w: World, call: Callable[[], None], seed: int) -> int:
         for on in (True, False):
             w.me.fill(seed)
             w.owner.fill(seed + 1)
-            maps.enabled = mapped  # type: ignore[attr-defined]
-            before = maps.uses  # type: ignore[attr-defined]
+            maps.enabled = mapped
+            before = maps.uses
             prev = _fastpath.set_enabled(on)
             try:
                 out = outcome(call)
             finally:
                 _fastpath.set_enabled(prev)
-                maps.enabled = True  # type: ignore[attr-defined]
-            used += maps.uses - before  # type: ignore[attr-defined]
+                maps.enabled = True
+            used += maps.uses - before
             if not mapped:
-                assert maps.uses == before  # type: ignore[attr-defined]
+                assert maps.uses == before
             results.append((out, w.me.arena.copy(), w.owner.memory()))
     first = results[0]
     for other in results[1:]:
@@ -87,8 +90,8 @@ def _four_ways(w: World, call: Callable[[], None], seed: int) -> int:
 
 def test_the_owner_memory_is_mapped(world: World) -> None:
     maps = _maps(world)
-    assert maps is not None and len(maps) == 1  # type: ignore[arg-type]
-    assert maps.mapped_bytes >= world.owner.size  # type: ignore[attr-defined]
+    assert maps is not None and len(maps) == 1
+    assert maps.mapped_bytes >= world.owner.size
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
