@@ -3,7 +3,8 @@ kvdd._native._xproc.SameHostMover), facade to facade: once the owner's call retu
 written into its cache and none read out of it.
 
 The owner (this process) links to a reader process whose instance reads and writes the owner's
-cache one-sided; the reader loops ``pull_kv_cache`` or ``push_kv_cache`` of 1 MiB; the owner
+cache one-sided (through its /proc/<pid>/mem, or through a mapping when the cache lives in
+kvdd.empty memory); the reader loops ``pull_kv_cache`` or ``push_kv_cache`` of 1 MiB; the owner
 removes the cache (unregister), the link (unlink) or itself (finalize) while they run, then at
 once fills the memory with a marker and watches it."""
 
@@ -40,6 +41,8 @@ desc = CacheDesc(1, DataType.DT_UINT8, (1, n))
 mine = Cache(dd.register_kv_cache(desc, tensor_addrs([buf])), (), desc)
 print(dd.listening_port, flush=True)
 cid = int(sys.stdin.readline())
+mover = dd.backend.entities[1].peer.one_sided()
+mapped = int(mover is not None and mover.maps is not None)
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
 idx = CacheIndex(1, cid, 0)
@@ -59,14 +62,17 @@ while not stop.is_set():
         failed += 1
     if not write and (buf == 0xEE).any():
         marked += 1
-print(ok, failed, marked, dd.backend.fast_transfers.taken, dd.backend.link_data_path(1),
+print(ok, failed, marked, dd.backend.fast_transfers.taken, dd.backend.link_data_path(1), mapped,
       flush=True)
 """
 
 
+@pytest.mark.parametrize("alloc", ["numpy", "shm"])
 @pytest.mark.parametrize("write", [False, True], ids=["pull", "push"])
 @pytest.mark.parametrize("removal", ["unregister", "unlink", "finalize"])
-def test_nothing_moves_after_removal_returns(removal: str, write: bool) -> None:
+def test_nothing_moves_after_removal_returns(removal: str, write: bool, alloc: str) -> None:
+    """``alloc``: the owner's cache in numpy memory (copies through its /proc/<pid>/mem) or in
+    kvdd.empty memory (mapped by the reader)."""
     p = subprocess.Popen([sys.executable, "-c", _READER, str(N), "1" if write else "0"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     owner = LlmDataDist(1, LlmRole.DECODER, backend="sim")
@@ -75,7 +81,8 @@ def test_nothing_moves_after_removal_returns(removal: str, write: bool) -> None:
         assert p.stdout is not None and p.stdin is not None
         port = int(p.stdout.readline())
         owner.initialize({kvdd.OPTION_DEVICE_ID: "1", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
-        arena = np.full(N, 0x11, np.uint8)
+        arena = kvdd.empty(N, np.uint8) if alloc == "shm" else np.empty(N, np.uint8)
+        arena[:] = 0x11
         cid = owner.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, N)),
                                       tensor_addrs([arena]))
         info = ClusterInfo(remote_cluster_id=2, remote_ip_infos=(IpInfo("127.0.0.1", port),))
@@ -103,7 +110,8 @@ def test_nothing_moves_after_removal_returns(removal: str, write: bool) -> None:
         unchanged = bool((arena == MARK).all())
         p.stdin.write("stop\n")
         p.stdin.flush()
-        ok, failed, marked, taken, path = p.stdout.readline().split()
+        ok, failed, marked, taken, path, mapped = p.stdout.readline().split()
+        assert mapped == str(int(alloc == "shm"))
         p.wait(30)
         assert path in ("process_vm", "tcp", "None")  # (tcp: its one-sided access revoked)
         assert unchanged  # no byte written after the removal returned

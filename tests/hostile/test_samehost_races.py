@@ -2,7 +2,8 @@
 (kvdd.sim.fabric.samehost_path.ServedTable against OneSidedPeer): once the owner's call returned,
 no byte is written into the cache and none read out of it.
 
-The reader loops 1 MiB pulls or pushes (one system call each) as fast as it can; the owner removes
+The reader loops 1 MiB pulls or pushes (one system call each, or one copy-kernel call when the
+cache lives in kvdd.empty memory, which the reader maps) as fast as it can; the owner removes
 the cache (or the whole link) while they run, then at once fills the memory with a marker and
 watches it: a push landing later would change it, a pull reading later would carry the marker
 into the reader's destination."""
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+import kvdd
 from kvdd import Status
 from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost
@@ -43,7 +45,7 @@ owner, fd, addr, n, write = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]
 r = OneSidedPeer(samehost.SameHostLink(owner, os.getuid(), _xproc.pidfd_open(owner), fd, 1))
 rc = RemoteCache(3, 1, n, 1, n, False, 3)
 buf = np.full(n, 0xAB, np.uint8); z = np.array([0], np.int64); ln = np.array([n], np.int64)
-print(os.getpid(), flush=True); sys.stdin.readline()
+print(os.getpid(), int(r.maps is not None), flush=True); sys.stdin.readline()
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
 ok = refused = marked = 0
@@ -70,8 +72,9 @@ print(ok, refused, marked, last, flush=True)
 class _Entry:
     """A registered cache as ServedTable sees it (kvdd.sim.fabric.protocol.ServedCache)."""
 
-    def __init__(self, cid: int) -> None:
+    def __init__(self, cid: int, addrs: tuple[int, ...] = (), nbytes: int = 0) -> None:
         self.cache_id = cid
+        self.addrs, self.T = addrs, nbytes
         self.drains: list[Callable[[], None]] = []
 
     def add_drain(self, fn: Callable[[], None]) -> bool:
@@ -86,19 +89,25 @@ class _Entry:
             fn()
 
 
+@pytest.mark.parametrize("alloc", ["numpy", "shm"])
 @pytest.mark.parametrize("write", [False, True], ids=["pull", "push"])
 @pytest.mark.parametrize("removal", ["unregister", "unlink", "finalize"])
-def test_nothing_moves_after_removal_returns(removal: str, write: bool) -> None:
-    arena = np.full(N, 0x11, np.uint8)
-    entry = _Entry(3)
+def test_nothing_moves_after_removal_returns(removal: str, write: bool, alloc: str) -> None:
+    """``alloc``: the cache in numpy memory (copies through /proc/<pid>/mem) or in kvdd.empty
+    memory (mapped by the reader)."""
+    arena = kvdd.empty(N, np.uint8) if alloc == "shm" else np.empty(N, np.uint8)
+    arena[:] = 0x11
+    entry = _Entry(3, (int(arena.ctypes.data),), N)
     served = ServedTable({3: entry})  # type: ignore[dict-item]
+    served.announce()
     fd, _slots = served.take_fd()
     p = subprocess.Popen([sys.executable, "-c", _READER, str(os.getpid()), str(fd),
                           str(int(arena.ctypes.data)), str(N), "1" if write else "0"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=[fd])
     try:
         assert p.stdout is not None and p.stdin is not None
-        rpid = int(p.stdout.readline())
+        rpid, mapped = (int(x) for x in p.stdout.readline().split())
+        assert mapped == (alloc == "shm")
         served.attach(samehost.SameHostLink(rpid, os.getuid(), _xproc.pidfd_open(rpid)), 5000)
         p.stdin.write("go\n")
         p.stdin.flush()

@@ -127,11 +127,7 @@ class ServedTable:
         self.table = _xproc.LeaseTable(self._fd, len(self.entries), True)
         for slot, entry in enumerate(self.entries):
             self.table.store(slot, 2, entry.cache_id)
-        try:  # the served tensors in shareable memory, for the reader to map (.samehost_shm)
-            self._announce_fd = announce(self.table, self.entries)
-        except OSError as exc:
-            logger.info("kvdd same-host: shared cache memory not announced: %s", exc)
-            self._announce_fd = -1
+        self._announce_fd = -1
         self._lock = threading.Lock()
         self._pidfd = -1  # the reader's, our own duplicate (closed by the last user after close)
         self._waiting = 0  # threads in _wait (they use the pidfd)
@@ -142,6 +138,14 @@ class ServedTable:
         self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
         self._closing = False
         self._closed = False
+
+    def announce(self) -> None:
+        """Announce the served tensors that live in shareable memory (:func:`kvdd.empty`) in the
+        table, for the reader to map (:mod:`.samehost_shm`); before :meth:`take_fd`."""
+        try:
+            self._announce_fd = announce(self.table, self.entries)
+        except OSError as exc:
+            logger.info("kvdd same-host: shared cache memory not announced: %s", exc)
 
     def take_fd(self) -> tuple[int, int]:
         """``(fd, slots)`` for the proof, which owns (closes) the fd from now on."""
