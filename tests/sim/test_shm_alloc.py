@@ -1,0 +1,138 @@
+"""kvdd.empty (kvdd/shm.py): shareable cache memory and its registry."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvdd
+from kvdd import (OPTION_DEVICE_ID, OPTION_LISTEN_IP_INFO, Cache, CacheDesc, CacheIndex,
+                  ClusterInfo, DataType, IpInfo, KvCacheExtParam, LlmDataDist, LlmRole,
+                  tensor_addrs)
+from kvdd import shm
+from kvdd.sim.fabric import samehost
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), (7, np.uint8), ((2, 3, 4), np.int64),
+                                          ((4, 4), ml_dtypes.bfloat16), ((0,), np.float16),
+                                          ((), np.float64)])
+def test_shape_dtype_alignment_and_the_registry(shape: tuple[int, ...], dtype: type) -> None:
+    before = shm.live_allocations()
+    a = kvdd.empty(shape, dtype)
+    want: np.ndarray = np.empty(shape, dtype)
+    assert a.shape == want.shape and a.dtype == want.dtype
+    assert a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % shm.PAGE == 0
+    assert not a.any()  # tmpfs pages start as zeros
+    found = shm.lookup(a.ctypes.data, a.nbytes)
+    assert found is not None
+    alloc, off = found
+    assert off == 0 and alloc.size == max(shm.PAGE, -(-a.nbytes // shm.PAGE) * shm.PAGE)
+    assert os.fstat(alloc.fd).st_size == alloc.size and os.fstat(alloc.fd).st_ino == alloc.ino
+    seals = fcntl.fcntl(alloc.fd, fcntl.F_GET_SEALS)
+    assert seals == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    assert shm.live_allocations() == before + 1
+    fd, ino = alloc.fd, alloc.ino
+    del a, found, alloc
+    gc.collect()
+    assert shm.live_allocations() == before  # freed with the array
+    try:
+        assert os.fstat(fd).st_ino != ino  # its fd closed (the number may be reused since)
+    except OSError:
+        pass
+
+
+def test_a_view_keeps_the_allocation_and_lookup_bounds() -> None:
+    a = kvdd.empty(3 * shm.PAGE, np.uint8)
+    base = int(a.ctypes.data)
+    v = a[shm.PAGE:]
+    del a
+    gc.collect()
+    found = shm.lookup(base + shm.PAGE + 10, 100)
+    assert found is not None and found[1] == shm.PAGE + 10
+    assert shm.lookup(base, 3 * shm.PAGE) is not None
+    assert shm.lookup(base, 3 * shm.PAGE + 1) is None  # one byte past its end
+    below = shm.lookup(base - 1, 1)
+    assert below is None or below[0].addr != base
+    v[:] = 9
+    del v
+    gc.collect()
+    assert shm.lookup(base, 1) is None
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        kvdd.empty((2, -1), np.uint8)
+    with pytest.raises(ValueError):
+        kvdd.empty(3, object)
+
+
+def test_a_forked_child_shares_the_pages() -> None:
+    a = kvdd.empty(16, np.uint8)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        a[:] = 42
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert (a == 42).all()
+
+
+_OWNER = r"""
+import sys, numpy as np, kvdd
+from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
+n = int(sys.argv[1])
+a = kvdd.empty(n, np.uint8)
+a[:] = np.arange(n) % 253
+dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
+dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
+cid = dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, n)), tensor_addrs([a]))
+print(dd.listening_port, cid, flush=True)
+sys.stdin.readline()
+dd.finalize()
+"""
+
+
+@pytest.mark.skipif(not samehost.availability()[0], reason=samehost.availability()[1])
+def test_two_links_to_one_owner_map_the_same_bytes() -> None:
+    n = 1 << 16
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, str(n)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    readers = []
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        port, cid = (int(x) for x in p.stdout.readline().split())
+        for k in (2, 3):
+            dd = LlmDataDist(k, LlmRole.DECODER, backend="sim")
+            readers.append(dd)
+            dd.initialize({OPTION_DEVICE_ID: str(k), OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
+            dd.link_llm_clusters([ClusterInfo(remote_cluster_id=1,
+                                              remote_ip_infos=(IpInfo("127.0.0.1", port),))])
+            assert dd.backend.link_data_path(1) == "process_vm"  # type: ignore[attr-defined]
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        desc = CacheDesc(1, DataType.DT_UINT8, (1, n))
+        bufs = [kvdd.empty(n, np.uint8) for _ in readers]
+        ids = [dd.register_kv_cache(desc, tensor_addrs([b])) for dd, b in zip(readers, bufs)]
+        idx = CacheIndex(1, cid, 0)
+        readers[0].pull_kv_cache(idx, Cache(ids[0]), 0, -1, one)
+        np.testing.assert_array_equal(bufs[0], np.arange(n) % 253)
+        bufs[0][:] = 7  # pushed by the first link, pulled by the second
+        readers[0].push_kv_cache(Cache(ids[0], (), desc), idx, 0, -1, one)
+        readers[1].pull_kv_cache(idx, Cache(ids[1]), 0, -1, one)
+        assert (bufs[1] == 7).all()
+        for dd in readers:
+            mover = dd.backend.entities[1].peer.one_sided()  # type: ignore[attr-defined]
+            assert mover.maps is not None and mover.maps.uses >= 1
+    finally:
+        for dd in readers:
+            dd.finalize()
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(30)
