@@ -136,3 +136,21 @@ def test_two_links_to_one_owner_map_the_same_bytes() -> None:
         p.stdin.write("\n")
         p.stdin.flush()
         p.wait(30)
+
+
+def test_the_python_package_pools_are_shareable() -> None:
+    """allocate_cache's pools (kvdd.sim.pypkg.pools) live in kvdd.empty memory: a tensor carved
+    from one is announced to a same-host reader (one record: its pool's memfd and offset)."""
+    from kvdd.sim.fabric.samehost_shm import records_of
+    from kvdd.sim.pypkg.pools import Pool
+    pool = Pool(1 << 20, 16)
+    addr = pool.alloc(3 << 16)
+    assert addr is not None
+    found = shm.lookup(addr, 3 << 16)
+    assert found is not None and found[0].addr <= pool.base
+
+    class Entry:
+        addrs, T = (addr,), 3 << 16
+
+    rows = records_of([Entry()])  # type: ignore[list-item]
+    assert rows.tolist() == [[0, 0, found[0].fd, found[1], found[0].ino]]

@@ -2,7 +2,8 @@
 
 docs/spec/PYPKG.md §4.3, §2.3 (``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig``: JSON
 ``{"memory_size": bytes, "page_shift": [10, 31)}``, 64 KiB pages by default).  A pool is host
-memory of this process (numpy), carved into page-aligned tensors first-fit; an allocated cache is
+memory of this process (:func:`kvdd.empty`: a same-host peer process maps it and copies without
+system calls), carved into page-aligned tensors first-fit; an allocated cache is
 an *owned* entry of the instance's cache table (remote-accessible: the pool is registered with the
 transport as a whole) holding one reference for its id and one per key; it is freed when the last
 reference goes.  Pulls consume keys only in the two-sided mode: :func:`consume_key`, run by the
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...shm import empty
 from ...status import PARAM_INVALID, Status
 from ..checks import CACHE_TABLE_LIMIT, reject
 from ..entries import CacheEntry
@@ -46,7 +48,7 @@ class Pool:
     def __init__(self, memory_size: int, page_shift: int) -> None:
         self.page = 1 << page_shift
         self.pages = memory_size // self.page
-        self.buffer = np.empty(self.pages * self.page + self.page, np.uint8)  # room to align
+        self.buffer = empty(self.pages * self.page + self.page, np.uint8)  # room to align
         base = int(self.buffer.ctypes.data)
         self.base = -(-base // self.page) * self.page
         self._free: list[tuple[int, int]] = [(0, self.pages)] if self.pages else []  # (page, count)
