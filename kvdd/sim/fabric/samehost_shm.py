@@ -113,11 +113,11 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
     """The owner's announcement, checked: a sealed, immutable tmpfs memfd of whole records."""
     assert _xproc is not None
     word, ino = table.load_header(_H_ANNOUNCE), table.load_header(_H_INODE)
-    if word == 0:
+    # word 0 names fd -1, which pidfd_getfd refuses (ValueError: None as well, with a log
+    # line); word 1 names fd 0, the owner's stdin, never a memfd of kvdd's
+    if word == 0:  # mutation: equivalent(skip, 0 -> 1, 0 -> -1): see above
         return None
-    if word - 1 > 0x7FFFFFFF:
-        raise ValueError(f"announced fd {word - 1} is not an fd number")
-    fd = _xproc.pidfd_getfd(pidfd, word - 1)
+    fd = _xproc.pidfd_getfd(pidfd, word - 1)  # (ValueError past the largest fd number)
     try:
         size = _xproc.shm_check(fd, ino)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -126,12 +126,10 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
         if size % RECORD or size // RECORD > MAX_RECORDS:
             raise ValueError(f"the records' file has {size} bytes (whole records of {RECORD} "
                              f"bytes, at most {MAX_RECORDS})")
-        data = os.pread(fd, size, 0)
+        data = os.pread(fd, size, 0)  # all of it: the file cannot shrink (F_SEAL_SHRINK)
     finally:
         os.close(fd)
-    if len(data) != size:
-        raise ValueError("short read of the records")
-    return np.frombuffer(data, dtype="<u8").reshape(-1, 5)
+    return np.frombuffer(data, dtype="<u8").reshape(-1, 5)  # (ValueError if it were short)
 
 
 def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
@@ -146,7 +144,8 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
     except (OSError, ValueError) as exc:
         logger.info("kvdd same-host: the owner's shared memory is not used: %s", exc)
         return None
-    if rows is None or rows.shape[0] == 0:
+    # no rows map no file, and an empty PeerMaps is None below
+    if rows is None or rows.shape[0] == 0:  # mutation: equivalent(0 -> -1): see above
         return None
     files = sorted({(int(r[2]), int(r[4])) for r in rows})
     cap = min(rows.shape[0], MAX_LINK_MAPS)
