@@ -24,7 +24,9 @@ import pytest
 from kvdd import (OPTION_DEVICE_ID, OPTION_LISTEN_IP_INFO, Cache, CacheDesc, CacheIndex,
                   ClusterInfo, DataType, IpInfo, KvCacheExtParam, LlmDataDist,
                   LlmRole, tensor_addrs)
+from kvdd import LLMTimeoutError
 from kvdd._native import _xproc
+from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost, samehost_shm
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
@@ -158,8 +160,11 @@ def link(request: pytest.FixtureRequest, tmp_path: object) -> Iterator[Link]:
         yield Link(me, local, local_id, proc, int(addr), int(cid), mem)
     finally:
         me.finalize()
-        proc.stdin.write("quit\n")
-        proc.stdin.flush()
+        try:
+            proc.stdin.write("quit\n")
+            proc.stdin.flush()
+        except BrokenPipeError:  # (killed by the test)
+            pass
         proc.wait(30)
         os.close(mem)
 
@@ -243,3 +248,23 @@ def _honest_calls_after_punch(ln: Link) -> None:
     theirs = ln.owner_arena()
     assert (theirs[G:G + N] == 0x5A).all()
     assert (theirs[:G] == 0).all() and (theirs[G + N:] == 0).all()  # punched, not written
+
+
+@pytest.mark.parametrize("link", ["honest"], indirect=True)
+def test_a_dead_owner_times_out_as_through_proc_mem(link: Link) -> None:
+    """The mapping outlives the owner; its pidfd does not: LLM_TIMEOUT, as /proc/<pid>/mem says
+    for an address space that is gone, and nothing copied."""
+    maps = link.maps()
+    assert maps is not None
+    link.proc.kill()
+    link.proc.wait(10)
+    link.local[G:G + N] = 0x21
+    idx = CacheIndex(OWNER, link.cid, 0)
+    for fast in (True, False):
+        prev = _fastpath.set_enabled(fast)
+        try:
+            with pytest.raises(LLMTimeoutError):
+                link.me.pull_kv_cache(idx, Cache(link.local_id), 0, -1, ONE)
+        finally:
+            _fastpath.set_enabled(prev)
+    assert (link.local[G:G + N] == 0x21).all()

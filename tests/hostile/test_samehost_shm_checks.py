@@ -245,3 +245,47 @@ def test_a_forked_child_does_not_inherit_the_mappings(owner: Owner) -> None:
     assert here >= 2 and there == here - 1
     maps.close()
     assert count() == here - 1
+
+
+def test_peer_maps_place_only_inside_its_slots_tensors_and_mappings(owner: Owner) -> None:
+    maps = _xproc.PeerMaps(2)
+    try:
+        i = maps.add(owner.alloc.fd, owner.alloc.ino)
+        size = owner.alloc.size
+        assert not maps.place(2, 0, i, 0) and not maps.place(-1, 0, i, 0)  # slots [0, 2)
+        assert not maps.place(0, -1, i, 0) and not maps.place(0, 1 << 20, i, 0)
+        assert not maps.place(0, 0, i + 1, 0) and not maps.place(0, 0, -1, 0)
+        assert not maps.place(0, 0, i, size)
+        assert maps.placed(0) == 0 and maps.placed(1) == 0
+        assert maps.place(1, (1 << 20) - 1, i, size - 1) and maps.place(0, 0, i, 0)
+        assert maps.placed(0) == 1 and maps.placed(1) == 1
+    finally:
+        maps.close()
+
+
+def test_a_mapped_copy_checks_the_deadline_and_the_abort_before_copying(owner: Owner) -> None:
+    owner.announce([owner.row()])
+    maps = owner.map()
+    assert maps is not None
+    mem = _xproc.mem_open(os.getpid(), owner.pidfd)
+    dst = np.zeros(N, np.uint8)
+    z, ln = np.array([0], np.int64), np.array([N], np.int64)
+
+    def copy(timeout_ms: int, chunk: int) -> int:  # (N / 4096 full windows, or one partial)
+        return _xproc.pvm_copy(os.getpid(), [Region(int(dst.ctypes.data), N, dst)],
+                               [int(owner.arena.ctypes.data)], N, z, z, ln, False,
+                               timeout_ms=timeout_ms, chunk=chunk, pidfd=owner.pidfd,
+                               leases=owner.table, slot=0, mem_fd=mem, maps=maps, map_tensors=(0,))
+    try:
+        for chunk in (4096, 1 << 20):
+            with pytest.raises(TimeoutError, match="after 0 bytes"):
+                copy(0, chunk)
+            owner.table.revoke(0, _xproc.LEASE_ABORT)
+            with pytest.raises(ConnectionAbortedError, match="after 0 bytes"):
+                copy(5000, chunk)
+            owner.table.revoke(0, 0)
+        assert not dst.any() and maps.uses == 4
+        assert copy(5000, 4096) == N
+        np.testing.assert_array_equal(dst, owner.arena)
+    finally:
+        os.close(mem)
