@@ -230,8 +230,8 @@ def availability() -> tuple[bool, str]:
         return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between unrelated "
                        "processes (kvdd does not grant ptrace with PR_SET_PTRACER): same-host "
                        "links use TCP")
-    return True, (f"one-sided copies through /proc/<pid>/mem between processes of uid "
-                  f"{os.getuid()} on this boot, identity by SCM_PIDFD of the proof message")
+    return True, (f"one-sided copies through /proc/<pid>/mem (kvdd.empty memory: mapped) between "
+                  f"processes of uid {os.getuid()} on this boot, identity by SCM_PIDFD of the proof")
 
 
 # ---- the hello extension ----------------------------------------------------------------------------
