@@ -1,8 +1,8 @@
 """Cache memory per backend, and moving bytes in and out of it (for tests and users).
 
 A cache's tensors live where the backend's transfers reach them: on the simulator in host memory of
-the registering process (numpy arrays here); on the native backend, for ``CachePlacement.DEVICE``
-caches, in NPU device memory that only the Ascend runtime (ACL) can allocate, fill and read back.
+the registering process (numpy arrays from :func:`kvdd.empty` here, which a same-host peer maps);
+on the native backend, for ``CachePlacement.DEVICE`` caches, in NPU device memory that only the Ascend runtime (ACL) can allocate, fill and read back.
 This module gives both the same shape, so one test or program runs unchanged on either backend:
 
 >>> import kvdd, kvdd.testing as kt
@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..memory import TensorAddrs, tensor_addrs
+from ..shm import empty
 from ..types import CacheDesc, CachePlacement
 
 __all__ = [
@@ -313,7 +314,8 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int) -> None:
-        self.array: Bytes = np.zeros(nbytes, dtype=np.uint8)
+        # kvdd.empty (zero-filled): a same-host peer process maps it (the simulator's mapped path)
+        self.array: Bytes = empty(nbytes, np.uint8)
 
     @property
     def address(self) -> int:
