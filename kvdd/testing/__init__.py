@@ -2,8 +2,8 @@
 
 A cache's tensors live where the backend's transfers reach them: on the simulator in host memory of
 the registering process (numpy arrays from :func:`kvdd.empty` here, which a same-host peer maps);
-on the native backend, for ``CachePlacement.DEVICE`` caches, in NPU device memory that only the Ascend runtime (ACL) can allocate, fill and read back.
-This module gives both the same shape, so one test or program runs unchanged on either backend:
+on the native backend, for ``CachePlacement.DEVICE`` caches, in NPU device memory that only the
+Ascend runtime (ACL) can allocate, fill and read back.  This module gives both the same shape, so one test or program runs unchanged on either backend:
 
 >>> import kvdd, kvdd.testing as kt
 >>> buf = kt.allocate(1024, backend="sim")          # or backend="native" on an Atlas node
