@@ -1,7 +1,7 @@
 """Cache memory per backend, and moving bytes in and out of it (for tests and users).
 
 A cache's tensors live where the backend's transfers reach them: on the simulator in host memory of
-the registering process (numpy arrays from :func:`kvdd.empty` here, which a same-host peer maps);
+the registering process (numpy arrays; from :func:`kvdd.empty`, which a same-host peer maps);
 on the native backend, for ``CachePlacement.DEVICE`` caches, in NPU device memory that only the
 Ascend runtime (ACL) can allocate, fill and read back.  This module gives both the same shape, so one test or program runs unchanged on either backend:
 
@@ -311,11 +311,14 @@ class HostBuffer:
     ----------
     nbytes : int
         Size in bytes.
+    shareable : bool, default False
+        True: memory from :func:`kvdd.empty`, which a simulator peer process on this host maps
+        (:func:`allocate` gives simulator caches this); False: ``numpy.zeros``.
     """
 
-    def __init__(self, nbytes: int) -> None:
-        # kvdd.empty (zero-filled): a same-host peer process maps it (the simulator's mapped path)
-        self.array: Bytes = empty(nbytes, np.uint8)
+    def __init__(self, nbytes: int, shareable: bool = False) -> None:
+        # shareable: kvdd.empty (zero-filled), which the simulator's same-host peers map
+        self.array: Bytes = empty(nbytes, np.uint8) if shareable else np.zeros(nbytes, np.uint8)
 
     @property
     def address(self) -> int:
@@ -447,7 +450,7 @@ def allocate(nbytes: int, *, backend: str, placement: int = CachePlacement.DEVIC
         return DeviceBuffer(nbytes, device_id)
     if backend not in ("sim", "native"):
         raise ValueError(f"unknown backend {backend!r}; valid names: sim, native")
-    return HostBuffer(nbytes)
+    return HostBuffer(nbytes, shareable=backend == "sim")
 
 
 class CacheMemory:
