@@ -134,12 +134,15 @@ cdef class PeerMaps:
         self._maps = []
         self._placed = {}
 
-    def add(self, int fd, unsigned long ino) -> int:
-        """Check (:func:`shm_check`) and map ``fd`` whole; returns the mapping's index.  The fd
-        stays the caller's (close it: the mapping keeps the memory).  ValueError: refused."""
+    def add(self, int fd, unsigned long ino, uint64_t limit=SHM_MAX_BYTES) -> int:
+        """Check (:func:`shm_check`) and map ``fd`` whole, when it has at most ``limit`` bytes;
+        returns the mapping's index.  The fd stays the caller's (close it: the mapping keeps the
+        memory).  ValueError: refused."""
         if self.closed:
             raise ValueError("PeerMaps is closed")
         cdef long size = shm_check(fd, ino)
+        if <uint64_t>size > limit:
+            raise ValueError(f"{size} bytes would pass the {limit} bytes left to map")
         cdef void *p
         cdef int err = 0
         with nogil:

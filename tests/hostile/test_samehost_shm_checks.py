@@ -152,6 +152,19 @@ def test_files_beyond_the_record_count_cannot_be(owner: Owner, monkeypatch: pyte
     assert owner.map() is None
 
 
+def test_at_most_max_link_map_bytes(owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = owner.keep(_memfd(N))
+    ino = os.fstat(other).st_ino
+    rows = [owner.row(0), [1, 0, other, 0, ino]]
+    monkeypatch.setattr(samehost_shm, "MAX_LINK_MAP_BYTES", owner.alloc.size + N)
+    owner.announce(rows)
+    maps = owner.map()
+    assert maps is not None and len(maps) == 2 and maps.placed(1) == 1
+    monkeypatch.setattr(samehost_shm, "MAX_LINK_MAP_BYTES", owner.alloc.size + N - 1)
+    maps = owner.map()  # (whichever file comes first fits; the other does not)
+    assert maps is not None and len(maps) == 1 and maps.placed(0) + maps.placed(1) == 1
+
+
 def test_mapped_copies_stay_inside_the_registered_bytes(owner: Owner) -> None:
     """A tensor is copied through the mapping only when its registered bytes fit the file from
     its offset: exactly at the end yes, one byte past no (then /proc/<pid>/mem: here, our own)."""

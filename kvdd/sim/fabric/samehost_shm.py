@@ -27,7 +27,8 @@ offset (checked at every copy, after the usual checks of every run).
 
 Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
 ``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
-through ``/proc/<pid>/mem``).  The owner keeps every announced fd open while the table lives.
+through ``/proc/<pid>/mem``), of at most :data:`MAX_LINK_MAP_BYTES` bytes together (a file that
+would pass it is not mapped).  The owner keeps every announced fd open while the table lives.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_LINK_MAPS", "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
+__all__ = ["MAX_LINK_MAPS", "MAX_LINK_MAP_BYTES", "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
 
 #: Distinct files (memfds) a reader maps from one owner per link.
 MAX_LINK_MAPS = 1024
+#: Bytes a reader maps from one owner per link (address space, not memory: the pages are the
+#: owner's; a same-uid peer could exhaust ours by ptrace anyway, but it is bounded all the same).
+MAX_LINK_MAP_BYTES = 1 << 40
 #: Records (tensors) a reader reads from one owner's announcement per link.
 MAX_RECORDS = 1 << 18
 #: One record: slot, tensor, fd, offset, inode (uint64 little-endian each).
@@ -165,7 +169,7 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
                 logger.info("kvdd same-host: cannot take the owner's fd %d: %s", fdnum, exc)
                 continue
             try:
-                index[(fdnum, ino)] = maps.add(fd, ino)
+                index[(fdnum, ino)] = maps.add(fd, ino, MAX_LINK_MAP_BYTES - maps.mapped_bytes)
             except ValueError as exc:
                 logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
             finally:
