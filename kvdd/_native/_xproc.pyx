@@ -20,7 +20,9 @@ cannot be confused with a later process reusing the pid), :func:`peer_cred` (``S
 AF_UNIX socket: the kernel's word on who is at the other end) and :class:`LeaseTable`, C11-style
 sequentially consistent 64-bit atomics on a per-link table in shared memory.  The table's contents
 are untrusted: every index is bounds-checked against the size this process mapped, and nothing read
-from it is ever used as an address.
+from it is ever used as an address.  And the mapped copies of caches in :func:`kvdd.empty` memory
+(``_xproc_maps.pxi``): :func:`pidfd_getfd`, :func:`shm_check` (what a peer's memfd must be before
+it is mapped) and :class:`PeerMaps`.
 """
 
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc

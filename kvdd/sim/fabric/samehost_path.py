@@ -11,7 +11,9 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   peer's ``/proc/<pid>/mem`` (opened once after the proof and bound to the attested address space:
   a reused pid is never reached; a page the peer froze with a userfaultfd fails at once instead
   of holding the call), at most PVM_CHUNK bytes per system call, the reader's own deadline and the
-  owner's abort checked before each, then ``leave(slot)``.  A lease covers one transfer and never
+  owner's abort checked before each, then ``leave(slot)``.  Caches in :func:`kvdd.empty` memory
+  are copied with kvdd's copy kernels through the reader's mapping of the owner's memfds
+  (:mod:`.samehost_shm`), at most PVM_CHUNK bytes per kernel call, the same checks before each.  A lease covers one transfer and never
   outlives the reader's ``SyncKvCacheWaitTime``.
 * owner (:class:`ServedTable`): unregister sets the slot's state (no new copy starts), then waits
   until its in-flight count is zero; unlink and finalize do the same with the link's state word.
