@@ -183,7 +183,6 @@ def _make_table(owner: LinkOwner, holder: list[ServedTable]) -> tuple[int, int]:
     _snap, entries = owner.snapshot_for_link()
     table = ServedTable(entries if owner.initialized else {})
     holder.append(table)
-    table.announce()  # the caches in kvdd.empty memory: the reader maps them
     return table.take_fd()
 
 

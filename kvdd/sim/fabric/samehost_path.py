@@ -130,6 +130,7 @@ class ServedTable:
         for slot, entry in enumerate(self.entries):
             self.table.store(slot, 2, entry.cache_id)
         self._announce_fd = -1
+        self._announced = False
         self._lock = threading.Lock()
         self._pidfd = -1  # the reader's, our own duplicate (closed by the last user after close)
         self._waiting = 0  # threads in _wait (they use the pidfd)
@@ -143,7 +144,11 @@ class ServedTable:
 
     def announce(self) -> None:
         """Announce the served tensors that live in shareable memory (:func:`kvdd.empty`) in the
-        table, for the reader to map (:mod:`.samehost_shm`); before :meth:`take_fd`."""
+        table, for the reader to map (:mod:`.samehost_shm`); once (:meth:`take_fd` does it at
+        the latest, before the reader can see the table)."""
+        if self._announced:
+            return
+        self._announced = True
         try:
             self._announce_fd = announce(self.table, self.entries)
         except OSError as exc:
@@ -151,6 +156,7 @@ class ServedTable:
 
     def take_fd(self) -> tuple[int, int]:
         """``(fd, slots)`` for the proof, which owns (closes) the fd from now on."""
+        self.announce()
         fd, self._fd = self._fd, -1
         return fd, len(self.entries)
 
