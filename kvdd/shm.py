@@ -99,7 +99,9 @@ def empty(shape: SupportsIndex | tuple[SupportsIndex, ...],
     ``fork()``: a child shares the pages with its parent (``MAP_SHARED``): a write in one is
     seen by the other, unlike numpy memory.  The child inherits the registry and the fds.
     Memory from this function counts as shared memory (``Shmem`` in ``/proc/meminfo``), within
-    the memory cgroup of the process that first touches each page.
+    the memory cgroup of the process that first touches each page.  Each live allocation holds
+    one file descriptor (``RLIMIT_NOFILE``): allocate a cache's tensors as views of one array
+    when there are many.
     """
     dt = np.dtype(dtype)
     if dt.hasobject:
