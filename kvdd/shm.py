@@ -51,7 +51,17 @@ _starts: list[int] = []  # sorted addresses of live allocations
 _by_start: dict[int, Allocation] = {}
 
 
+def _register(alloc: Allocation) -> None:
+    """Enter ``alloc``; it replaces an entry at the same address whose finalizer has not run yet
+    (mmap unmaps before it calls the finalizer, without the GIL: the address can be reused)."""
+    with _lock:
+        if alloc.addr not in _by_start:
+            bisect.insort(_starts, alloc.addr)
+        _by_start[alloc.addr] = alloc
+
+
 def _forget(alloc: Allocation) -> None:
+    """The finalizer of ``alloc``'s mapping: drop its entry (unless replaced) and close its fd."""
     with _lock:
         if _by_start.get(alloc.addr) is alloc:
             del _by_start[alloc.addr]
@@ -123,9 +133,7 @@ def empty(shape: SupportsIndex | tuple[SupportsIndex, ...],
     except BaseException:
         os.close(fd)
         raise
-    with _lock:
-        _by_start[addr] = alloc
-        bisect.insort(_starts, addr)
+    _register(alloc)
     weakref.finalize(m, _forget, alloc)  # after the last view of the mapping is gone
     return raw[:nbytes].view(dt).reshape(dims)
 

@@ -67,6 +67,21 @@ def test_a_view_keeps_the_allocation_and_lookup_bounds() -> None:
     assert shm.lookup(base, 1) is None
 
 
+def test_an_address_reused_before_the_finalizer_ran() -> None:
+    """The mapping is unmapped before its finalizer runs: a new allocation at that address
+    replaces the entry, and the late finalizer leaves it alone."""
+    addr = 0x7E0000000000  # (no live allocation there: only the registry is exercised)
+    old = shm.Allocation(addr, shm.PAGE, os.open(os.devnull, os.O_RDONLY), 1)
+    new = shm.Allocation(addr, 2 * shm.PAGE, os.open(os.devnull, os.O_RDONLY), 2)
+    shm._register(old)
+    shm._register(new)
+    shm._forget(old)
+    found = shm.lookup(addr + shm.PAGE, 10)
+    assert found is not None and found[0] is new
+    shm._forget(new)
+    assert shm.lookup(addr + shm.PAGE, 10) is None and addr not in shm._starts
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         kvdd.empty((2, -1), np.uint8)
