@@ -8,10 +8,10 @@ keep their meaning (:mod:`.samehost_path`).
 
 How the memory is passed
 ------------------------
-The owner, when it creates a link's lease table (:class:`.samehost_path.ServedTable`), writes one
-record per served tensor that lives in a :func:`kvdd.empty` allocation — ``(slot, tensor, fd,
-offset, inode)``: the owner's fd number of the allocation's memfd and the tensor's offset in it —
-into a new memfd, sealed against every change (``F_SEAL_WRITE | SHRINK | GROW | SEAL``), and
+The owner, before it hands a link's lease table (:class:`.samehost_path.ServedTable`) to the
+proof (``take_fd``), writes one record per served tensor that lives in a :func:`kvdd.empty`
+allocation — ``(slot, tensor, fd, offset, inode)``: the owner's fd number of the allocation's
+memfd and the tensor's offset in it — into a new memfd, sealed against every change (``F_SEAL_WRITE | SHRINK | GROW | SEAL``), and
 announces that file in the table's header (word 3: its fd number + 1, word 4: its inode).
 
 The reader, once the owner is proven (it holds the owner's pidfd from the kernel's ``SCM_PIDFD``),
