@@ -10,6 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .. import Cache, CacheDesc, CachePlacement, LlmDataDist, tensor_addrs
+from ..shm import empty
 from .errors import VerificationError
 from .geometry import Geometry
 from .pattern import (
@@ -43,8 +44,8 @@ class UnitExpect:
 
 class CacheImage:
     """One registered cache of one side: its memory (``GUARD`` bytes, ``n`` tensors back to back,
-    ``GUARD`` bytes, in one allocation) and the expected content of every block or row of every
-    tensor.  ``units`` are blocks (``layout == "paged"``) or batch rows (``"contiguous"``)."""
+    ``GUARD`` bytes, in one :func:`kvdd.empty` allocation, which a simulator peer process on this
+    host maps) and the expected content of every block or row of every tensor.  ``units`` are blocks (``layout == "paged"``) or batch rows (``"contiguous"``)."""
 
     GUARD = 4096
 
@@ -67,7 +68,7 @@ class CacheImage:
         self.token_words = self.token_bytes // self.word.itemsize
         self.unit_words = self.unit_bytes // self.word.itemsize
         g = self.GUARD
-        self.buf = np.empty(2 * g + self.n * self.tensor_bytes, np.uint8)
+        self.buf = empty(2 * g + self.n * self.tensor_bytes, np.uint8)
         body = self.buf[g:g + self.n * self.tensor_bytes]
         shape = (units, self.unit_tokens, *fam.token_shape)
         self.array = body.view(geom.np_dtype).reshape((self.n, *shape))
