@@ -45,7 +45,8 @@ class UnitExpect:
 class CacheImage:
     """One registered cache of one side: its memory (``GUARD`` bytes, ``n`` tensors back to back,
     ``GUARD`` bytes, in one :func:`kvdd.empty` allocation, which a simulator peer process on this
-    host maps) and the expected content of every block or row of every tensor.  ``units`` are blocks (``layout == "paged"``) or batch rows (``"contiguous"``)."""
+    host maps) and the expected content of every block or row of every tensor.  ``units`` are
+    blocks (``layout == "paged"``) or batch rows (``"contiguous"``)."""
 
     GUARD = 4096
 
