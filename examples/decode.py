@@ -12,7 +12,7 @@ except SecretError as exc:
     sys.exit(f"examples/decode.py: FAILED: no usable fabric secret: {exc}")
 with kvdd.LlmDataDist(cluster_id=2, role=kvdd.LlmRole.DECODER, backend="sim") as dd:
     dd.initialize({kvdd.OPTION_DEVICE_ID: "1"})
-    kv = [np.zeros((8, 1024), dtype=np.uint8) for _ in range(4)]
+    kv = [kvdd.empty((8, 1024), np.uint8) for _ in range(4)]        # zero-filled, shareable memory
     local_id = dd.register_kv_cache(CacheDesc(4, DataType.DT_UINT8, (8, 1024)), kvdd.tensor_addrs(kv))
     prefill = ClusterInfo(remote_cluster_id=1, local_ip_infos=[IpInfo("127.0.0.1")],
                           remote_ip_infos=[IpInfo("127.0.0.1", port)])
