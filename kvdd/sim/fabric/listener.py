@@ -134,6 +134,9 @@ class Listener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if _DEFER is not None:  # a connection reaches accept() only with its first bytes
                 sock.setsockopt(socket.IPPROTO_TCP, _DEFER, DEFER_ACCEPT_S)
+            # inherited by every accepted connection (Linux): a small frame (a challenge, a
+            # reply, a link's answers) leaves at once, not after the ACK of the one before
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((ip, port & 0xFFFF))  # upstream accepts ports up to 2**32-1; htons keeps 16 bits
             sock.listen(BACKLOG)
             sock.setblocking(False)
@@ -401,19 +404,27 @@ class Listener:
 
     # -- before authentication ---------------------------------------------------------------------
     def _step_pre(self, state: _PreAuth, chunk: bytes | None = None) -> None:
+        """Read (or take ``chunk``, what came with the connection) towards the frame in
+        progress; read from the socket, a frame's payload is read in the same turn as its
+        header (they usually arrive together)."""
+        from_socket = chunk is None
         try:
-            if chunk is None:
-                chunk = state.sock.recv(state.need - len(state.buf))
-            if not chunk:
-                self._drop(state)
-                return
-            state.buf += chunk
-            if len(state.buf) < state.need:
-                return
-            if state.ftype < 0:
+            while True:
+                if chunk is None:
+                    chunk = state.sock.recv(state.need - len(state.buf))
+                if not chunk:
+                    self._drop(state)
+                    return
+                state.buf += chunk
+                if len(state.buf) < state.need:
+                    return
+                if state.ftype >= 0:
+                    self._frame(state)
+                    return
                 self._header(state)
-            else:
-                self._frame(state)
+                if not from_socket or state.ftype < 0:  # given bytes, or a frame without payload
+                    return
+                chunk = None
         except BlockingIOError:
             return
         except VersionMismatch as exc:

@@ -49,6 +49,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Protocol
@@ -82,6 +83,7 @@ SETUP_TIMEOUT_S = 2.0  # a proof exchange must complete within this
 MAX_SETUPS = 16  # AF_UNIX connections being proven at once, per process
 MAX_PENDING = 256  # sessions waiting for their initiator, per process
 PENDING_TTL_S = 10.0  # a session not claimed within this is forgotten
+PROOF_IDLE_S = 10.0  # a proof worker without a proof this long ends
 _M_HELLO, _M_REPLY, _M_FINAL, _M_ACK = b"H", b"R", b"F", b"K"
 
 class SessionKeys(Protocol):
@@ -327,9 +329,9 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
           attach: _LinkCallback, timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
     """The initiator's side: connect to the endpoint the acceptor announced, run the proof.
 
-    ``make_table()`` gives ``(fd, slots)`` of this side's lease table once the acceptor proved
-    itself (closed here once sent); ``attach(link)`` runs after that, before our table is handed
-    over.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
+    ``make_table()`` gives ``(fd, slots)`` of this side's lease table (made while the acceptor
+    checks our proof, sent only once it proved itself, closed here); ``attach(link)`` runs once
+    the acceptor proved itself, before our table is handed over.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
     used."""
     own_fd = -1
     try:
@@ -353,6 +355,9 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
                 raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
             sock.settimeout(timeout_s)
             _send(sock, _M_HELLO, _sid(session) + _proof(session, b"initiator"))
+            # our table is made while the acceptor checks our proof (it is sent only once the
+            # acceptor proved itself; caches unregistered before it is attached are revoked then)
+            own_fd, own_slots = make_table()
             body, fd, sender = _recv(sock, _M_REPLY, 36)
             try:
                 pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
@@ -367,7 +372,6 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             if fd < 0 or slots > _max_slots():
                 raise SameHostRefused("the acceptor sent no usable lease table")
             link.table_slots = slots
-            own_fd, own_slots = make_table()
             attach(link)
             _send(sock, _M_FINAL, struct.pack("<I", own_slots), own_fd)
             _body, extra, sender = _recv(sock, _M_ACK, 0)
@@ -433,6 +437,12 @@ class Endpoint:
         self._lock = threading.Lock()
         self._pending: dict[bytes, _Pending] = {}
         self._slots = threading.BoundedSemaphore(MAX_SETUPS)
+        # proofs are served by up to MAX_SETUPS worker threads that stay for PROOF_IDLE_S after
+        # their last proof (a link does not pay for starting a thread)
+        self._work_cv = threading.Condition(threading.Lock())
+        self._conns: deque[socket.socket] = deque()
+        self._workers = 0
+        self._idle = 0
         self._pid = os.getpid()
         threading.Thread(target=self._accept_loop, name="kvdd-samehost-endpoint",
                          daemon=True).start()
@@ -479,14 +489,47 @@ class Endpoint:
             if not same_uid or not self._slots.acquire(blocking=False):
                 close(fd)  # another user, or too many proofs at once: that link uses TCP
                 continue
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
+            self._hand_over(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd))
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        """Give an accepted connection (holding one of the MAX_SETUPS slots) to a proof worker:
+        an idle one, else a new one (at most one per slot); a worker that cannot start leaves it
+        to the running ones, or, with none running, closes it (that link uses TCP)."""
+        with self._work_cv:
+            self._conns.append(conn)
+            if len(self._conns) <= self._idle:
+                self._work_cv.notify()
+                return
             try:
-                threading.Thread(target=self._serve, args=(conn,), name="kvdd-samehost-proof",
+                threading.Thread(target=self._work, name="kvdd-samehost-proof",
                                  daemon=True).start()
-            except RuntimeError as exc:  # no thread now: that link uses TCP
-                self._slots.release()
-                conn.close()
+            except RuntimeError as exc:
                 warn_limited(logger, "samehost-thread", "kvdd same-host endpoint: %s", exc)
+                if self._workers:
+                    return
+                self._conns.pop()
+            else:
+                self._workers += 1
+                return
+        self._slots.release()
+        conn.close()
+
+    def _work(self) -> None:
+        """A proof worker: serves the connections handed over, one at a time; ends after
+        PROOF_IDLE_S without one."""
+        while True:
+            with self._work_cv:
+                while not self._conns:
+                    self._idle += 1
+                    try:
+                        woken = self._work_cv.wait(PROOF_IDLE_S)
+                    finally:
+                        self._idle -= 1
+                    if not woken and not self._conns:
+                        self._workers -= 1
+                        return
+                conn = self._conns.popleft()
+            self._serve(conn)
 
     def _claim(self, sid: bytes) -> _Pending | None:
         with self._lock:
