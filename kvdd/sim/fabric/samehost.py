@@ -326,12 +326,14 @@ def _close_fd(fd: int) -> None:
 
 
 def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
-          attach: _LinkCallback, timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
+          attach: _LinkCallback, activate: _LinkCallback | None = None,
+          timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
     """The initiator's side: connect to the endpoint the acceptor announced, run the proof.
 
     ``make_table()`` gives ``(fd, slots)`` of this side's lease table (made while the acceptor
     checks our proof, sent only once it proved itself, closed here); ``attach(link)`` runs once
-    the acceptor proved itself, before our table is handed over.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
+    the acceptor proved itself, before our table is handed over; ``activate(link)`` (our reads
+    of the acceptor) right after it is handed over, while the acceptor attaches it.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
     used."""
     own_fd = -1
     try:
@@ -374,6 +376,8 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             link.table_slots = slots
             attach(link)
             _send(sock, _M_FINAL, struct.pack("<I", own_slots), own_fd)
+            if activate is not None:
+                activate(link)
             _body, extra, sender = _recv(sock, _M_ACK, 0)
             _close_fd(extra)
             same_sender(sender, pid)
