@@ -19,9 +19,9 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from .. import (
     OPTION_DEVICE_ID,
@@ -36,10 +36,11 @@ from .. import (
 )
 from ..backend import link_data_path
 from .baselines import arena
-from .harness import Row
+from .harness import Row, print_table, say
 from .transfers import LOCALHOST
 
-__all__ = ["SETUP_CACHES", "SETUP_TENSORS", "SETUP_COLUMNS", "measure_setup", "setup_targets"]
+__all__ = ["SETUP_CACHES", "SETUP_TENSORS", "LINK_COLUMNS", "REGISTER_COLUMNS", "measure_setup",
+           "setup_targets", "print_setup"]
 
 SETUP_CACHES = (4, 1004)  # caches registered at the peer, per link row
 SETUP_TENSORS = (2, 16, 256)  # tensors per registered cache, per register row
@@ -167,7 +168,8 @@ def _link_rows(links: int, progress: Callable[[str], None] | None) -> list[Row]:
             med, lo = _stats(both, 1e6)
             rows.append({"kind": "link_unlink", "peer_caches": caches, "local_caches": SETUP_LOCAL_CACHES,
                          "data_path": "/".join(sorted(paths)), "median_ms": med, "min_ms": lo,
-                         "link_median_ms": _stats(link, 1e6)[0], "unlink_median_ms": _stats(unlink, 1e6)[0],
+                         "link_median_ms": _stats(link, 1e6)[0], "link_min_ms": _stats(link, 1e6)[1],
+                         "unlink_median_ms": _stats(unlink, 1e6)[0],
                          "samples": len(both)})
     return rows
 
@@ -216,14 +218,17 @@ _REGISTER_BASE_US, _REGISTER_PER_TENSOR_US = 60.0, 0.5
 
 
 def setup_targets(links: list[Row], registers: list[Row]) -> list[dict[str, Any]]:
-    """The set-up targets against what this run measured (``ratio`` = measured / bound: <= 1 is met)."""
+    """The set-up targets against what this run measured (``ratio`` = measured / bound: <= 1 is met).
+    A link target is on ``link_llm_clusters`` (the unlink after it is reported beside it) and is
+    met only over the same-host path."""
     out: list[dict[str, Any]] = []
     for caches, bound in _LINK_TARGETS:
         for r in links:
             if r["peer_caches"] == caches:
-                ratio = r["median_ms"] / bound
-                out.append({"target": f"same-host link + unlink with {caches} caches at the peer: median "
-                                      f"<= {bound:g} ms (measured {r['median_ms']:.2f} ms over {r['data_path']})",
+                ratio = r["link_median_ms"] / bound
+                out.append({"target": f"same-host link with {caches} caches at the peer: median <= {bound:g} ms "
+                                      f"(measured {r['link_median_ms']:.2f} ms over {r['data_path']}; "
+                                      f"with the unlink {r['median_ms']:.2f} ms)",
                             "ratio": ratio, "met": ratio <= 1.0 and r["data_path"] == "process_vm"})
     for r in registers:
         bound = _REGISTER_BASE_US + _REGISTER_PER_TENSOR_US * r["tensors"]
@@ -234,5 +239,19 @@ def setup_targets(links: list[Row], registers: list[Row]) -> list[dict[str, Any]
     return out
 
 
-SETUP_COLUMNS = ("kind", "peer_caches", "local_caches", "data_path", "median_ms", "min_ms", "link_median_ms",
-                 "unlink_median_ms", "tensors", "median_us", "min_us", "samples")
+LINK_COLUMNS = ("kind", "peer_caches", "local_caches", "data_path", "link_median_ms", "link_min_ms",
+                "unlink_median_ms", "median_ms", "min_ms", "samples")
+REGISTER_COLUMNS = ("kind", "tensors", "median_us", "min_us", "samples")
+
+
+def print_setup(setup: Mapping[str, Any] | None, out: IO[str]) -> None:
+    """The set-up tables (the targets are printed with the other cross-process targets)."""
+    if setup is None:
+        return
+    print(file=out)
+    say(f"Set-up (link = link_llm_clusters to a peer process holding peer_caches one-tensor caches, this side "
+        f"{SETUP_LOCAL_CACHES}; unlink = the non-force unlink_llm_clusters after it; median_ms / min_ms = the "
+        "two together; register = register_kv_cache of one cache of that many tensors, each followed by an "
+        "untimed unregister):", out)
+    print_table(setup.get("links", []), LINK_COLUMNS, out)
+    print_table(setup.get("registers", []), REGISTER_COLUMNS, out)
