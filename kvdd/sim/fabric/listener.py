@@ -407,7 +407,7 @@ class Listener:
         """Read (or take ``chunk``, what came with the connection) towards the frame in
         progress; read from the socket, a frame's payload is read in the same turn as its
         header (they usually arrive together)."""
-        from_socket = chunk is None
+        from_socket = more = chunk is None
         try:
             while True:
                 if chunk is None:
@@ -418,12 +418,14 @@ class Listener:
                 state.buf += chunk
                 if len(state.buf) < state.need:
                     return
-                if state.ftype >= 0:
+                if state.ftype < 0:
+                    self._header(state)
+                    more = from_socket and state.ftype >= 0  # (a payload follows its header)
+                else:
                     self._frame(state)
-                    return
-                self._header(state)
-                if not from_socket or state.ftype < 0:  # given bytes, or a frame without payload
-                    return
+                    more = False
+                if not more:
+                    break
                 chunk = None
         except BlockingIOError:
             return

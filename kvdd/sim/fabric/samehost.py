@@ -27,7 +27,8 @@ How a link gets the path
    not be the one answering (the pid-reuse attack); ``SCM_CREDENTIALS`` alone is not either (a
    sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
 3. Each side, as the owner of the caches it serves over the link, creates the link's lease table
-   (a sealed memfd: :mod:`.samehost_path`) and passes it over the socket with SCM_RIGHTS.
+   (a sealed memfd: :mod:`.samehost_path`; ahead of time, off the proof's round trips) and passes
+   it over the socket with SCM_RIGHTS only once the peer has proven itself.
 
 A fake peer that authenticated and announces another process's endpoint gets nothing: that process
 holds no session with this transcript (it refuses at once), and cannot produce the proof.  A fake

@@ -11,9 +11,12 @@ Registered with :func:`kvdd.sim.fabric.register_extension` when the fabric is im
 * initiator ``accept`` (the reply): runs the proof (:func:`~.samehost.prove`) at once; its handle
   gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).
 
-Each side creates the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`)
-when the peer has proven itself, labelled by cache id, so a reader only ever uses a cache that both
-its own snapshot and the owner's table name.  Tables of readers that exited are dropped whenever a
+Each side makes the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`,
+:class:`_Tables`) ahead of the proof's round trips (the acceptor from its link reply's snapshot once
+the reply is sent, the initiator while the acceptor checks its proof), hands it over once the peer
+has proven itself and attaches the proven reader then (a cache unregistered meanwhile is revoked),
+labelled by cache id, so a reader only ever uses a cache that both its own snapshot and the owner's
+table name.  Tables of readers that exited are dropped whenever a
 new link is proven here.
 """
 
