@@ -239,8 +239,8 @@ def setup_targets(links: list[Row], registers: list[Row]) -> list[dict[str, Any]
     return out
 
 
-LINK_COLUMNS = ("kind", "peer_caches", "local_caches", "data_path", "link_median_ms", "link_min_ms",
-                "unlink_median_ms", "median_ms", "min_ms", "samples")
+LINK_COLUMNS = ("kind", "peer_caches", "data_path", "link_median_ms", "link_min_ms", "unlink_median_ms",
+                "median_ms", "min_ms", "samples")
 REGISTER_COLUMNS = ("kind", "tensors", "median_us", "min_us", "samples")
 
 
@@ -251,7 +251,7 @@ def print_setup(setup: Mapping[str, Any] | None, out: IO[str]) -> None:
     print(file=out)
     say(f"Set-up (link = link_llm_clusters to a peer process holding peer_caches one-tensor caches, this side "
         f"{SETUP_LOCAL_CACHES}; unlink = the non-force unlink_llm_clusters after it; median_ms / min_ms = the "
-        "two together; register = register_kv_cache of one cache of that many tensors, each followed by an "
-        "untimed unregister):", out)
+        "two together; register = register_kv_cache of one cache of that many tensors (slices of one buffer), "
+        "each followed by an untimed unregister):", out)
     print_table(setup.get("links", []), LINK_COLUMNS, out)
     print_table(setup.get("registers", []), REGISTER_COLUMNS, out)
