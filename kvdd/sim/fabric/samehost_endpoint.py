@@ -159,12 +159,13 @@ class Endpoint:
 
     def _hand_over(self, proof: _Proof, hello_done: bool) -> None:
         """Give a connection (holding one of the MAX_SETUPS slots) to a proof worker: an idle
-        one, else a new one (at most one per slot); a worker that cannot start leaves it to the
-        running ones, or, with none running, ends it (that link uses TCP)."""
+        one, else a new one (at most MAX_SETUPS in all, else the first to finish takes it); a
+        worker that cannot start leaves it to the running ones, or, with none running, ends it
+        (that link uses TCP)."""
         with self._work_cv:
             self._proofs.append((proof, hello_done))
-            if len(self._proofs) <= self._idle:
-                self._work_cv.notify()
+            if len(self._proofs) <= self._idle or self._workers >= MAX_SETUPS:
+                self._work_cv.notify()  # (all busy: the first to finish takes it)
                 return
             try:
                 threading.Thread(target=self._work, name="kvdd-samehost-proof",
