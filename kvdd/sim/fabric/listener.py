@@ -134,8 +134,7 @@ class Listener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if _DEFER is not None:  # a connection reaches accept() only with its first bytes
                 sock.setsockopt(socket.IPPROTO_TCP, _DEFER, DEFER_ACCEPT_S)
-            # inherited by every accepted connection (Linux): a small frame (a challenge, a
-            # reply, a link's answers) leaves at once, not after the ACK of the one before
+            # (inherited by accepted connections: a frame leaves at once, not after an ACK)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((ip, port & 0xFFFF))  # upstream accepts ports up to 2**32-1; htons keeps 16 bits
             sock.listen(BACKLOG)
@@ -404,10 +403,9 @@ class Listener:
 
     # -- before authentication ---------------------------------------------------------------------
     def _step_pre(self, state: _PreAuth, chunk: bytes | None = None) -> None:
-        """Read (or take ``chunk``, what came with the connection) towards the frame in
-        progress; read from the socket, a frame's payload is read in the same turn as its
-        header (they usually arrive together)."""
-        from_socket = more = chunk is None
+        """Read (or take ``chunk``: what came with the connection) towards the frame in progress;
+        from the socket, a frame's payload in the turn of its header (they come together)."""
+        from_socket = chunk is None
         try:
             while True:
                 if chunk is None:
