@@ -275,8 +275,16 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
         assert r["median_us"] <= r["p99_us"] and r["in_process_median_us"] <= r["in_process_p99_us"]
         assert math.isclose(r["vs_in_process_median"], r["median_us"] / r["in_process_median_us"])
         assert math.isclose(r["vs_in_process_python_median"], r["median_us"] / r["in_process_python_median_us"])
+    setup = xp["setup"]  # link set-up and registration (kvdd/bench/xproc_setup.py)
+    assert [r["peer_caches"] for r in setup["links"]] == [4, 1004]
+    for r in setup["links"]:
+        assert r["data_path"] in ("process_vm", "tcp") and r["samples"] == 10, r
+        assert 0 < r["link_min_ms"] <= r["link_median_ms"] < r["median_ms"], r
+    assert [(r["tensors"], r["samples"]) for r in setup["registers"]] == [(2, 50), (16, 50), (256, 50)]
+    assert all(0 < r["min_us"] <= r["median_us"] for r in setup["registers"])
     targets = xp["targets"]
-    assert len(targets) == 10
+    assert len(targets) == 10 + 2 + 3  # the transfers' and small calls', the links', the registrations'
+    assert targets[10:] == setup["targets"]
     for t in targets:
         assert _positive(t["ratio"]) and isinstance(t["met"], bool), t
 
@@ -287,6 +295,7 @@ def test_cross_process_only(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "Cross-process" in out and "vs_pvm" in out and "vs_socket" in out and "# target:" in out
     assert "Small calls" in out and "vs_in_process_median" in out and "cpu_s_per_gb" in out
+    assert "Set-up" in out and "link_median_ms" in out and "same-host link with 1004 caches" in out
     assert "Per-call overhead" not in out and "qwen2.5-7b" not in out
 
 

@@ -49,6 +49,7 @@ from ..backend import link_data_path
 from .baselines import TwoThreadMemcpy, arena, fill_pattern, memcpy_limits
 from .harness import KiB, MiB, Row, Timing, fmt, gbps, interleaved, print_table, repeats_for, say
 from .transfers import LOCALHOST
+from .xproc_setup import measure_setup, print_setup
 from .xproc_small import LAT_COLUMNS, CpuMeter, latency, xp_targets
 
 __all__ = ["XP_BLOCKS", "XP_BLOCK_BYTES", "XP_COLUMNS", "XP_QUICK_BLOCKS", "XP_QUICK_ROW_BYTES", "XP_ROW_BYTES",
@@ -518,11 +519,12 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                     measure("push_blocks", push_blocks, blk_bytes, B, True, pushed)
     finally:
         pair.close()
+    setup = measure_setup(repeats, progress)  # link set-up and registration (xproc_setup.py)
     return {"config": {"row_bytes": row_bytes, "blocks": blocks, "block_bytes": XP_BLOCK_BYTES,
                        "sync_wait_ms": XP_WAIT_MS, "small_bytes": XP_SMALL, "calls": calls,
                        "raw_chunk_bytes": XP_RAW_CHUNK},
             "peers": peers, "peer_cpu_s": sum(peer_cpu), "rows": rows, "latency": lat_rows,
-            "targets": xp_targets(rows, lat_rows)}
+            "setup": setup, "targets": xp_targets(rows, lat_rows) + setup["targets"]}
 
 
 XP_COLUMNS = ("path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps", "pvm_iov_gbps",
@@ -552,6 +554,7 @@ def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -
           "with that path off (the engine's Python checks, which every cross-process call runs), socket_rr = "
           "a raw blocking request/response of the same bytes over loopback):", out)
     print_table(cross.get("latency", []), LAT_COLUMNS, out)
+    print_setup(cross.get("setup"), out)
     for p in cross["peers"]:
         if p["data_path"] != p["path"]:
             print(f"# note: the {p['path']} link used the {p['data_path']} data path", file=out)

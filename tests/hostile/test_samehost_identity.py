@@ -280,3 +280,91 @@ def test_doctor_says_whether_and_why(capsys: pytest.CaptureFixture[str],
     assert main(["doctor"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("same-host links:")]
     assert line == ["same-host links: TCP: KVDD_SIM_XPROC=tcp: same-host links use TCP"]
+
+
+# An acceptor expecting many sessions at once; it reports how many proofs succeeded, the most
+# proof workers it ran at once, and how many are left a moment after the last proof.
+_BUSY_ACCEPTOR = r"""
+import sys, threading, time
+from dataclasses import dataclass
+from kvdd.sim.fabric import samehost, samehost_endpoint as E
+from kvdd.sim.fabric.samehost_path import new_table_fd
+
+@dataclass(frozen=True)
+class S:
+    key: bytes
+    transcript: bytes
+    initiator: bool = False
+
+E.PROOF_IDLE_S = 0.3
+lock, now, most, links = threading.Lock(), [0], [0], []
+work = E.Endpoint._work
+def counted(self):
+    with lock:
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+    try:
+        work(self)
+    finally:
+        with lock:
+            now[0] -= 1
+E.Endpoint._work = counted
+def on_link(link):
+    links.append(link)
+    if link is not None:
+        link.close()
+for line in sys.stdin.readline().split():
+    key, transcript = line.split(":")
+    s = S(bytes.fromhex(key), bytes.fromhex(transcript))
+    print(samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), on_link).hex(), flush=True)
+sys.stdin.readline()  # the proofs are done
+time.sleep(1.0)
+alive = sum(t.name == "kvdd-samehost-proof" for t in threading.enumerate())
+print(sum(link is not None for link in links), most[0], alive, flush=True)
+"""
+
+
+def test_concurrent_proofs_are_served_by_at_most_max_setups_workers_that_then_end() -> None:
+    """MAX_SETUPS initiators prove at once: every proof succeeds, no more than MAX_SETUPS proof
+    workers ever run, and they end once idle (PROOF_IDLE_S, shortened here)."""
+    import threading
+
+    from kvdd.sim.fabric.samehost_endpoint import MAX_SETUPS
+
+    sessions = [_session() for _ in range(MAX_SETUPS)]
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_ACCEPTOR], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(" ".join(f"{s.key.hex()}:{s.transcript.hex()}" for s in sessions) + "\n")
+        proc.stdin.flush()
+        replies = [bytes.fromhex(proc.stdout.readline().strip()) for _ in sessions]
+        results: list[object] = [None] * len(sessions)
+        start = threading.Barrier(len(sessions))
+
+        def run(i: int) -> None:
+            start.wait()
+            try:
+                results[i] = _prove(replies[i], sessions[i])
+            except samehost.SameHostRefused as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        links = [r for r in results if isinstance(r, samehost.SameHostLink)]
+        assert len(links) == len(sessions), results
+        assert all(link.peer_pid == proc.pid for link in links)
+        for link in links:
+            link.close()
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+        proven, most, alive = (int(x) for x in proc.stdout.readline().split())
+        assert proven == len(sessions)
+        assert 1 <= most <= MAX_SETUPS
+        assert alive == 0  # idle workers ended
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -449,6 +449,9 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
     except OSError as exc:  # closed before it started (unlinked or replaced meanwhile): ended
         logger.debug("kvdd fabric: a link ended before it started: %s", exc)
         chan.kill()
+    prepare = getattr(path, "prepare", None)
+    if prepare is not None:  # (the same-host path: our lease table, ahead of the peer's proof)
+        prepare(chan.served)
     return True
 
 

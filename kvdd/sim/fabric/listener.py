@@ -134,6 +134,8 @@ class Listener:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if _DEFER is not None:  # a connection reaches accept() only with its first bytes
                 sock.setsockopt(socket.IPPROTO_TCP, _DEFER, DEFER_ACCEPT_S)
+            # (inherited by accepted connections: a frame leaves at once, not after an ACK)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((ip, port & 0xFFFF))  # upstream accepts ports up to 2**32-1; htons keeps 16 bits
             sock.listen(BACKLOG)
             sock.setblocking(False)
@@ -401,19 +403,28 @@ class Listener:
 
     # -- before authentication ---------------------------------------------------------------------
     def _step_pre(self, state: _PreAuth, chunk: bytes | None = None) -> None:
+        """Read (or take ``chunk``: what came with the connection) towards the frame in progress;
+        from the socket, a frame's payload in the turn of its header (they come together)."""
+        from_socket = chunk is None
         try:
-            if chunk is None:
-                chunk = state.sock.recv(state.need - len(state.buf))
-            if not chunk:
-                self._drop(state)
-                return
-            state.buf += chunk
-            if len(state.buf) < state.need:
-                return
-            if state.ftype < 0:
-                self._header(state)
-            else:
-                self._frame(state)
+            while True:
+                if chunk is None:
+                    chunk = state.sock.recv(state.need - len(state.buf))
+                if not chunk:
+                    self._drop(state)
+                    return
+                state.buf += chunk
+                if len(state.buf) < state.need:
+                    return
+                if state.ftype < 0:
+                    self._header(state)
+                    more = from_socket and state.ftype >= 0  # (a payload follows its header)
+                else:
+                    self._frame(state)
+                    more = False
+                if not more:
+                    break
+                chunk = None
         except BlockingIOError:
             return
         except VersionMismatch as exc:

@@ -9,7 +9,8 @@ How a link gets the path
 1. In the authenticated hello the initiator offers the extension (:func:`offer`: version, boot id,
    uid: hints only, used to decline early).  An acceptor on the same boot with the same uid that can
    use ``process_vm_*`` (:func:`availability`) answers with the abstract AF_UNIX name of its
-   :class:`Endpoint` (:func:`accept`) and expects the session there (:meth:`Endpoint.expect`).
+   :class:`~.samehost_endpoint.Endpoint` (:func:`accept`) and expects the session there
+   (:meth:`~.samehost_endpoint.Endpoint.expect`).
 2. The initiator connects to that name (:func:`prove`); on the AF_UNIX socket both sides prove
    that they hold the session's key (HMAC-SHA256 over the session transcript with distinct role
    labels; the acceptor finds the session by the transcript's hash, which it learned in step 1,
@@ -26,7 +27,8 @@ How a link gets the path
    not be the one answering (the pid-reuse attack); ``SCM_CREDENTIALS`` alone is not either (a
    sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
 3. Each side, as the owner of the caches it serves over the link, creates the link's lease table
-   (a sealed memfd: :mod:`.samehost_path`) and passes it over the socket with SCM_RIGHTS.
+   (a sealed memfd: :mod:`.samehost_path`; ahead of time, off the proof's round trips) and passes
+   it over the socket with SCM_RIGHTS only once the peer has proven itself.
 
 A fake peer that authenticated and announces another process's endpoint gets nothing: that process
 holds no session with this transcript (it refuses at once), and cannot produce the proof.  A fake
@@ -39,7 +41,6 @@ would grant the peer full ptrace.  ``KVDD_SIM_XPROC=tcp`` turns the path off.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import logging
@@ -48,27 +49,26 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 try:  # always built on Linux; absent elsewhere → TCP only
     from ..._native import _xproc
 except ImportError:  # pragma: no cover
     _xproc = None  # type: ignore[assignment]
 
-from .logutil import warn_limited
-from .samehost_attest import (SameHostRefused, attest, pass_pidfd, pidfd_passing,
+if TYPE_CHECKING:
+    from .samehost_endpoint import Endpoint
+from .samehost_attest import (SameHostRefused, attest, close_fd, pass_pidfd, pidfd_passing,
                               recv_msg, same_sender)
 
 logger = logging.getLogger(__name__)
 
-_ACCEPT_FATAL = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # the socket is closed
-_ACCEPT_RETRY_S = 0.01  # after a failed accept (out of fds): the wait before the next
 
-__all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused", "Endpoint",
-           "availability", "offer", "accept", "prove", "endpoint", "ptrace_scope", "boot_id"]
+__all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused",
+           "LinkCallback", "TableFactory", "availability", "offer", "accept", "prove", "endpoint",
+           "ptrace_scope", "boot_id", "proof_of", "session_id", "send_message", "recv_message",
+           "max_slots", "M_HELLO", "M_REPLY", "M_FINAL", "M_ACK", "SETUP_TIMEOUT_S"]
 
 #: The link extension's name in the authenticated hello / hello-reply.
 EXTENSION = "samehost"
@@ -79,10 +79,7 @@ _PROTO = b"kvdd-samehost/1"
 _VERSION = 1
 MAX_MSG = 512  # bytes of one message on the AF_UNIX socket (SOCK_SEQPACKET)
 SETUP_TIMEOUT_S = 2.0  # a proof exchange must complete within this
-MAX_SETUPS = 16  # AF_UNIX connections being proven at once, per process
-MAX_PENDING = 256  # sessions waiting for their initiator, per process
-PENDING_TTL_S = 10.0  # a session not claimed within this is forgotten
-_M_HELLO, _M_REPLY, _M_FINAL, _M_ACK = b"H", b"R", b"F", b"K"
+M_HELLO, M_REPLY, M_FINAL, M_ACK = b"H", b"R", b"F", b"K"
 
 class SessionKeys(Protocol):
     """What the proof needs of an authenticated session (the handshake's ``Session``)."""
@@ -234,6 +231,18 @@ def availability() -> tuple[bool, str]:
                   f"processes of uid {os.getuid()} on this boot, identity by SCM_PIDFD of the proof")
 
 
+class LinkCallback(Protocol):
+    """Called with the proven link (or None: the proof never came)."""
+
+    def __call__(self, link: SameHostLink | None) -> None: ...
+
+
+class TableFactory(Protocol):
+    """Gives ``(fd, slots)`` of this side's lease table (the caller closes the fd)."""
+
+    def __call__(self) -> tuple[int, int]: ...
+
+
 # ---- the hello extension ----------------------------------------------------------------------------
 
 _OFFER = struct.Struct("<BI36s")  # version, uid, boot id
@@ -253,8 +262,8 @@ def _same_host(payload: bytes) -> bool:
     return bool(version == _VERSION and uid == os.getuid() and boot == _BOOT_ID.encode()[:36])
 
 
-def accept(peer_offer: bytes, session: SessionKeys, make_table: _TableFactory,
-           on_link: _LinkCallback) -> bytes:
+def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
+           on_link: LinkCallback) -> bytes:
     """The acceptor's answer to an offer: the endpoint name, or b"" (declined: TCP).
 
     ``make_table()`` gives ``(fd, slots)`` of this side's lease table when the initiator has
@@ -263,6 +272,7 @@ def accept(peer_offer: bytes, session: SessionKeys, make_table: _TableFactory,
     owner side of its table before the peer can use it), or ``on_link(None)`` when it never does."""
     if not peer_offer or not availability()[0] or not _same_host(peer_offer):
         return b""
+    from .samehost_endpoint import endpoint  # (it serves the messages of this module)
     ep = endpoint()
     if not ep.expect(session, make_table, on_link):
         return b""
@@ -280,16 +290,16 @@ def _binding(session: SessionKeys) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
-def _proof(session: SessionKeys, role: bytes) -> bytes:
+def proof_of(session: SessionKeys, role: bytes) -> bytes:
     msg = _PROTO + b" " + role + b"\0" + session.transcript + b"\0" + _binding(session)
     return hmac.new(session.key, msg, hashlib.sha256).digest()
 
 
-def _sid(session: SessionKeys) -> bytes:
+def session_id(session: SessionKeys) -> bytes:
     return hashlib.sha256(_PROTO + b" session\0" + session.transcript).digest()
 
 
-def _send(sock: socket.socket, kind: bytes, body: bytes = b"", fd: int = -1) -> None:
+def send_message(sock: socket.socket, kind: bytes, body: bytes = b"", fd: int = -1) -> None:
     msg = _PROTO + kind + body
     if fd >= 0:
         socket.send_fds(sock, [msg], [fd])
@@ -297,7 +307,7 @@ def _send(sock: socket.socket, kind: bytes, body: bytes = b"", fd: int = -1) -> 
         sock.sendall(msg)
 
 
-def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]:
+def recv_message(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]:
     """One message of ``kind`` with a body of exactly ``size`` bytes, the fd it carried (-1) and
     the pidfd of the process that sent it (-1 unless ``SO_PASSPIDFD`` is on).
 
@@ -309,27 +319,24 @@ def _recv(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, int, int]
           data.startswith(_PROTO + kind))
     if not ok:
         for extra in fds + [pidfd]:
-            _close_fd(extra)
+            close_fd(extra)
         raise SameHostRefused("unexpected message during the same-host proof" if data else
                               "the peer closed the AF_UNIX socket during the proof")
     return data[len(_PROTO) + 1:], fd, pidfd
 
 
-def _close_fd(fd: int) -> None:
-    if fd >= 0:
-        os.close(fd)
-
-
 # ---- the initiator --------------------------------------------------------------------------------
 
 
-def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
-          attach: _LinkCallback, timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
+def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
+          attach: LinkCallback, activate: LinkCallback | None = None,
+          timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
     """The initiator's side: connect to the endpoint the acceptor announced, run the proof.
 
-    ``make_table()`` gives ``(fd, slots)`` of this side's lease table once the acceptor proved
-    itself (closed here once sent); ``attach(link)`` runs after that, before our table is handed
-    over.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
+    ``make_table()`` gives ``(fd, slots)`` of this side's lease table (made while the acceptor
+    checks our proof, sent only once it proved itself, closed here); ``attach(link)`` runs once
+    the acceptor proved itself, before our table is handed over; ``activate(link)`` (our reads
+    of the acceptor) right after it is handed over, while the acceptor attaches it.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
     used."""
     own_fd = -1
     try:
@@ -352,26 +359,30 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
             except OSError as exc:
                 raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
             sock.settimeout(timeout_s)
-            _send(sock, _M_HELLO, _sid(session) + _proof(session, b"initiator"))
-            body, fd, sender = _recv(sock, _M_REPLY, 36)
+            send_message(sock, M_HELLO, session_id(session) + proof_of(session, b"initiator"))
+            # our table is made while the acceptor checks our proof (it is sent only once the
+            # acceptor proved itself; caches unregistered before it is attached are revoked then)
+            own_fd, own_slots = make_table()
+            body, fd, sender = recv_message(sock, M_REPLY, 36)
             try:
                 pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
             except BaseException:
-                _close_fd(fd)
+                close_fd(fd)
                 raise
             link = SameHostLink(pid, uid, pidfd, fd, 0)
             proof, (slots,) = body[:32], struct.unpack("<I", body[32:])
-            if not hmac.compare_digest(proof, _proof(session, b"acceptor")):
+            if not hmac.compare_digest(proof, proof_of(session, b"acceptor")):
                 raise SameHostRefused("the process at the announced endpoint does not hold the "
                                       "session key (a relayed or spoofed endpoint)")
-            if fd < 0 or slots > _max_slots():
+            if fd < 0 or slots > max_slots():
                 raise SameHostRefused("the acceptor sent no usable lease table")
             link.table_slots = slots
-            own_fd, own_slots = make_table()
             attach(link)
-            _send(sock, _M_FINAL, struct.pack("<I", own_slots), own_fd)
-            _body, extra, sender = _recv(sock, _M_ACK, 0)
-            _close_fd(extra)
+            send_message(sock, M_FINAL, struct.pack("<I", own_slots), own_fd)
+            if activate is not None:
+                activate(link)
+            _body, extra, sender = recv_message(sock, M_ACK, 0)
+            close_fd(extra)
             same_sender(sender, pid)
             if not link.alive():
                 raise SameHostRefused("the peer process exited during the proof")
@@ -387,175 +398,16 @@ def prove(reply: bytes, session: SessionKeys, make_table: _TableFactory,
         finally:
             sock.close()
     finally:
-        _close_fd(own_fd)
+        close_fd(own_fd)
 
 
-def _max_slots() -> int:
+def max_slots() -> int:
     return _xproc.LEASE_MAX_SLOTS if _xproc is not None else 0
 
 
-# ---- the acceptor's endpoint ----------------------------------------------------------------------
-
-
-class _LinkCallback(Protocol):
-    def __call__(self, link: SameHostLink | None) -> None: ...
-
-
-class _TableFactory(Protocol):
-    def __call__(self) -> tuple[int, int]: ...
-
-
-@dataclass
-class _Pending:
-    session: SessionKeys
-    make_table: _TableFactory
-    on_link: _LinkCallback
-    expires: float
-    table_fd: int = -1
-
-
-class Endpoint:
-    """This process's AF_UNIX (abstract namespace, SOCK_SEQPACKET) listener for same-host proofs.
-
-    Only sessions announced through :meth:`expect` are accepted, each once; everything else is
-    closed after at most one message.  At most MAX_SETUPS proofs run at once (each within
-    SETUP_TIMEOUT_S) and MAX_PENDING sessions wait (each at most PENDING_TTL_S)."""
-
-    def __init__(self) -> None:
-        self.name = b"\0kvdd-sh-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock.bind(self.name)
-        pass_pidfd(self._sock)  # inherited by accepted sockets: a hello is attested from the start
-        # a short queue: a same-uid initiator blocked in connect() (prove) is woken by every
-        # accept and takes a freed place at once, instead of waiting behind thousands of
-        # another uid's queued connects
-        self._sock.listen(64)
-        self._lock = threading.Lock()
-        self._pending: dict[bytes, _Pending] = {}
-        self._slots = threading.BoundedSemaphore(MAX_SETUPS)
-        self._pid = os.getpid()
-        threading.Thread(target=self._accept_loop, name="kvdd-samehost-endpoint",
-                         daemon=True).start()
-
-    def expect(self, session: SessionKeys, make_table: _TableFactory,
-               on_link: _LinkCallback) -> bool:
-        """Wait for the initiator of ``session``; False when too many wait already."""
-        now = time.monotonic()
-        with self._lock:
-            stale = [k for k, p in self._pending.items() if p.expires < now]
-            dropped = [self._pending.pop(k) for k in stale]
-            ok = len(self._pending) < MAX_PENDING
-            if ok:
-                self._pending[_sid(session)] = _Pending(session, make_table, on_link,
-                                                        now + PENDING_TTL_S)
-        for p in dropped:
-            _forget(p)
-        return ok
-
-    def _accept_loop(self) -> None:
-        """Abstract names are reachable from any uid: a connection of another uid is closed
-        right after accept, by its kernel credentials (``SO_PEERCRED``), before any other work
-        (no socket object, no read), so that the queue drains faster than strangers fill it."""
-        assert _xproc is not None
-        peer_cred, uid, close = _xproc.peer_cred, os.getuid(), os.close
-        accept: Callable[[], tuple[int, object]] = getattr(self._sock, "_accept")  # the fd only
-        while True:
-            try:
-                fd, _ = accept()
-            except OSError as exc:
-                if self._sock.fileno() < 0 or exc.errno in _ACCEPT_FATAL:  # closed
-                    logger.warning("kvdd same-host endpoint stopped: %s", exc)
-                    return
-                # out of fds or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or a connection
-                # aborted in the queue: the endpoint stays; a link meanwhile may use TCP
-                warn_limited(logger, "samehost-accept", "kvdd same-host endpoint: accept "
-                             "failed: %s", exc)
-                time.sleep(_ACCEPT_RETRY_S)
-                continue
-            try:
-                same_uid = peer_cred(fd)[1] == uid
-            except OSError:
-                same_uid = False
-            if not same_uid or not self._slots.acquire(blocking=False):
-                close(fd)  # another user, or too many proofs at once: that link uses TCP
-                continue
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="kvdd-samehost-proof",
-                                 daemon=True).start()
-            except RuntimeError as exc:  # no thread now: that link uses TCP
-                self._slots.release()
-                conn.close()
-                warn_limited(logger, "samehost-thread", "kvdd same-host endpoint: %s", exc)
-
-    def _claim(self, sid: bytes) -> _Pending | None:
-        with self._lock:
-            p = self._pending.pop(sid, None)
-        if p is not None and p.expires < time.monotonic():
-            _forget(p)
-            return None
-        return p
-
-    def _serve(self, conn: socket.socket) -> None:
-        pending: _Pending | None = None
-        link: SameHostLink | None = None
-        attached = False
-        try:
-            conn.settimeout(SETUP_TIMEOUT_S)
-            pass_pidfd(conn)  # (inherited from the listener already; harmless)
-            body, fd, sender = _recv(conn, _M_HELLO, 64)
-            _close_fd(fd)
-            pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof
-            link = SameHostLink(pid, uid, pidfd)
-            pending = self._claim(body[:32])
-            if pending is None:
-                raise SameHostRefused("no session of this process has that transcript")
-            if not hmac.compare_digest(body[32:], _proof(pending.session, b"initiator")):
-                raise SameHostRefused("the connecting process does not hold the session key")
-            pending.table_fd, slots = pending.make_table()
-            _send(conn, _M_REPLY, _proof(pending.session, b"acceptor") +
-                  struct.pack("<I", slots), pending.table_fd)
-            _close_fd(pending.table_fd)
-            pending.table_fd = -1
-            body, fd, sender = _recv(conn, _M_FINAL, 4)
-            (slots,) = struct.unpack("<I", body)
-            link.table_fd, link.table_slots = fd, slots
-            same_sender(sender, pid)
-            if fd < 0 or slots > _max_slots():
-                raise SameHostRefused("the initiator sent no usable lease table")
-            if not link.alive():
-                raise SameHostRefused("the peer process exited during the proof")
-            pending.on_link(link)
-            attached = True
-            _send(conn, _M_ACK)
-        except (OSError, SameHostRefused, struct.error) as exc:
-            logger.info("kvdd same-host endpoint: refused a connection: %s", exc)
-            if link is not None and not attached:
-                link.close()
-            if pending is not None and not attached:
-                _forget(pending)
-        finally:
-            conn.close()
-            self._slots.release()
-
-
-def _forget(p: _Pending) -> None:
-    _close_fd(p.table_fd)
-    p.table_fd = -1
-    try:
-        p.on_link(None)
-    except Exception:
-        logger.exception("kvdd same-host: a session's give-up callback failed")
-
-
-_endpoint_lock = threading.Lock()
-_endpoint: Endpoint | None = None
 
 
 def endpoint() -> Endpoint:
-    """This process's endpoint, started on first use (and again in a forked child)."""
-    global _endpoint
-    with _endpoint_lock:
-        if _endpoint is None or _endpoint._pid != os.getpid():
-            _endpoint = Endpoint()
-        return _endpoint
+    """This process's endpoint (:func:`.samehost_endpoint.endpoint`)."""
+    from .samehost_endpoint import endpoint as current
+    return current()

@@ -114,21 +114,34 @@ def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
     return data, fds, pidfd
 
 
+def _read_proc(path: str) -> list[bytes]:
+    """The lines of a /proc file (read whole, without a text layer: it is on a link's path)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = []
+        while True:
+            chunk = os.read(fd, 8192)
+            if not chunk:
+                break
+            parts.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(parts).split(b"\n")
+
+
 def pidfd_pid(pidfd: int) -> int:
     """The pid (in our pid namespace) of the process behind ``pidfd``: -1 exited, 0 elsewhere."""
-    with open(f"/proc/self/fdinfo/{pidfd}") as f:
-        for line in f:
-            if line.startswith("Pid:"):
-                return int(line.split()[1])
+    for line in _read_proc(f"/proc/self/fdinfo/{pidfd}"):
+        if line.startswith(b"Pid:"):
+            return int(line.split()[1])
     raise SameHostRefused("the kernel's pidfd carries no pid (not a pidfd)")
 
 
 def uids_of(pid: int) -> tuple[int, ...]:
     """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Uid:"):
-                return tuple(int(x) for x in line.split()[1:5])
+    for line in _read_proc(f"/proc/{pid}/status"):
+        if line.startswith(b"Uid:"):
+            return tuple(int(x) for x in line.split()[1:5])
     raise SameHostRefused(f"/proc/{pid}/status has no Uid line")
 
 

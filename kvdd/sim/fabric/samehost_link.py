@@ -11,9 +11,12 @@ Registered with :func:`kvdd.sim.fabric.register_extension` when the fabric is im
 * initiator ``accept`` (the reply): runs the proof (:func:`~.samehost.prove`) at once; its handle
   gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).
 
-Each side creates the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`)
-when the peer has proven itself, labelled by cache id, so a reader only ever uses a cache that both
-its own snapshot and the owner's table name.  Tables of readers that exited are dropped whenever a
+Each side makes the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`,
+:class:`_Tables`) ahead of the proof's round trips (the acceptor from its link reply's snapshot once
+the reply is sent, the initiator while the acceptor checks its proof), hands it over once the peer
+has proven itself and attaches the proven reader then (a cache unregistered meanwhile is revoked),
+labelled by cache id, so a reader only ever uses a cache that both its own snapshot and the owner's
+table name.  Tables of readers that exited are dropped whenever a
 new link is proven here.
 """
 
@@ -24,12 +27,12 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..memory import Region
-from .protocol import LinkOwner, RemoteCache
+from .protocol import LinkOwner, RemoteCache, ServedCache
 from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, accept,
                        availability, offer, prove)
 from .samehost_path import OneSidedLease, OneSidedPeer, ServedTable
@@ -56,6 +59,14 @@ class SameHostPath:
         self._served: ServedTable | None = None  # the table of our caches the peer reads
         self._lock = threading.Lock()
         self._closed = False
+        self._prepare: Callable[[Mapping[int, ServedCache]], None] | None = None
+
+    def prepare(self, entries: Mapping[int, ServedCache]) -> None:
+        """The link reply is sent (acceptor): make this side's lease table now, from the caches
+        that reply announced, instead of on the peer's proof (:class:`_Tables`)."""
+        prepare = self._prepare
+        if prepare is not None and not self._closed:
+            prepare(entries)
 
     def serve(self, table: ServedTable) -> None:
         """The table through which the peer of this link reads our caches: closed with the path
@@ -177,24 +188,65 @@ def _sweep() -> None:
         t.close()
 
 
-def _make_table(owner: LinkOwner, holder: list[ServedTable]) -> tuple[int, int]:
-    """This side's table of the caches it serves now (registered before this moment; a reader
-    only uses those its own snapshot, taken at link time, also names)."""
-    _snap, entries = owner.snapshot_for_link()
-    table = ServedTable(entries if owner.initialized else {})
-    holder.append(table)
-    return table.take_fd()
+class _Tables:
+    """This side's lease table of one link: the caches it serves (registered before the link; a
+    reader only uses those its own snapshot, taken at link time, also names), made ahead from
+    the link reply's snapshot (:meth:`prepare`, acceptor) or when the proof asks (:meth:`make`).
+    A cache unregistered before the table is attached is revoked then
+    (:meth:`~.samehost_path.ServedTable.attach`).  :meth:`close` closes every table made."""
+
+    def __init__(self, owner: LinkOwner) -> None:
+        self.owner = owner
+        self.made: list[ServedTable] = []
+        self._ahead: ServedTable | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def prepare(self, entries: Mapping[int, ServedCache]) -> None:
+        with self._lock:
+            if not self._closed and not self.made:
+                self._ahead = ServedTable(entries if self.owner.initialized else {})
+                self.made.append(self._ahead)
+
+    def make(self) -> tuple[int, int]:
+        with self._lock:
+            table, self._ahead = self._ahead, None
+            if table is None:
+                _snap, entries = self.owner.snapshot_for_link()
+                table = ServedTable(entries if self.owner.initialized else {})
+                self.made.append(table)
+            return table.take_fd()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            made = list(self.made)
+        for table in made:
+            table.close()
 
 
-def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
-           reads: bool) -> None:
-    """Both proven: attach our table to the reader, start our reads of the peer (the reader
-    side owns ``link`` from then on; the table holds its own duplicate of the pidfd)."""
+def _serve_table(link: SameHostLink, table: ServedTable, peer_wait_ms: int,
+                 path: SameHostPath) -> None:
+    """The peer is proven: attach our table to the reader (it holds its own duplicate of the
+    pidfd); unregister waits for the peer's copies from now on."""
     table.attach(link, peer_wait_ms)
     with _lock:
         _tables.append(table)
     path.serve(table)
     _sweep()
+
+
+def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
+           reads: bool) -> None:
+    """Both proven: attach our table to the reader, start our reads of the peer (the reader
+    side owns ``link`` from then on)."""
+    _serve_table(link, table, peer_wait_ms, path)
+    _read(link, path, reads)
+
+
+def _read(link: SameHostLink, path: SameHostPath, reads: bool) -> None:
+    """Start our reads of the proven peer (``reads``: our handle uses this path), or let the
+    link go."""
     if not reads:
         link.close()
         return
@@ -221,18 +273,19 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     if state is None:  # the initiator did not offer, or offered something unusable
         return None
     _sweep()
-    holder: list[ServedTable] = []
+    tables = _Tables(owner)
     reads = owner.transfer_backend == "comm"  # hixl: only the initiator has an entity
     path = state.path
 
     def on_link(link: SameHostLink | None) -> None:
         if link is None:
-            for table in holder:
-                table.close()
+            tables.close()
         else:
-            _ready(link, holder[-1], state.peer_wait_ms, path, reads)
+            _ready(link, tables.made[-1], state.peer_wait_ms, path, reads)
 
-    reply = accept(state.hints, session, lambda: _make_table(owner, holder), on_link)
+    reply = accept(state.hints, session, tables.make, on_link)
+    if reply:
+        path._prepare = tables.prepare
     return reply + _wait_ms(owner) if reply else None
 
 
@@ -251,15 +304,15 @@ def extension_accept(session: SessionKeys, value: bytes) -> object:
         return None
     owner = mine.owner
     _sweep()
-    holder: list[ServedTable] = []
+    tables = _Tables(owner)
     path = mine.path
     try:
-        link = prove(body, session, lambda: _make_table(owner, holder),
-                     lambda link: _ready(link, holder[-1], peer_wait_ms, path, True))
+        link = prove(body, session, tables.make,
+                     lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
+                     lambda link: _read(link, path, True))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
-        for table in holder:
-            table.close()
+        tables.close()
         return None
     if path.name != "process_vm":
         logger.info("kvdd same-host: peer pid %d proven, but its lease table is unusable: TCP",

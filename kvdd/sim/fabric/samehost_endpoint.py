@@ -1,0 +1,284 @@
+"""The acceptor's side of the same-host proof: this process's AF_UNIX endpoint.
+
+One endpoint per process (:func:`endpoint`, abstract namespace, ``SOCK_SEQPACKET``).  The
+handshake announces each link's session to it (:meth:`Endpoint.expect`, :func:`.samehost.accept`);
+the initiator then connects and proves (:func:`.samehost.prove`).  Per connection, in this order:
+
+1. accept; a connection of another uid (its kernel credentials, ``SO_PEERCRED``) is closed before
+   any other work (no socket object, no read);
+2. the initiator's hello: the kernel's pidfd of its sender is attested (:func:`.samehost_attest.attest`,
+   same uid), the session it names is claimed (each once), its HMAC proof checked; then our proof
+   and our lease table;
+3. the initiator's table, from the same process, checked; the caller's ``on_link`` runs, then
+   the acknowledgement.
+
+The accept thread serves step 2 itself when the hello is already there (it never waits for it:
+the initiator sends it as soon as it is connected), so a link does not wait for a thread
+hand-off while the initiator is waiting for our reply; everything that waits for the peer runs
+on up to ``MAX_SETUPS`` proof workers, kept for ``PROOF_IDLE_S`` after their last proof.  At most
+``MAX_SETUPS`` connections are being proven at once (each message within ``SETUP_TIMEOUT_S``) and
+``MAX_PENDING`` sessions wait (each at most ``PENDING_TTL_S``).
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+try:  # always built on Linux; absent elsewhere → TCP only
+    from ..._native import _xproc
+except ImportError:  # pragma: no cover
+    _xproc = None  # type: ignore[assignment]
+
+from .logutil import warn_limited
+from .samehost import (M_ACK, M_FINAL, M_HELLO, M_REPLY, SETUP_TIMEOUT_S, LinkCallback,
+                       SameHostLink, SessionKeys, TableFactory, max_slots, proof_of,
+                       recv_message, send_message, session_id)
+from .samehost_attest import SameHostRefused, attest, close_fd, pass_pidfd, same_sender
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Endpoint", "endpoint", "MAX_SETUPS", "MAX_PENDING", "PENDING_TTL_S", "PROOF_IDLE_S"]
+
+MAX_SETUPS = 16  # AF_UNIX connections being proven at once, per process
+MAX_PENDING = 256  # sessions waiting for their initiator, per process
+PENDING_TTL_S = 10.0  # a session not claimed within this is forgotten
+PROOF_IDLE_S = 10.0  # a proof worker without a proof this long ends
+_ACCEPT_FATAL = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})  # the socket is closed
+_ACCEPT_RETRY_S = 0.01  # after a failed accept (out of fds): the wait before the next
+
+
+@dataclass
+class _Pending:
+    session: SessionKeys
+    make_table: TableFactory
+    on_link: LinkCallback
+    expires: float
+    table_fd: int = -1
+
+
+@dataclass
+class _Proof:
+    """One connection being proven, between its messages."""
+
+    conn: socket.socket
+    pending: _Pending | None = None
+    link: SameHostLink | None = None
+    attached: bool = False
+
+
+class Endpoint:
+    """This process's AF_UNIX (abstract namespace, SOCK_SEQPACKET) listener for same-host proofs.
+
+    Only sessions announced through :meth:`expect` are accepted, each once; everything else is
+    closed after at most one message (see the module docstring for the bounds)."""
+
+    def __init__(self) -> None:
+        self.name = b"\0kvdd-sh-%d-%s" % (os.getpid(), secrets.token_hex(12).encode())
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock.bind(self.name)
+        pass_pidfd(self._sock)  # inherited by accepted sockets: a hello is attested from the start
+        # a short queue: a same-uid initiator blocked in connect() (prove) is woken by every
+        # accept and takes a freed place at once, instead of waiting behind thousands of
+        # another uid's queued connects
+        self._sock.listen(64)
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, _Pending] = {}
+        self._slots = threading.BoundedSemaphore(MAX_SETUPS)
+        self._work_cv = threading.Condition(threading.Lock())
+        self._proofs: deque[tuple[_Proof, bool]] = deque()  # (proof, its hello served) for workers
+        self._workers = 0
+        self._idle = 0
+        self._pid = os.getpid()
+        threading.Thread(target=self._accept_loop, name="kvdd-samehost-endpoint",
+                         daemon=True).start()
+
+    def expect(self, session: SessionKeys, make_table: TableFactory,
+               on_link: LinkCallback) -> bool:
+        """Wait for the initiator of ``session``; False when too many wait already."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, p in self._pending.items() if p.expires < now]
+            dropped = [self._pending.pop(k) for k in stale]
+            ok = len(self._pending) < MAX_PENDING
+            if ok:
+                self._pending[session_id(session)] = _Pending(session, make_table, on_link,
+                                                               now + PENDING_TTL_S)
+        for p in dropped:
+            _forget(p)
+        return ok
+
+    def _accept_loop(self) -> None:
+        """Abstract names are reachable from any uid: a connection of another uid is closed
+        right after accept, by its kernel credentials (``SO_PEERCRED``), before any other work
+        (no socket object, no read), so that the queue drains faster than strangers fill it."""
+        assert _xproc is not None
+        peer_cred, uid, close = _xproc.peer_cred, os.getuid(), os.close
+        accept: Callable[[], tuple[int, object]] = getattr(self._sock, "_accept")  # the fd only
+        while True:
+            try:
+                fd, _ = accept()
+            except OSError as exc:
+                if self._sock.fileno() < 0 or exc.errno in _ACCEPT_FATAL:  # closed
+                    logger.warning("kvdd same-host endpoint stopped: %s", exc)
+                    return
+                # out of fds or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or a connection
+                # aborted in the queue: the endpoint stays; a link meanwhile may use TCP
+                warn_limited(logger, "samehost-accept", "kvdd same-host endpoint: accept "
+                             "failed: %s", exc)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
+            try:
+                same_uid = peer_cred(fd)[1] == uid
+            except OSError:
+                same_uid = False
+            if not same_uid or not self._slots.acquire(blocking=False):
+                close(fd)  # another user, or too many proofs at once: that link uses TCP
+                continue
+            proof = _Proof(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd))
+            try:
+                proof.conn.settimeout(0.0)  # only if it is there already: never wait here
+                self._hello(proof)
+            except BlockingIOError:  # not yet: a worker waits for it
+                proof.conn.settimeout(SETUP_TIMEOUT_S)
+                self._hand_over(proof, False)
+            except (OSError, SameHostRefused, struct.error) as exc:
+                self._end(proof, exc)
+            else:
+                self._hand_over(proof, True)
+
+    def _hand_over(self, proof: _Proof, hello_done: bool) -> None:
+        """Give a connection (holding one of the MAX_SETUPS slots) to a proof worker: an idle
+        one, else a new one (at most MAX_SETUPS in all, else the first to finish takes it); a
+        worker that cannot start leaves it to the running ones, or, with none running, ends it
+        (that link uses TCP)."""
+        with self._work_cv:
+            self._proofs.append((proof, hello_done))
+            if len(self._proofs) <= self._idle or self._workers >= MAX_SETUPS:
+                self._work_cv.notify()  # (all busy: the first to finish takes it)
+                return
+            try:
+                threading.Thread(target=self._work, name="kvdd-samehost-proof",
+                                 daemon=True).start()
+            except RuntimeError as exc:
+                warn_limited(logger, "samehost-thread", "kvdd same-host endpoint: %s", exc)
+                if self._workers:
+                    return
+                self._proofs.pop()
+                failed: Exception = exc
+            else:
+                self._workers += 1
+                return
+        self._end(proof, failed)
+
+    def _work(self) -> None:
+        """A proof worker: serves the connections handed over, one at a time; ends after
+        PROOF_IDLE_S without one."""
+        while True:
+            with self._work_cv:
+                while not self._proofs:
+                    self._idle += 1
+                    try:
+                        woken = self._work_cv.wait(PROOF_IDLE_S)
+                    finally:
+                        self._idle -= 1
+                    if not woken and not self._proofs:
+                        self._workers -= 1
+                        return
+                proof, hello_done = self._proofs.popleft()
+            try:
+                if not hello_done:
+                    self._hello(proof)
+                self._final(proof)
+            except (OSError, SameHostRefused, struct.error) as exc:
+                self._end(proof, exc)
+            else:
+                self._end(proof, None)
+
+    def _claim(self, sid: bytes) -> _Pending | None:
+        with self._lock:
+            p = self._pending.pop(sid, None)
+        if p is not None and p.expires < time.monotonic():
+            _forget(p)
+            return None
+        return p
+
+    def _hello(self, proof: _Proof) -> None:
+        """Step 2: the initiator's hello (BlockingIOError, nothing changed, when it has not
+        come and the socket does not wait), then our reply."""
+        conn = proof.conn
+        pass_pidfd(conn)  # (inherited from the listening socket already; harmless)
+        body, fd, sender = recv_message(conn, M_HELLO, 64)
+        conn.settimeout(SETUP_TIMEOUT_S)
+        close_fd(fd)
+        pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof
+        proof.link = SameHostLink(pid, uid, pidfd)
+        pending = proof.pending = self._claim(body[:32])
+        if pending is None:
+            raise SameHostRefused("no session of this process has that transcript")
+        if not hmac.compare_digest(body[32:], proof_of(pending.session, b"initiator")):
+            raise SameHostRefused("the connecting process does not hold the session key")
+        pending.table_fd, slots = pending.make_table()
+        send_message(conn, M_REPLY, proof_of(pending.session, b"acceptor") +
+                     struct.pack("<I", slots), pending.table_fd)
+        close_fd(pending.table_fd)
+        pending.table_fd = -1
+
+    def _final(self, proof: _Proof) -> None:
+        """Step 3: the initiator's table, from the process attested at its hello."""
+        link, pending = proof.link, proof.pending
+        assert link is not None and pending is not None
+        body, fd, sender = recv_message(proof.conn, M_FINAL, 4)
+        (slots,) = struct.unpack("<I", body)
+        link.table_fd, link.table_slots = fd, slots
+        same_sender(sender, link.peer_pid)
+        if fd < 0 or slots > max_slots():
+            raise SameHostRefused("the initiator sent no usable lease table")
+        if not link.alive():
+            raise SameHostRefused("the peer process exited during the proof")
+        pending.on_link(link)
+        proof.attached = True
+        send_message(proof.conn, M_ACK)
+
+    def _end(self, proof: _Proof, failed: BaseException | None) -> None:
+        """Close a connection and free its slot; a failed proof gives its session up."""
+        if failed is not None:
+            logger.info("kvdd same-host endpoint: refused a connection: %s", failed)
+            if proof.link is not None and not proof.attached:
+                proof.link.close()
+            if proof.pending is not None and not proof.attached:
+                _forget(proof.pending)
+        proof.conn.close()
+        self._slots.release()
+
+
+def _forget(p: _Pending) -> None:
+    close_fd(p.table_fd)
+    p.table_fd = -1
+    try:
+        p.on_link(None)
+    except Exception:
+        logger.exception("kvdd same-host: a session's give-up callback failed")
+
+
+_endpoint_lock = threading.Lock()
+_endpoint: Endpoint | None = None
+
+
+def endpoint() -> Endpoint:
+    """This process's endpoint, started on first use (and again in a forked child)."""
+    global _endpoint
+    with _endpoint_lock:
+        if _endpoint is None or _endpoint._pid != os.getpid():
+            _endpoint = Endpoint()
+        return _endpoint
