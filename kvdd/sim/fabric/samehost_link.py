@@ -207,6 +207,7 @@ class _Tables:
             if not self._closed and not self.made:
                 self._ahead = ServedTable(entries if self.owner.initialized else {})
                 self.made.append(self._ahead)
+                self._ahead.announce()  # the shareable memory's records, off the proof's path
 
     def make(self) -> tuple[int, int]:
         with self._lock:
