@@ -7,15 +7,20 @@ of system calls on the owner's ``/proc/<pid>/mem`` (docs/security.md, "Same-host
 from anywhere else works as before.
 
 A process-wide registry maps each live allocation's address range to its memfd (kept open for the
-allocation's life): :func:`lookup` finds the allocation behind a registered tensor.
+allocation's life): :func:`lookup` finds the allocation behind a registered tensor.  In a process
+that has the simulated CANN root's ``libascendcl.so`` loaded globally (a C++ program linked with
+``-lascendcl``), :func:`lookup` also finds ``aclrtMalloc`` blocks, which are sealed memfds too
+(``kvdd_acl_shared_memory``, kvdd/cann/src/ascendcl.cc).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, SupportsIndex
@@ -138,14 +143,55 @@ def empty(shape: SupportsIndex | tuple[SupportsIndex, ...],
     return raw[:nbytes].view(dt).reshape(dims)
 
 
+_AclLookup = Any  # ctypes function: (addr, *base, *size, *fd, *ino) -> int
+_acl_fn: _AclLookup = None
+_acl_probed = -1.0  # time.monotonic() of the last probe that found no libascendcl
+
+
+def _acl_lookup() -> _AclLookup:
+    """``kvdd_acl_shared_memory`` of a globally loaded simulated ``libascendcl.so``, or None.  A
+    miss is probed again at most once a second (the library may be loaded later)."""
+    global _acl_fn, _acl_probed
+    if _acl_fn is not None:
+        return _acl_fn
+    now = time.monotonic()
+    if _acl_probed >= 0 and now - _acl_probed < 1.0:
+        return None
+    fn = getattr(ctypes.CDLL(None), "kvdd_acl_shared_memory", None)
+    if fn is None:
+        _acl_probed = now
+        return None
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_uint64, u64p, u64p, ctypes.POINTER(ctypes.c_int), u64p]
+    fn.restype = ctypes.c_int
+    _acl_fn = fn
+    return fn
+
+
+def _acl_block(addr: int) -> Allocation | None:
+    """The ``aclrtMalloc`` block (a memfd of the simulated ``libascendcl.so``) holding ``addr``."""
+    fn = _acl_lookup()
+    if fn is None or not 0 <= addr < 1 << 64:
+        return None
+    base, size, ino, fd = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int()
+    if not fn(addr, ctypes.byref(base), ctypes.byref(size), ctypes.byref(fd), ctypes.byref(ino)):
+        return None
+    return Allocation(base.value, size.value, fd.value, ino.value)
+
+
 def lookup(addr: int, nbytes: int) -> tuple[Allocation, int] | None:
-    """The allocation of :func:`empty` that holds ``[addr, addr + nbytes)`` and the offset of
-    ``addr`` in it, or None (other memory, or a range past its end)."""
+    """The allocation of :func:`empty` (or the simulated ``aclrtMalloc`` block) that holds
+    ``[addr, addr + nbytes)`` and the offset of ``addr`` in it, or None (other memory, or a
+    range past its end)."""
+    alloc: Allocation | None = None
     with _lock:
         i = bisect.bisect_right(_starts, addr) - 1
-        if i < 0:
+        if i >= 0:
+            alloc = _by_start[_starts[i]]
+    if alloc is None or addr - alloc.addr >= alloc.size:
+        alloc = _acl_block(addr)
+        if alloc is None:
             return None
-        alloc = _by_start[_starts[i]]
     off = addr - alloc.addr
     if nbytes < 0 or off + nbytes > alloc.size:
         return None

@@ -10,11 +10,22 @@
 // need a device (malloc, memcpy, memset, stream creation) fail with ACL_ERROR_RT_CONTEXT_NULL on a
 // thread without one.  aclInit is not required (LLM-DataDist programs do not call it).
 //
+// aclrtMalloc's memory is a sealed memfd mapped MAP_SHARED (plain aligned memory when memfd_create
+// fails), so that a simulator peer process on this host can map it (kvdd.empty's memory, found
+// through kvdd_acl_shared_memory): same-host transfers of C++ programs copy through a mapping.
+// A forked child shares these pages (CANN does not support using device memory after fork).
+//
 // Not part of CANN's API, used by libllm_datadist.so of the same root:
 //   extern "C" void kvdd_acl_llm_set_device(int32_t device_id);
 //   extern "C" void kvdd_acl_record_error(const char *message);
+// and by the simulator in a process that has this library loaded (kvdd/shm.py):
+//   extern "C" int kvdd_acl_shared_memory(uintptr_t addr, uintptr_t *base, uint64_t *size,
+//                                        int *fd, uint64_t *ino);
 #include "acl/acl.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -46,6 +57,13 @@ std::map<int32_t, Context *> *g_default_ctx = nullptr;  // primary context per d
 std::set<Context *> *g_contexts = nullptr;
 std::set<Stream *> *g_streams = nullptr;
 std::map<uintptr_t, size_t> *g_device_mem = nullptr;  // aclrtMalloc: start -> size
+
+struct SharedBlock {  // an aclrtMalloc block in a memfd: its mapping and file
+  size_t mapped;      // bytes mapped (the file's size: the request rounded up to a page)
+  int fd;
+  uint64_t ino;
+};
+std::map<uintptr_t, SharedBlock> *g_device_shared = nullptr;  // start -> its memfd
 std::map<uintptr_t, size_t> *g_host_mem = nullptr;    // aclrtMallocHost: start -> size
 
 thread_local Context *t_current = nullptr;
@@ -60,6 +78,7 @@ void EnsureState() {
     g_contexts = new std::set<Context *>();
     g_streams = new std::set<Stream *>();
     g_device_mem = new std::map<uintptr_t, size_t>();
+    g_device_shared = new std::map<uintptr_t, SharedBlock>();
     g_host_mem = new std::map<uintptr_t, size_t>();
   }
 }
@@ -104,6 +123,28 @@ int32_t DeviceCount() {
 size_t PageSize() {
   long p = sysconf(_SC_PAGESIZE);
   return p > 0 ? static_cast<size_t>(p) : 4096U;
+}
+
+// `bytes` (a multiple of the page) in a new memfd sealed against any change of size, mapped
+// MAP_SHARED read-write; nullptr when the kernel refuses any step (the caller falls back).
+void *AllocShared(size_t bytes, SharedBlock *block) {
+  int fd = memfd_create("kvdd-device", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    return nullptr;
+  }
+  struct stat st {};
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 || fstat(fd, &st) != 0) {
+    close(fd);
+    return nullptr;
+  }
+  void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return nullptr;
+  }
+  *block = SharedBlock{bytes, fd, static_cast<uint64_t>(st.st_ino)};
+  return p;
 }
 
 bool ValidPolicy(uint32_t policy) {
@@ -366,13 +407,18 @@ KVDD_EXPORT aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolic
   if (size > SIZE_MAX - page) {
     return Fail(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMalloc: size too large");
   }
-  void *p = nullptr;
-  if (posix_memalign(&p, page, (size + page - 1) / page * page) != 0 || p == nullptr) {
+  const size_t bytes = (size + page - 1) / page * page;
+  SharedBlock block{0, -1, 0};
+  void *p = AllocShared(bytes, &block);
+  if (p == nullptr && (posix_memalign(&p, page, bytes) != 0 || p == nullptr)) {
     return Fail(ACL_ERROR_RT_MEMORY_ALLOCATION,
                 "aclrtMalloc: out of memory for " + std::to_string(size) + " bytes");
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   (*g_device_mem)[reinterpret_cast<uintptr_t>(p)] = size;
+  if (block.fd >= 0) {
+    (*g_device_shared)[reinterpret_cast<uintptr_t>(p)] = block;
+  }
   *devPtr = p;
   return ACL_SUCCESS;
 }
@@ -387,9 +433,40 @@ KVDD_EXPORT aclError aclrtFree(void *devPtr) {
     if (g_device_mem->erase(reinterpret_cast<uintptr_t>(devPtr)) == 0) {
       return Fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtFree: not an address returned by aclrtMalloc");
     }
+    auto it = g_device_shared->find(reinterpret_cast<uintptr_t>(devPtr));
+    if (it != g_device_shared->end()) {
+      munmap(devPtr, it->second.mapped);
+      close(it->second.fd);
+      g_device_shared->erase(it);
+      return ACL_SUCCESS;
+    }
   }
   std::free(devPtr);
   return ACL_SUCCESS;
+}
+
+// The memfd of the aclrtMalloc block holding `addr`: 1 and its start, mapped bytes, fd and inode;
+// 0 for any other address.
+KVDD_EXPORT int kvdd_acl_shared_memory(uintptr_t addr, uintptr_t *base, uint64_t *size, int *fd,
+                                       uint64_t *ino) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_device_shared == nullptr || base == nullptr || size == nullptr || fd == nullptr ||
+      ino == nullptr) {
+    return 0;
+  }
+  auto it = g_device_shared->upper_bound(addr);
+  if (it == g_device_shared->begin()) {
+    return 0;
+  }
+  --it;
+  if (addr - it->first >= it->second.mapped) {
+    return 0;
+  }
+  *base = it->first;
+  *size = it->second.mapped;
+  *fd = it->second.fd;
+  *ino = it->second.ino;
+  return 1;
 }
 
 KVDD_EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size) {
