@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -37,11 +37,17 @@ class Layout:
         self.total = per_k * len(self.regions)
         runs = len(self.regions) * int(np.count_nonzero(self.length))
         self.staged = 0 < self.total <= MAX_DATA and self.total < STAGE_RUN_BYTES * runs
-        self.views: list[memoryview] = []
         self._stage: np.ndarray | None = None
         self._stage_regions: list[Region] = []
-        if self.total == 0:
-            return
+        if self.total == 0 or self.staged:
+            self._runs: list[tuple[int, int]] = []
+        else:
+            off, length = self.off, self.length
+            used = length != 0
+            for region in self.regions:
+                if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
+                    raise ValueError("run outside its region")
+            self._runs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
         if self.staged:
             stage = np.empty(self.total, dtype=np.uint8)
             base = int(stage.ctypes.data)
@@ -49,15 +55,22 @@ class Layout:
             self._stage_regions = [Region(base + k * per_k, per_k, stage)
                                    for k in range(len(self.regions))]
             self._cum = np.concatenate(([0], np.cumsum(self.length)[:-1])).astype(np.int64)
-            self.views = [stage.data.cast("B")]
-        else:
-            for region in self.regions:
-                mv = region_view(region)
-                for o, n in zip(self.off.tolist(), self.length.tolist()):
-                    if n:
-                        if o < 0 or o + n > len(mv):
-                            raise ValueError("run outside its region")
-                        self.views.append(mv[o:o + n])
+
+    def iter_views(self) -> Iterator[memoryview]:
+        """The stream's buffers in order, made as they are asked for (a READ's cursor asks as
+        its bytes arrive): the staging buffer, or each run of each region."""
+        if self._stage is not None:
+            yield self._stage.data.cast("B")
+            return
+        for region in self.regions:
+            mv = region_view(region)
+            for o, n in self._runs:
+                yield mv[o:o + n]
+
+    @property
+    def views(self) -> list[memoryview]:
+        """:meth:`iter_views`, all of them."""
+        return list(self.iter_views())
 
     def gather(self) -> None:
         if self.staged:
@@ -72,24 +85,27 @@ class Cursor:
     """Fills a layout's views from the socket, frame by frame."""
 
     def __init__(self, layout: Layout) -> None:
-        self.views = layout.views
-        self.i = 0
-        self.pos = 0
+        self._views = layout.iter_views()
+        self._view = memoryview(b"")  # the rest of the view being filled
         self.left = layout.total
 
     def recv(self, rx: Rx, n: int) -> None:
+        """The next ``n`` bytes of the stream from ``rx``, into the views they belong to (all
+        of them in one :meth:`~.rx.Rx.into_views`)."""
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        while n > 0:
-            v = self.views[self.i]
-            take = min(n, len(v) - self.pos)
-            rx.into(v[self.pos:self.pos + take])
-            self.left -= take  # counted once received (0 means every byte is in)
-            self.pos += take
-            n -= take
-            if self.pos == len(v):
-                self.i += 1
-                self.pos = 0
+        dst: list[memoryview] = []
+        view, want = self._view, n
+        while want > 0:
+            if not len(view):
+                view = next(self._views)
+            take = min(want, len(view))
+            dst.append(view if take == len(view) else view[:take])
+            view = view[take:]
+            want -= take
+        self._view = view
+        rx.into_views(dst)
+        self.left -= n  # counted once received (0 means every byte is in)
 
 
 def advance(bufs: list[memoryview], sent: int) -> None:
