@@ -217,7 +217,9 @@ class RunPlan:
                     pos += take
                     frame_left -= take
                     gathered += take
-                    if gathered >= GATHER_BYTES or len(bufs) >= GATHER_BUFFERS:
+                    # a list is full at GATHER_BYTES of the tensors, or when a header and a
+                    # buffer more would make it longer than GATHER_BUFFERS
+                    if gathered >= GATHER_BYTES or len(bufs) >= GATHER_BUFFERS - 1:
                         yield bufs
                         bufs, gathered = [], 0
                 if staged and bufs:  # sent before the staging buffer is filled again
