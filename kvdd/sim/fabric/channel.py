@@ -18,7 +18,8 @@ takes it when a leader leaves bytes behind.
 *Sending.*  ``send_lock`` orders whole frames; the connection's queue of jobs (:mod:`~.tx`)
 answers queued requests and sends READ data, on the pool, without blocking; a receiving leader
 answers a small request with a non-blocking send when the connection is free (the rest goes to
-the queue, counted in its bounds; whoever sends next sends that rest first: ``_tail``).
+the queue, counted in its bounds; whoever sends next sends that rest first: ``_tail``), and so
+is a LEASE on a cache.
 
 Leases (SEMANTICS.md §10 rule 5 across processes, :mod:`~.leases`): a transfer first asks the
 owner for a lease on the remote cache; the owner checks the cache is still registered (else

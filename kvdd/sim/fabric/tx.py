@@ -1,10 +1,11 @@
 """A link's answers, sent on the fabric's pool: the connection's queue of jobs, in order.
 
-The peer's requests that are not answered inline by the receiving leader (LEASE, READ, PING, a
-WRITE's DONE, answers that did not fit the socket) and this end's own frames that need no reply
-(RELEASE, CLOSE_HANDLE, the closing GOODBYE and FIN) are *jobs* of the connection, sent in the
-order they were queued by one task at a time on the fabric's pool (:mod:`~.reactor`).  The
-task holds the connection's ``send_lock`` from a job's first byte to its last (a READ's DATA
+The peer's requests that are not answered inline by the receiving leader (READ, PING, a lease
+the owner resolves, a LEASE while fault injections are armed, a WRITE's DONE, answers that did
+not fit the socket) and this end's own frames that need no reply (RELEASE and CLOSE_HANDLE when
+something else is being sent or waits to be, the closing GOODBYE and FIN) are *jobs* of the
+connection, sent in the order they were queued by one task at a time on the fabric's pool
+(:mod:`~.reactor`).  The task holds the connection's ``send_lock`` from a job's first byte to its last (a READ's DATA
 frames and DONE are never interleaved with other frames, as when a thread sent them) and sends
 without blocking: when the socket is full it asks the reactor for a writable notification and
 returns, keeping the lock (a caller that wants to send meanwhile waits for it, until its
