@@ -283,3 +283,32 @@ def test_a_release_goes_at_once_when_nothing_else_is_sent() -> None:
         chan.kill()
         a.close()
         b.close()
+
+
+def test_a_cursor_receives_a_frame_of_many_runs_in_pieces() -> None:
+    """One DATA payload over 150 runs (more than SCATTER_BUFFERS views): every run gets its
+    bytes, in order, and the cursor counts them all."""
+    from kvdd.sim.fabric.rx import SCATTER_BUFFERS
+
+    runs = 150
+    assert runs > 2 * SCATTER_BUFFERS
+    dst = np.zeros(2 * runs * 64 * KiB, dtype=np.uint8)
+    off = np.arange(runs, dtype=np.int64)[::-1] * 2 * 64 * KiB  # every other block, backwards
+    length = np.full(runs, 64 * KiB, np.int64)
+    layout = Layout([_region(dst)], off, length)
+    payload = bytes(np.random.default_rng(8).integers(0, 256, layout.total, dtype=np.uint8))
+    a, b = _socket_pair()
+    sender = threading.Thread(target=a.sendall, args=(payload,))
+    sender.start()
+    try:
+        cursor = Cursor(layout)
+        cursor.recv(Rx(b), layout.total)
+        assert cursor.left == 0
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+    expected = np.zeros_like(dst)
+    for j, o in enumerate(off.tolist()):
+        expected[o:o + 64 * KiB] = np.frombuffer(payload[j * 64 * KiB:(j + 1) * 64 * KiB], np.uint8)
+    assert np.array_equal(dst, expected)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ..memory import Region, copy_runs
-from .rx import Rx
+from .rx import SCATTER_BUFFERS, Rx
 from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
 __all__ = ["region_view", "Layout", "Cursor", "advance", "sendmsg_all", "send_stream"]
@@ -90,22 +90,26 @@ class Cursor:
         self.left = layout.total
 
     def recv(self, rx: Rx, n: int) -> None:
-        """The next ``n`` bytes of the stream from ``rx``, into the views they belong to (all
-        of them in one :meth:`~.rx.Rx.into_views`)."""
+        """The next ``n`` bytes of the stream from ``rx``, into the views they belong to
+        (:meth:`~.rx.Rx.into_views`, SCATTER_BUFFERS views at a time: receiving begins before
+        the views of a long frame are all made)."""
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        dst: list[memoryview] = []
         view, want = self._view, n
         while want > 0:
-            if not len(view):
-                view = next(self._views)
-            take = min(want, len(view))
-            dst.append(view if take == len(view) else view[:take])
-            view = view[take:]
-            want -= take
-        self._view = view
-        rx.into_views(dst)
-        self.left -= n  # counted once received (0 means every byte is in)
+            dst: list[memoryview] = []
+            chunk = 0
+            while chunk < want and len(dst) < SCATTER_BUFFERS:
+                if not len(view):
+                    view = next(self._views)
+                take = min(want - chunk, len(view))
+                dst.append(view if take == len(view) else view[:take])
+                view = view[take:]
+                chunk += take
+            self._view = view
+            rx.into_views(dst)
+            self.left -= chunk  # counted once received (0 means every byte is in)
+            want -= chunk
 
 
 def advance(bufs: list[memoryview], sent: int) -> None:
