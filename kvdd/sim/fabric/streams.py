@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
+from array import array
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -51,15 +52,15 @@ class Layout:
         self.staged = 0 < self.total <= MAX_DATA and self.total < STAGE_RUN_BYTES * runs
         self._stage: np.ndarray | None = None
         self._stage_regions: list[Region] = []
-        if self.total == 0 or self.staged:
-            self._runs: list[tuple[int, int]] = []
-        else:
+        self._runs_off = self._runs_len = array("q")  # the runs, for iter_views (plain ints)
+        if self.total and not self.staged:
             off, length = self.off, self.length
             used = length != 0
             for region in self.regions:
                 if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
                     raise ValueError("run outside its region")
-            self._runs = [(o, n) for o, n in zip(off.tolist(), length.tolist()) if n]
+            self._runs_off = array("q", off.tobytes())
+            self._runs_len = array("q", length.tobytes())
         if self.staged:
             stage = np.empty(self.total, dtype=np.uint8)
             base = int(stage.ctypes.data)
@@ -76,8 +77,9 @@ class Layout:
             return
         for region in self.regions:
             mv = region_view(region)
-            for o, n in self._runs:
-                yield mv[o:o + n]
+            for o, n in zip(self._runs_off, self._runs_len):
+                if n:
+                    yield mv[o:o + n]
 
     @property
     def views(self) -> list[memoryview]:
