@@ -18,7 +18,8 @@ takes it when a leader leaves bytes behind.
 *Sending.*  ``send_lock`` orders whole frames; the connection's queue of jobs (:mod:`~.tx`)
 answers queued requests and sends READ data, on the pool, without blocking; a receiving leader
 answers a small request with a non-blocking send when the connection is free (the rest goes to
-the queue, counted in its bounds; whoever sends next sends that rest first: ``_tail``).
+the queue, counted in its bounds; whoever sends next sends that rest first: ``_tail``), and so
+is a LEASE on a cache.
 
 Leases (SEMANTICS.md §10 rule 5 across processes, :mod:`~.leases`): a transfer first asks the
 owner for a lease on the remote cache; the owner checks the cache is still registered (else
@@ -64,7 +65,8 @@ from .watch import IDLE_S, Watch
 from .watchdog import WATCHDOG, DeadlineGuard
 from .wire import (CLOSE_LINGER_S, F_CLOSE_HANDLE, F_DATA, F_DONE, F_GOODBYE, F_LEASE,
                    F_LEASE_READ, F_LEASE_REPLY, F_LEASE_WRITE, F_PING, F_PONG, F_READ, F_RELEASE,
-                   F_WRITE, HDR, MAGIC, PROTOCOL_VERSION, SMALL_BYTES, ProtocolError, Reader)
+                   F_WRITE, HDR, MAGIC, PROTOCOL_VERSION, SMALL_BYTES, ProtocolError, Reader,
+                   frame)
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,10 @@ class Channel(Calls, Sender, Watch):
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self.sock.settimeout(None)
+        with contextlib.suppress(OSError):  # (not TCP: a socket pair in tests)
+            # both ends: a small frame (a reply, a READ's DONE after its DATA) never waits for
+            # the ACK of what went before it (Nagle), which the peer may delay
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         add_endpoint(self.owner, self)
         self._pid = os.getpid()
         self._fd = self.sock.fileno()
@@ -320,6 +326,10 @@ class Channel(Calls, Sender, Watch):
                 self._enqueue(ftype, req, payload)
             else:
                 self._answer(req, serve_small_read(self.owner, self._grant_small, req, payload))
+        elif ftype == F_LEASE and len(payload) == 8 and not _injections.armed:
+            # a lease on a cache (a few dict look-ups): answered at once, as a LEASE_READ is
+            self._answer(req, frame(F_LEASE_REPLY, req, self.leases.grant(
+                self.owner, self.served, payload, self.peer_wait_ms)))
         elif ftype in (F_LEASE, F_READ, F_PING):
             self._enqueue(ftype, req, payload)
         elif ftype == F_LEASE_WRITE:

@@ -16,7 +16,8 @@ first, and the thread polls again once its task is done (tasks are short, below)
 non-blocking sends (see :mod:`~.channel`): a slow or hostile peer costs a pool thread a few
 microseconds per notification, never a wait, so it cannot stall other links' service.  A task
 that has much to do (a long answer, a peer sending many frames) does a bounded share and queues
-itself again behind the others.
+itself again behind the others (:meth:`Reactor.submit_after`: the thread that ran it takes the
+next task, which is that one when nothing else waits; no other thread is woken for it).
 
 Threads (named ``kvdd-sim-fabric-<i>``) start with the first connection and stay for the life of
 the process (daemon threads, as the watchdog's); a forked child gets a new reactor of its own.
@@ -71,6 +72,7 @@ class Reactor:
         self._threads: list[threading.Thread] = []
         self._polling = False  # a pool thread waits in epoll (it must be woken for new tasks)
         self._idle = 0  # pool threads waiting for a task
+        self._local = threading.local()  # ``pool``: set on the pool's own threads
 
     # -- registration ----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -147,6 +149,18 @@ class Reactor:
             self._tasks.append(task)
             self._wake_one()
 
+    def submit_after(self, task: Callable[[], None]) -> None:
+        """Queue ``task`` behind the others for the pool thread that calls this (a task that
+        queues itself again, its share of the turn spent, or the work its frame made): that
+        thread takes the next task itself once its own returns (tasks are short), so no other
+        thread is woken for it; from any other thread, :meth:`submit`."""
+        with self._lock:
+            if self._ep is None:
+                self._start()
+            self._tasks.append(task)
+            if not getattr(self._local, "pool", False):
+                self._wake_one()
+
     def _wake_one(self) -> None:
         """A thread for the queued tasks: an idle one, else the poller (lock held)."""
         if self._idle:
@@ -161,6 +175,7 @@ class Reactor:
     def _run(self) -> None:
         ep = self._ep
         assert ep is not None
+        self._local.pool = True
         while True:
             harvest = False
             with self._lock:
@@ -197,7 +212,8 @@ class Reactor:
 
     def _poll(self, ep: select.epoll, timeout: float = -1) -> Callable[[], None] | None:
         """Wait for readiness: the first task it brings, for this thread (the rest are queued,
-        and an idle thread is woken for them)."""
+        and an idle thread is woken for them: for the tasks beyond the one this thread takes,
+        that task or the first queued one)."""
         try:
             events = ep.poll(timeout)
         except InterruptedError:
@@ -238,8 +254,8 @@ class Reactor:
                         ep.modify(fd, armed | _ET)
                     except OSError:
                         pass
-            if self._tasks and self._idle:  # help with the rest (that thread, when no task
-                self._cv.notify()  # is left, polls)
+            if len(self._tasks) + (first is not None) > 1 and self._idle:
+                self._cv.notify()  # help with the rest (that thread, when no task is left, polls)
         return first
 
     def after_fork_in_child(self) -> None:

@@ -5,7 +5,8 @@ tensor k outer, run j inner.  The owner checks every run against the cache (SEMA
 1) and the size of the request (at most ``MAX_RUNS`` tensors x runs, else LLM_PARAM_INVALID and no
 byte moved), then walks the stream piece by piece: consecutive short runs are gathered into (or
 scattered from) one staging buffer of at most ``STAGE_CHUNK`` bytes by the copy kernels; long runs
-(>= ``STAGE_RUN_BYTES``) are sent from / received into the tensor's memory directly.  Memory per
+(>= ``STAGE_RUN_BYTES``) are sent from / received into the tensor's memory directly, many runs
+gathered per system call (``GATHER_BYTES``) in DATA frames of up to ``MAX_DATA`` bytes.  Memory per
 request is O(STAGE_CHUNK + J) and CPU per request is proportional to its bytes plus
 K x (pieces per tensor), whatever the peer asks.
 """
@@ -39,6 +40,8 @@ MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the co
 PLAN_SHARE = 64  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
 T = TypeVar("T")
 
+GATHER_BYTES = 1 << 20  # bytes of the tensors one step of a READ's answer gathers (one sendmsg)
+GATHER_BUFFERS = 64  # buffers one step gathers, headers included (one sendmsg each)
 SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHUNK bytes) is sent
 #                   as one DATA frame gathered from the tensors (zero-copy, one system call)
 
@@ -78,15 +81,20 @@ class RunPlan:
         self.total = self.per_k * len(tensors)
         self.small = (0 < self.total <= STAGE_CHUNK
                       and len(tensors) * len(self.length) <= SMALL_RUNS)
+        self._runs_off = array("q", self.off.tobytes())  # the runs again, read per piece (an
+        self._runs_len = array("q", self.length.tobytes())  # array's item is a plain int)
         self._seg_a = array("q")  # the segments (RunPlan.segments), once planned
         self._seg_b = array("q")
         self._seg_staged = bytearray()
+        self._each_run = False  # every run long: each one a segment (no arrays of them)
         self._stage = np.empty(0, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), 0, self._stage)
 
     @property
     def segments(self) -> list[tuple[int, int, bool]]:
         """``(j0, j1, staged)``: runs ``j0..j1-1`` staged together, or one long run alone."""
+        if self._each_run:
+            return [(j, j + 1, False) for j in range(len(self.length))]
         return [(a, b, bool(st)) for a, b, st in zip(self._seg_a, self._seg_b, self._seg_staged)]
 
     def _plan_steps(self, tick: T) -> Generator[T, object, None]:
@@ -107,7 +115,13 @@ class RunPlan:
             # consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone
             csum = np.concatenate(([0], np.cumsum(length)))  # bytes before run j
             j, n = 0, len(length)
-            longs = np.flatnonzero(length >= STAGE_RUN_BYTES).tolist()
+            is_long = length >= STAGE_RUN_BYTES
+            if is_long.all():  # every run long (blocks): each its own segment, nothing to plan
+                self._each_run = True
+                longs: list[int] = []
+                j = n
+            else:
+                longs = np.flatnonzero(is_long).tolist()
             for i, stop in enumerate((*longs, n)):
                 if i % PLAN_SHARE == PLAN_SHARE - 1:
                     yield tick
@@ -137,13 +151,18 @@ class RunPlan:
 
     def _pieces(self, region: Region) -> Iterator[tuple[memoryview, int, int, bool]]:
         mv = region_view(region)
+        off, length = self._runs_off, self._runs_len
+        if self._each_run:
+            for a, (o, n) in enumerate(zip(off, length)):
+                yield mv[o:o + n], a, a + 1, False  # (n >= STAGE_RUN_BYTES > 0)
+            return
         for a, b, staged in zip(self._seg_a, self._seg_b, self._seg_staged):
             if staged:
                 nbytes = int(self.length[a:b].sum())
                 if nbytes:
                     yield self._stage.data.cast("B")[:nbytes], a, b, True
             else:
-                o, n = int(self.off[a]), int(self.length[a])
+                o, n = off[a], length[a]
                 if n:
                     yield mv[o:o + n], a, b, False
 
@@ -162,9 +181,10 @@ class RunPlan:
                 sendmsg_all(sock, bufs)
 
     def send_steps(self, req: int) -> Iterator[list[memoryview]]:
-        """The stream as DATA frames (one per piece, split at MAX_DATA), zero-copy for long runs:
-        the buffers of each system call in turn (each list sent whole before the next is asked
-        for: the staging buffer is reused)."""
+        """The stream as DATA frames of MAX_DATA bytes (the last shorter), zero-copy for long
+        runs: the buffers of each system call in turn, each gathering up to GATHER_BYTES of the
+        tensors in at most GATHER_BUFFERS buffers (each list sent whole before the next is asked
+        for: the staging buffer is reused, so a staged piece ends its list)."""
         if self.small:
             views = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, self.total))]
             pairs = [(o, n) for o, n in zip(self.off.tolist(), self.length.tolist()) if n]
@@ -176,15 +196,37 @@ class RunPlan:
         if not self.total:  # no byte to send: no tensor to walk (there may be a million)
             return
         yield from self._plan_steps([])
+        stream = self.total  # bytes of the stream not yet put in a frame
+        frame_left = 0  # bytes the current DATA frame still holds
+        bufs: list[memoryview] = []
+        gathered = 0
         for k in self.tensors.tolist():
             region = self.regions[k]
             for view, a, b, staged in self._pieces(region):
                 if staged:
                     self._stage_copy(region, a, b, True)
-                for pos in range(0, len(view), MAX_DATA):
-                    part = view[pos:pos + MAX_DATA]
-                    yield [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, len(part))),
-                           part]
+                pos, n = 0, len(view)
+                while pos < n:
+                    if not frame_left:  # the stream in DATA frames of MAX_DATA (the last shorter)
+                        frame_left = min(stream, MAX_DATA)
+                        stream -= frame_left
+                        bufs.append(memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req,
+                                                        frame_left)))
+                    take = min(n - pos, frame_left, GATHER_BYTES - gathered)
+                    bufs.append(view if take == n else view[pos:pos + take])
+                    pos += take
+                    frame_left -= take
+                    gathered += take
+                    # a list is full at GATHER_BYTES of the tensors, or when a header and a
+                    # buffer more would make it longer than GATHER_BUFFERS
+                    if gathered >= GATHER_BYTES or len(bufs) >= GATHER_BUFFERS - 1:
+                        yield bufs
+                        bufs, gathered = [], 0
+                if staged and bufs:  # sent before the staging buffer is filled again
+                    yield bufs
+                    bufs, gathered = [], 0
+        if bufs:
+            yield bufs
 
     def receive(self, rx: Rx, req: int) -> None:
         """The stream from the peer's DATA frames into the tensors (blocking): :meth:`receive_steps`."""

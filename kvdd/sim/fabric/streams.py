@@ -4,21 +4,34 @@ from __future__ import annotations
 
 import ctypes
 import socket
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from ..memory import Region, copy_runs
-from .rx import Rx
+from .rx import SCATTER_BUFFERS, Rx
 from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
 __all__ = ["region_view", "Layout", "Cursor", "advance", "sendmsg_all", "send_stream"]
 
+#: ``PyMemoryView_FromMemory``: a writable byte view of memory, made in ~2 us.  (A ctypes array
+#: of the region's size made one too, but its type is cached only while a view is alive, so a
+#: transfer paid 60-250 us to make the type again.)
+_view_of = ctypes.pythonapi.PyMemoryView_FromMemory
+_view_of.restype = ctypes.py_object
+_view_of.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
 def region_view(region: Region) -> memoryview:
+    """A writable byte view of ``region``'s memory (it does not keep that memory alive: the
+    region's registration does)."""
     n = region.nbytes
     if n == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * n).from_address(region.addr)).cast("B")
+    view: memoryview = _view_of(region.addr, n, _PYBUF_WRITE)
+    return view
 
 
 class Layout:
@@ -37,11 +50,17 @@ class Layout:
         self.total = per_k * len(self.regions)
         runs = len(self.regions) * int(np.count_nonzero(self.length))
         self.staged = 0 < self.total <= MAX_DATA and self.total < STAGE_RUN_BYTES * runs
-        self.views: list[memoryview] = []
         self._stage: np.ndarray | None = None
         self._stage_regions: list[Region] = []
-        if self.total == 0:
-            return
+        self._runs_off = self._runs_len = array("q")  # the runs, for iter_views (plain ints)
+        if self.total and not self.staged:
+            off, length = self.off, self.length
+            used = length != 0
+            for region in self.regions:
+                if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
+                    raise ValueError("run outside its region")
+            self._runs_off = array("q", off.tobytes())
+            self._runs_len = array("q", length.tobytes())
         if self.staged:
             stage = np.empty(self.total, dtype=np.uint8)
             base = int(stage.ctypes.data)
@@ -49,15 +68,23 @@ class Layout:
             self._stage_regions = [Region(base + k * per_k, per_k, stage)
                                    for k in range(len(self.regions))]
             self._cum = np.concatenate(([0], np.cumsum(self.length)[:-1])).astype(np.int64)
-            self.views = [stage.data.cast("B")]
-        else:
-            for region in self.regions:
-                mv = region_view(region)
-                for o, n in zip(self.off.tolist(), self.length.tolist()):
-                    if n:
-                        if o < 0 or o + n > len(mv):
-                            raise ValueError("run outside its region")
-                        self.views.append(mv[o:o + n])
+
+    def iter_views(self) -> Iterator[memoryview]:
+        """The stream's buffers in order, made as they are asked for (a READ's cursor asks as
+        its bytes arrive): the staging buffer, or each run of each region."""
+        if self._stage is not None:
+            yield self._stage.data.cast("B")
+            return
+        for region in self.regions:
+            mv = region_view(region)
+            for o, n in zip(self._runs_off, self._runs_len):
+                if n:
+                    yield mv[o:o + n]
+
+    @property
+    def views(self) -> list[memoryview]:
+        """:meth:`iter_views`, all of them."""
+        return list(self.iter_views())
 
     def gather(self) -> None:
         if self.staged:
@@ -72,24 +99,31 @@ class Cursor:
     """Fills a layout's views from the socket, frame by frame."""
 
     def __init__(self, layout: Layout) -> None:
-        self.views = layout.views
-        self.i = 0
-        self.pos = 0
+        self._views = layout.iter_views()
+        self._view = memoryview(b"")  # the rest of the view being filled
         self.left = layout.total
 
     def recv(self, rx: Rx, n: int) -> None:
+        """The next ``n`` bytes of the stream from ``rx``, into the views they belong to
+        (:meth:`~.rx.Rx.into_views`, SCATTER_BUFFERS views at a time: receiving begins before
+        the views of a long frame are all made)."""
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
-        while n > 0:
-            v = self.views[self.i]
-            take = min(n, len(v) - self.pos)
-            rx.into(v[self.pos:self.pos + take])
-            self.left -= take  # counted once received (0 means every byte is in)
-            self.pos += take
-            n -= take
-            if self.pos == len(v):
-                self.i += 1
-                self.pos = 0
+        view, want = self._view, n
+        while want > 0:
+            dst: list[memoryview] = []
+            chunk = 0
+            while chunk < want and len(dst) < SCATTER_BUFFERS:
+                if not len(view):
+                    view = next(self._views)
+                take = min(want - chunk, len(view))
+                dst.append(view if take == len(view) else view[:take])
+                view = view[take:]
+                chunk += take
+            self._view = view
+            rx.into_views(dst)
+            self.left -= chunk  # counted once received (0 means every byte is in)
+            want -= chunk
 
 
 def advance(bufs: list[memoryview], sent: int) -> None:

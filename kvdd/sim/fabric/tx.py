@@ -1,10 +1,11 @@
 """A link's answers, sent on the fabric's pool: the connection's queue of jobs, in order.
 
-The peer's requests that are not answered inline by the receiving leader (LEASE, READ, PING, a
-WRITE's DONE, answers that did not fit the socket) and this end's own frames that need no reply
-(RELEASE, CLOSE_HANDLE, the closing GOODBYE and FIN) are *jobs* of the connection, sent in the
-order they were queued by one task at a time on the fabric's pool (:mod:`~.reactor`).  The
-task holds the connection's ``send_lock`` from a job's first byte to its last (a READ's DATA
+The peer's requests that are not answered inline by the receiving leader (READ, PING, a lease
+the owner resolves, a LEASE while fault injections are armed, a WRITE's DONE, answers that did
+not fit the socket) and this end's own frames that need no reply (RELEASE and CLOSE_HANDLE when
+something else is being sent or waits to be, the closing GOODBYE and FIN) are *jobs* of the
+connection, sent in the order they were queued by one task at a time on the fabric's pool
+(:mod:`~.reactor`).  The task holds the connection's ``send_lock`` from a job's first byte to its last (a READ's DATA
 frames and DONE are never interleaved with other frames, as when a thread sent them) and sends
 without blocking: when the socket is full it asks the reactor for a writable notification and
 returns, keeping the lock (a caller that wants to send meanwhile waits for it, until its
@@ -41,6 +42,7 @@ __all__ = ["Sender", "ANSWER_CHARGE", "TX_SHARE", "WAIT_LOCK"]
 
 _J_SEND = -1  # job: send this end's own frame (RELEASE, CLOSE_HANDLE)
 _J_CLOSE = -2  # job: (GOODBYE and) FIN, after every frame queued before
+_J_TAIL = -3  # job: the rest of this end's frame begun at once (``_tail``, sent first)
 _J_REPLY = 101  # job: send an answer the reader prepared (counted in the queue bounds)
 _J_FLUSH = 102  # job: send the rest of an answer the reader began (``_tail``)
 ANSWER_CHARGE = 4096  # queue bytes a prepared answer counts as, at least (2,048 fit the bound)
@@ -105,7 +107,7 @@ class Sender:
         """Make sure a sending task runs for the queued jobs (the channel lock held)."""
         if not self._tx_sched and self._started and not self._tx_over and self._here():
             self._tx_sched = True
-            self._reactor.submit(self._tx_run)
+            self._reactor.submit_after(self._tx_run)  # (on the pool: after the reader's turn)
 
     def _enqueue(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
         """Queue work for the sending task: at most MAX_JOBS requests of the peer and
@@ -125,14 +127,42 @@ class Sender:
             self._tx_kick_locked()
 
     def send_oneway(self, ftype: int, payload: bytes) -> None:
-        """A frame with no reply (RELEASE, CLOSE_HANDLE), sent by the sending task: the caller
-        never waits behind a long transfer sent in the other direction (a RELEASE that comes
-        late only keeps a lease until it arrives or expires)."""
+        """A frame with no reply (RELEASE, CLOSE_HANDLE): sent at once, without blocking, when
+        nothing else is being sent or waits to be; else by the sending task after what was
+        queued before it: the caller never waits behind a long transfer sent in the other
+        direction (a RELEASE that comes late only keeps a lease until it arrives or
+        expires)."""
         if self.dead.is_set():
             return
+        data = frame(ftype, 0, payload)
+        if self.send_lock.acquire(False):  # nobody sending: at once when the socket takes it
+            try:
+                with self._lock:
+                    now = (self._tail is None and not self._jobs and not self._tx_sched
+                           and not self._closing and self._started and self._here())
+                if now:
+                    try:
+                        sent = self.sock.send(data, _DONTWAIT)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:  # the connection ends: its reader finds out
+                        return
+                    if sent == len(data):
+                        return
+                    data = data[sent:]
+                    if sent:  # nobody may send before the rest of this frame
+                        self._tail = data
+                        with self._lock:
+                            self._jobs.append((_J_TAIL, 0, b""))
+                            self._tx_kick_locked()
+                        return
+            finally:
+                self.send_lock.release()
+                if self._tx_wait == WAIT_LOCK:
+                    self._tx_unblock()
         with self._lock:
             if not self._closing:
-                self._jobs.append((_J_SEND, 0, frame(ftype, 0, payload)))
+                self._jobs.append((_J_SEND, 0, data))
                 self._tx_kick_locked()
 
     def _queue_close(self, goodbye: bool) -> None:
@@ -246,11 +276,11 @@ class Sender:
                     self._reactor.arm(self._fd, self, OUT)
                     return
                 if share <= 0:  # others' turn: queue again, keeping send_lock
-                    self._reactor.submit(self._tx_run)
+                    self._reactor.submit_after(self._tx_run)
                     return
             elif self._tx_gen is not None:
                 if share <= 0:  # (steps that send nothing, e.g. planning, count too)
-                    self._reactor.submit(self._tx_run)
+                    self._reactor.submit_after(self._tx_run)
                     return
                 share -= TX_STEP
                 bufs = next(self._tx_gen, None)
@@ -305,7 +335,7 @@ class Sender:
             out = serve_small_read(self.owner, self._grant_small, req, bytes(payload))
         elif ftype in (_J_REPLY, _J_SEND):
             out = bytes(payload)
-        elif ftype == _J_FLUSH:  # the tail went first, when send_lock was taken
+        elif ftype in (_J_FLUSH, _J_TAIL):  # the tail went first, when send_lock was taken
             return
         elif ftype == F_PING:
             out = frame(F_PONG, req, b"")

@@ -199,7 +199,7 @@ class Watch:
             if (more or self._bg_again) and wants:  # (others' turn first)
                 self._bg_again = False
                 self._bg = _QUEUED
-                self._reactor.submit(self._bg_run)
+                self._reactor.submit_after(self._bg_run)
             elif wants or self._rxs is not None:  # wait for the bytes
                 self._bg_set_locked(_ARMED)
             else:
