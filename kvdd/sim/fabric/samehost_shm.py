@@ -28,7 +28,11 @@ offset (checked at every copy, after the usual checks of every run).
 Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
 ``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
 through ``/proc/<pid>/mem``), of at most :data:`MAX_LINK_MAP_BYTES` bytes together (a file that
-would pass it is not mapped).  The owner keeps every announced fd open while the table lives.
+would pass it is not mapped); and, over all links of the process (a peer can hold up to
+``MAX_LINKS`` links to a listener), at most :data:`MAX_PROCESS_MAPS` mappings of
+:data:`MAX_PROCESS_MAP_BYTES` bytes together (``vm.max_map_count`` and the address space are the
+whole process's: past these a link maps no more and copies through ``/proc/<pid>/mem``).  The
+owner keeps every announced fd open while the table lives.
 """
 
 from __future__ import annotations
@@ -54,13 +58,20 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_LINK_MAPS", "MAX_LINK_MAP_BYTES", "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
+__all__ = ["MAX_LINK_MAPS", "MAX_LINK_MAP_BYTES", "MAX_PROCESS_MAPS", "MAX_PROCESS_MAP_BYTES",
+           "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
 
 #: Distinct files (memfds) a reader maps from one owner per link.
 MAX_LINK_MAPS = 1024
 #: Bytes a reader maps from one owner per link (address space, not memory: the pages are the
 #: owner's; a same-uid peer could exhaust ours by ptrace anyway, but it is bounded all the same).
 MAX_LINK_MAP_BYTES = 1 << 40
+#: Mappings of peers' memory held by this process over all its links (an eighth of the default
+#: ``vm.max_map_count``, 65530: the process's own mmaps must still succeed).
+MAX_PROCESS_MAPS = 8192
+#: Bytes of peers' memory mapped by this process over all its links (an eighth of a 47-bit
+#: address space).
+MAX_PROCESS_MAP_BYTES = 16 << 40
 #: Records (tensors) a reader reads from one owner's announcement per link.
 MAX_RECORDS = 1 << 18
 #: One record: slot, tensor, fd, offset, inode (uint64 little-endian each).
@@ -164,13 +175,19 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
         for fdnum, ino in files:
             if fdnum > 0x7FFFFFFF:
                 continue
+            if _xproc.peer_map_totals()[0] >= MAX_PROCESS_MAPS:
+                logger.info("kvdd same-host: this process maps %d files of its peers already "
+                            "(MAX_PROCESS_MAPS): the rest of this owner's are not mapped",
+                            MAX_PROCESS_MAPS)
+                break
             try:
                 fd = _xproc.pidfd_getfd(pidfd, fdnum)
             except OSError as exc:
                 logger.info("kvdd same-host: cannot take the owner's fd %d: %s", fdnum, exc)
                 continue
             try:
-                index[(fdnum, ino)] = maps.add(fd, ino, MAX_LINK_MAP_BYTES - maps.mapped_bytes)
+                index[(fdnum, ino)] = maps.add(fd, ino, MAX_LINK_MAP_BYTES - maps.mapped_bytes,
+                                               MAX_PROCESS_MAPS, MAX_PROCESS_MAP_BYTES)
             except ValueError as exc:
                 logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
             finally:
