@@ -207,6 +207,32 @@ cdef class PeerMaps:
         placed[tensor] = (addr + offset, size - offset)
         return True
 
+    def place_rows(self, const uint64_t[:, ::1] rows not None,
+                   const int64_t[::1] index not None) -> int:
+        """:meth:`place` for every row ``(slot, tensor, -, offset, -)`` of ``rows`` in order
+        (a later row of the same tensor wins), in mapping ``index[r]`` (negative: skipped), in
+        one C loop; how many were placed."""
+        if rows.shape[1] != 5 or index.shape[0] != rows.shape[0]:
+            raise ValueError("place_rows: rows of 5 words and one index per row are required")
+        cdef Py_ssize_t r, done = 0, nmaps = len(self._maps)
+        cdef uint64_t slot, tensor, off
+        cdef int64_t i
+        cdef list placed
+        for r in range(rows.shape[0]):
+            i, slot, tensor, off = index[r], rows[r, 0], rows[r, 1], rows[r, 3]
+            if (i < 0 or i >= nmaps or slot >= <uint64_t>self.slots
+                    or tensor >= <uint64_t>_MAX_MAPPED_TENSORS):
+                continue
+            addr, size = self._maps[i]
+            if off >= <uint64_t>size:
+                continue
+            placed = self._placed.setdefault(<Py_ssize_t>slot, [])
+            while len(placed) <= <Py_ssize_t>tensor:
+                placed.append((0, 0))
+            placed[<Py_ssize_t>tensor] = (addr + off, size - off)
+            done += 1
+        return done
+
     @property
     def mapped_bytes(self) -> int:
         """Bytes mapped (the sum of the mapped files' sizes)."""

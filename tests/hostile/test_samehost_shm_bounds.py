@@ -169,3 +169,32 @@ def test_peer_maps_add_counts_against_the_process_bounds(owner: Owner) -> None:
     finally:
         maps.close()
     assert _xproc.peer_map_totals() == (held_maps, held_bytes)
+
+
+def test_place_rows_places_as_place_does_row_by_row(owner: Owner) -> None:
+    """The one C loop map_owner places the records with: the same as :meth:`place` per row, in
+    order, at every bound (slot, tensor, mapping index, offset) and one past."""
+    size = owner.alloc.size
+    rng = np.random.default_rng(7)
+    slots, big = 3, (1 << 20)
+    rows = np.zeros((400, 5), np.uint64)
+    def pick(values: list[int]) -> np.ndarray:
+        return np.array(values, np.uint64)[rng.integers(0, len(values), 400)]
+
+    rows[:, 0] = pick([0, 1, slots - 1, slots, 2**63])
+    rows[:, 1] = pick([0, 1, 5, big - 1, big, 2**64 - 1])
+    rows[:, 3] = pick([0, 1, size - 1, size, 2**64 - 1])
+    index = rng.choice([-1, 0, 1, 2], 400).astype(np.int64)  # 2: one past the mappings
+    one, bulk = _xproc.PeerMaps(slots), _xproc.PeerMaps(slots)
+    try:
+        for m in (one, bulk):
+            for _ in range(2):
+                m.add(owner.alloc.fd, owner.alloc.ino)
+        want = sum(one.place(int(r[0]) if r[0] < 2**62 else 2**62, int(r[1]) if r[1] < 2**62
+                             else 2**62, int(i), int(r[3])) for r, i in zip(rows, index))
+        assert bulk.place_rows(rows, index) == want > 0
+        for s in range(slots):
+            assert bulk.placed(s) == one.placed(s)
+    finally:
+        one.close()
+        bulk.close()

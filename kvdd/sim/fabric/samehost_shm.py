@@ -40,7 +40,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -148,6 +147,19 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
     return np.frombuffer(data, dtype="<u8").reshape(-1, 5)  # (ValueError if it were short)
 
 
+def _distinct_files(rows: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The distinct ``(fd, inode)`` of ``rows``, sorted, and the position of each row's in that
+    list (vectorised: 2**18 records take milliseconds, not half a second of the link's time)."""
+    fd, ino = rows[:, 2], rows[:, 4]
+    order = np.lexsort((ino, fd))
+    sfd, sino = fd[order], ino[order]
+    first = np.ones(len(order), bool)
+    first[1:] = (sfd[1:] != sfd[:-1]) | (sino[1:] != sino[:-1])
+    inverse = np.empty(len(order), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return list(zip(sfd[first].tolist(), sino[first].tolist())), inverse
+
+
 def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
     """Reader: map the memory the owner behind ``pidfd`` announced in ``table``, every file
     checked first; None when nothing is mapped (every copy then goes through /proc/<pid>/mem).
@@ -163,16 +175,16 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
     # no rows map no file, and an empty PeerMaps is None below
     if rows is None or rows.shape[0] == 0:  # mutation: equivalent(0 -> -1): see above
         return None
-    files = sorted({(int(r[2]), int(r[4])) for r in rows})
+    files, inverse = _distinct_files(rows)
     cap = min(rows.shape[0], MAX_LINK_MAPS)
     if len(files) > cap:
         logger.info("kvdd same-host: the owner announced %d memory files (at most %d): not "
                     "mapped", len(files), cap)
         return None
     maps = _xproc.PeerMaps(table.slots)
-    index: dict[tuple[int, int], int] = {}
+    file_index = np.full(len(files), -1, np.int64)  # mapping index of each file, or -1
     try:
-        for fdnum, ino in files:
+        for k, (fdnum, ino) in enumerate(files):
             if fdnum > 0x7FFFFFFF:
                 continue
             if _xproc.peer_map_totals()[0] >= MAX_PROCESS_MAPS:
@@ -186,18 +198,20 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
                 logger.info("kvdd same-host: cannot take the owner's fd %d: %s", fdnum, exc)
                 continue
             try:
-                index[(fdnum, ino)] = maps.add(fd, ino, MAX_LINK_MAP_BYTES - maps.mapped_bytes,
+                file_index[k] = maps.add(fd, ino, MAX_LINK_MAP_BYTES - maps.mapped_bytes,
                                                MAX_PROCESS_MAPS, MAX_PROCESS_MAP_BYTES)
             except ValueError as exc:
                 logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
             finally:
                 os.close(fd)
-        per_slot = Counter(int(r[0]) for r in rows)
-        for slot, tensor, fdnum, off, ino in rows.tolist():
-            i = index.get((fdnum, ino))
-            # a slot's tensors are numbered below its record count: bounded lists
-            if i is not None and slot < table.slots and tensor < per_slot[slot]:
-                maps.place(slot, tensor, i, off)
+        # a slot's tensors are numbered below its record count: bounded lists
+        slot, tensor = rows[:, 0], rows[:, 1]
+        ok = slot < table.slots
+        per_slot = np.bincount(slot[ok].astype(np.int64), minlength=table.slots)
+        ok[ok] = tensor[ok] < per_slot[slot[ok].astype(np.int64)]
+        index = file_index[inverse]
+        index[~ok] = -1
+        maps.place_rows(np.ascontiguousarray(rows), index)
     except BaseException:
         maps.close()
         raise

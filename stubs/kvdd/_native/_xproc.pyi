@@ -1,7 +1,7 @@
 """Stub of kvdd/_native/_xproc.pyx: one-sided access to another process's memory on this host."""
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 from typing_extensions import disjoint_base
@@ -71,6 +71,7 @@ class PeerMaps:
     def add(self, fd: int, ino: int, limit: int = ..., process_maps: int = ...,
             process_bytes: int = ...) -> int: ...
     def place(self, slot: int, tensor: int, index: int, offset: int) -> bool: ...
+    def place_rows(self, rows: Any, index: Any) -> int: ...
     @property
     def mapped_bytes(self) -> int: ...
     def __len__(self) -> int: ...
