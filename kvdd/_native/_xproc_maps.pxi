@@ -45,11 +45,17 @@ SHM_MAX_BYTES = 1 << 40
 # bounds of :meth:`PeerMaps.add` (changed with the GIL held only).
 cdef uint64_t _total_maps = 0
 cdef uint64_t _total_bytes = 0
+cdef uint64_t _total_placed = 0  # entries of every PeerMaps's placement lists (~130 bytes each)
 
 
 def peer_map_totals() -> tuple:
     """``(mappings, bytes)`` of peers' memory that this process's :class:`PeerMaps` hold now."""
     return _total_maps, _total_bytes
+
+
+def peer_placed_total() -> int:
+    """Tensor places (entries of the placement lists) every :class:`PeerMaps` holds now."""
+    return _total_placed
 
 
 def pidfd_getfd(pidfd: int, fd: int) -> int:
@@ -144,9 +150,11 @@ cdef class PeerMaps:
         self._unmap()
 
     cdef void _unmap(self):
-        global _total_maps, _total_bytes
+        global _total_maps, _total_bytes, _total_placed
         if self._maps is None:
             return
+        for lst in self._placed.values():
+            _total_placed -= <uint64_t>len(<list>lst)
         cdef bint mine = getpid() == self.pid  # (a forked child: the range is not ours to unmap)
         for addr, size in self._maps:
             if mine:
@@ -201,20 +209,25 @@ cdef class PeerMaps:
         addr, size = self._maps[index]
         if offset >= <uint64_t>size:
             return False
+        global _total_placed
         placed = self._placed.setdefault(slot, [])
         while len(placed) <= tensor:
             placed.append((0, 0))
+            _total_placed += 1
         placed[tensor] = (addr + offset, size - offset)
         return True
 
     def place_rows(self, const uint64_t[:, ::1] rows not None,
-                   const int64_t[::1] index not None) -> int:
+                   const int64_t[::1] index not None, uint64_t process_placed=UINT64_MAX) -> int:
         """:meth:`place` for every row ``(slot, tensor, -, offset, -)`` of ``rows`` in order
         (a later row of the same tensor wins), in mapping ``index[r]`` (negative: skipped), in
-        one C loop; how many were placed."""
+        one C loop, as long as the placement lists of every PeerMaps of this process
+        (:func:`peer_placed_total`) stay within ``process_placed`` entries (a row that would
+        pass it is skipped); how many were placed."""
+        global _total_placed
         if rows.shape[1] != 5 or index.shape[0] != rows.shape[0]:
             raise ValueError("place_rows: rows of 5 words and one index per row are required")
-        cdef Py_ssize_t r, done = 0, nmaps = len(self._maps)
+        cdef Py_ssize_t r, done = 0, nmaps = len(self._maps), grow
         cdef uint64_t slot, tensor, off
         cdef int64_t i
         cdef list placed
@@ -227,8 +240,12 @@ cdef class PeerMaps:
             if off >= <uint64_t>size:
                 continue
             placed = self._placed.setdefault(<Py_ssize_t>slot, [])
+            grow = <Py_ssize_t>tensor + 1 - len(placed)
+            if grow > 0 and <uint64_t>grow > process_placed - min(_total_placed, process_placed):
+                continue
             while len(placed) <= <Py_ssize_t>tensor:
                 placed.append((0, 0))
+                _total_placed += 1
             placed[<Py_ssize_t>tensor] = (addr + off, size - off)
             done += 1
         return done

@@ -198,3 +198,22 @@ def test_place_rows_places_as_place_does_row_by_row(owner: Owner) -> None:
     finally:
         one.close()
         bulk.close()
+
+
+def test_the_process_holds_at_most_max_process_places(
+        owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2**18 records per link hold about 40 MiB of places: over all links at most
+    MAX_PROCESS_PLACES entries (a tensor not placed is copied through /proc/<pid>/mem)."""
+    held = _xproc.peer_placed_total()
+    monkeypatch.setattr(samehost_shm, "MAX_PROCESS_PLACES", held + 4)
+    owner.announce([owner.row(0, 0), owner.row(0, 1), owner.row(1, 0)])
+    first = owner.map()
+    assert first is not None and first.placed(0) == 2 and first.placed(1) == 1
+    assert _xproc.peer_placed_total() == held + 3
+    second = owner.map()  # one entry left: (0, 0) exactly at the bound, the next one past
+    assert second is not None and second.placed(0) == 1 and second.placed(1) == 0
+    assert _xproc.peer_placed_total() == held + 4
+    first.close()
+    assert _xproc.peer_placed_total() == held + 1
+    second.close()
+    assert _xproc.peer_placed_total() == held

@@ -31,7 +31,9 @@ through ``/proc/<pid>/mem``), of at most :data:`MAX_LINK_MAP_BYTES` bytes togeth
 would pass it is not mapped); and, over all links of the process (a peer can hold up to
 ``MAX_LINKS`` links to a listener), at most :data:`MAX_PROCESS_MAPS` mappings of
 :data:`MAX_PROCESS_MAP_BYTES` bytes together (``vm.max_map_count`` and the address space are the
-whole process's: past these a link maps no more and copies through ``/proc/<pid>/mem``).  The
+whole process's: past these a link maps no more and copies through ``/proc/<pid>/mem``), and
+:data:`MAX_PROCESS_PLACES` tensor places (a tensor not placed is copied through
+``/proc/<pid>/mem``).  The
 owner keeps every announced fd open while the table lives.
 """
 
@@ -58,6 +60,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_LINK_MAPS", "MAX_LINK_MAP_BYTES", "MAX_PROCESS_MAPS", "MAX_PROCESS_MAP_BYTES",
+           "MAX_PROCESS_PLACES",
            "MAX_RECORDS", "RECORD", "announce", "map_owner", "ENV_MAPPED"]
 
 #: Distinct files (memfds) a reader maps from one owner per link.
@@ -71,6 +74,9 @@ MAX_PROCESS_MAPS = 8192
 #: Bytes of peers' memory mapped by this process over all its links (an eighth of a 47-bit
 #: address space).
 MAX_PROCESS_MAP_BYTES = 16 << 40
+#: Tensor places (about 130 bytes each) held by this process over all its links: 2**18 records
+#: per link would otherwise hold 40 MiB per link, 10 GiB for MAX_LINKS links.
+MAX_PROCESS_PLACES = 1 << 19
 #: Records (tensors) a reader reads from one owner's announcement per link.
 MAX_RECORDS = 1 << 18
 #: One record: slot, tensor, fd, offset, inode (uint64 little-endian each).
@@ -211,7 +217,7 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
         ok[ok] = tensor[ok] < per_slot[slot[ok].astype(np.int64)]
         index = file_index[inverse]
         index[~ok] = -1
-        maps.place_rows(np.ascontiguousarray(rows), index)
+        maps.place_rows(np.ascontiguousarray(rows), index, MAX_PROCESS_PLACES)
     except BaseException:
         maps.close()
         raise
