@@ -98,8 +98,10 @@ TARGETS: tuple[Target, ...] = (
     Target("option-json", "kvdd/option_json.py", ("adxl_engine_config",),
            ("tests/test_option_table.py", "tests/conformance/test_options_fidelity.py",
             "tests/conformance/test_option_bounds.py")),
-    Target("samehost-shm", "kvdd/sim/fabric/samehost_shm.py", ("_read_records", "map_owner"),
-           ("tests/hostile/test_samehost_shm_checks.py", "tests/hostile/test_samehost_shm.py")),
+    Target("samehost-shm", "kvdd/sim/fabric/samehost_shm.py",
+           ("_read_records", "_distinct_files", "map_owner"),
+           ("tests/hostile/test_samehost_shm_checks.py", "tests/hostile/test_samehost_shm.py",
+            "tests/hostile/test_samehost_shm_bounds.py")),
     Target("widths", "kvdd/widths.py", ("*",),
            ("tests/test_widths.py", "tests/test_argument_bounds.py", "tests/test_argument_checks.py")),
 )

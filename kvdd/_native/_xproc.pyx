@@ -27,7 +27,7 @@ it is mapped) and :class:`PeerMaps`.
 
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.errno cimport EFAULT, EINTR, EIO, ENOENT, ESRCH, errno
-from libc.stdint cimport INT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
+from libc.stdint cimport INT64_MAX, UINT64_MAX, UINTPTR_MAX, int64_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.stat cimport S_ISREG, fstat, struct_stat

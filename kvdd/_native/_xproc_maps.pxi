@@ -33,10 +33,29 @@ cdef extern from *:
     int kvdd_dontfork(void *p, size_t n) nogil
     enum: F_SEAL_SHRINK
 
+cdef extern from "<unistd.h>" nogil:
+    pid_t getpid()
+
 #: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
 TMPFS_MAGIC = 0x01021994
 #: Largest file (bytes) mapped from a peer (a check against absurd sizes; 1 TiB).
 SHM_MAX_BYTES = 1 << 40
+
+# Mappings (and their bytes) that every PeerMaps of this process holds now: the process-wide
+# bounds of :meth:`PeerMaps.add` (changed with the GIL held only).
+cdef uint64_t _total_maps = 0
+cdef uint64_t _total_bytes = 0
+cdef uint64_t _total_placed = 0  # entries of every PeerMaps's placement lists (~130 bytes each)
+
+
+def peer_map_totals() -> tuple:
+    """``(mappings, bytes)`` of peers' memory that this process's :class:`PeerMaps` hold now."""
+    return _total_maps, _total_bytes
+
+
+def peer_placed_total() -> int:
+    """Tensor places (entries of the placement lists) every :class:`PeerMaps` holds now."""
+    return _total_placed
 
 
 def pidfd_getfd(pidfd: int, fd: int) -> int:
@@ -97,7 +116,9 @@ cdef class PeerMaps:
     starts in a mapping.  A copy uses the mappings only when every tensor it touches is placed and
     its mapping holds the tensor's registered bytes from its offset on (:meth:`lookup`, checked at
     every call, after the run checks).  :meth:`close` unmaps: the caller does it only when no copy
-    runs (the reader's copy count, as for the link's other fds).
+    runs (the reader's copy count, as for the link's other fds).  In a forked child (another
+    pid than the one that mapped) nothing is mapped (``MADV_DONTFORK``; the range may hold the
+    child's own memory since): no copy uses the mappings and nothing is unmapped there.
 
     Parameters
     ----------
@@ -106,6 +127,7 @@ cdef class PeerMaps:
     """
 
     cdef Py_ssize_t slots
+    cdef pid_t pid           # the process whose address space holds the mappings
     cdef list _maps          # [(addr, size)]
     cdef dict _placed        # slot -> list of (addr, avail) per tensor index (0: not placed)
     cdef readonly bint closed
@@ -118,6 +140,7 @@ cdef class PeerMaps:
         if slots < 0 or slots > _MAX_SLOTS:
             raise ValueError(f"PeerMaps: {slots} slots")
         self.slots = slots
+        self.pid = getpid()
         self._maps = []
         self._placed = {}
         self.closed = False
@@ -127,22 +150,39 @@ cdef class PeerMaps:
         self._unmap()
 
     cdef void _unmap(self):
+        global _total_maps, _total_bytes, _total_placed
         if self._maps is None:
             return
+        for lst in self._placed.values():
+            _total_placed -= <uint64_t>len(<list>lst)
+        cdef bint mine = getpid() == self.pid  # (a forked child: the range is not ours to unmap)
         for addr, size in self._maps:
-            munmap(<void *><uintptr_t>addr, <size_t>size)
+            if mine:
+                munmap(<void *><uintptr_t>addr, <size_t>size)
+            _total_maps -= 1
+            _total_bytes -= <uint64_t>size
         self._maps = []
         self._placed = {}
 
-    def add(self, int fd, unsigned long ino, uint64_t limit=SHM_MAX_BYTES) -> int:
-        """Check (:func:`shm_check`) and map ``fd`` whole, when it has at most ``limit`` bytes;
-        returns the mapping's index.  The fd stays the caller's (close it: the mapping keeps the
-        memory).  ValueError: refused."""
-        if self.closed:
-            raise ValueError("PeerMaps is closed")
+    def add(self, int fd, unsigned long ino, uint64_t limit=SHM_MAX_BYTES,
+            uint64_t process_maps=UINT64_MAX, uint64_t process_bytes=UINT64_MAX) -> int:
+        """Check (:func:`shm_check`) and map ``fd`` whole, when it has at most ``limit`` bytes
+        and the mappings of every PeerMaps of this process (:func:`peer_map_totals`) stay within
+        ``process_maps`` mappings and ``process_bytes`` bytes with it; returns the mapping's
+        index.  The fd stays the caller's (close it: the mapping keeps the memory).
+        ValueError: refused."""
+        global _total_maps, _total_bytes
+        if self.closed or getpid() != self.pid:
+            raise ValueError("PeerMaps is closed (or was made by the parent of this process)")
         cdef long size = shm_check(fd, ino)
         if <uint64_t>size > limit:
             raise ValueError(f"{size} bytes would pass the {limit} bytes left to map")
+        if _total_maps >= process_maps or <uint64_t>size > process_bytes - min(_total_bytes, process_bytes):
+            raise ValueError(f"{size} bytes would pass this process's bounds on peers' memory "
+                             f"mapped ({process_maps} mappings, {process_bytes} bytes; "
+                             f"{_total_maps} and {_total_bytes} held)")
+        _total_maps += 1  # reserved before the GIL is released (other threads' adds count it)
+        _total_bytes += <uint64_t>size
         cdef void *p
         cdef int err = 0
         with nogil:
@@ -153,6 +193,8 @@ cdef class PeerMaps:
                 err = errno
                 munmap(p, <size_t>size)
         if err:
+            _total_maps -= 1
+            _total_bytes -= <uint64_t>size
             raise ValueError(f"mmap failed ({strerror(err).decode(errors='replace')})")
         self._maps.append((<uintptr_t>p, size))
         return len(self._maps) - 1
@@ -167,11 +209,46 @@ cdef class PeerMaps:
         addr, size = self._maps[index]
         if offset >= <uint64_t>size:
             return False
+        global _total_placed
         placed = self._placed.setdefault(slot, [])
         while len(placed) <= tensor:
             placed.append((0, 0))
+            _total_placed += 1
         placed[tensor] = (addr + offset, size - offset)
         return True
+
+    def place_rows(self, const uint64_t[:, ::1] rows not None,
+                   const int64_t[::1] index not None, uint64_t process_placed=UINT64_MAX) -> int:
+        """:meth:`place` for every row ``(slot, tensor, -, offset, -)`` of ``rows`` in order
+        (a later row of the same tensor wins), in mapping ``index[r]`` (negative: skipped), in
+        one C loop, as long as the placement lists of every PeerMaps of this process
+        (:func:`peer_placed_total`) stay within ``process_placed`` entries (a row that would
+        pass it is skipped); how many were placed."""
+        global _total_placed
+        if rows.shape[1] != 5 or index.shape[0] != rows.shape[0]:
+            raise ValueError("place_rows: rows of 5 words and one index per row are required")
+        cdef Py_ssize_t r, done = 0, nmaps = len(self._maps), grow
+        cdef uint64_t slot, tensor, off
+        cdef int64_t i
+        cdef list placed
+        for r in range(rows.shape[0]):
+            i, slot, tensor, off = index[r], rows[r, 0], rows[r, 1], rows[r, 3]
+            if (i < 0 or i >= nmaps or slot >= <uint64_t>self.slots
+                    or tensor >= <uint64_t>_MAX_MAPPED_TENSORS):
+                continue
+            addr, size = self._maps[i]
+            if off >= <uint64_t>size:
+                continue
+            placed = self._placed.setdefault(<Py_ssize_t>slot, [])
+            grow = <Py_ssize_t>tensor + 1 - len(placed)
+            if grow > 0 and <uint64_t>grow > process_placed - min(_total_placed, process_placed):
+                continue
+            while len(placed) <= <Py_ssize_t>tensor:
+                placed.append((0, 0))
+                _total_placed += 1
+            placed[<Py_ssize_t>tensor] = (addr + off, size - off)
+            done += 1
+        return done
 
     @property
     def mapped_bytes(self) -> int:
@@ -190,7 +267,7 @@ cdef class PeerMaps:
         """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
         ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
         from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
-        if self.closed or not self.enabled or rn < 0:
+        if self.closed or not self.enabled or rn < 0 or getpid() != self.pid:
             return False
         placed = self._placed.get(slot)
         if placed is None:
