@@ -1,6 +1,9 @@
 # Included by _xproc.pyx: the same-host path's mappings of a peer's shareable cache memory
 # (kvdd.empty: sealed memfds) and the copies through them.
 
+cimport cython
+
+
 cdef extern from "<sys/vfs.h>" nogil:
     struct statfs:
         long f_type
@@ -107,6 +110,11 @@ def shm_check(int fd, unsigned long ino) -> int:
     return st.st_size
 
 
+# Not tracked by the collector (its lists hold only ints and tuples of ints: it is in no cycle of
+# its own; a cycle that holds it, such as a reader and its SameHostMover, still frees it): when
+# tracked, the collector emptied its lists (or set them to None) before __dealloc__, which then
+# neither unmapped nor gave the process-wide counts back.
+@cython.no_gc
 cdef class PeerMaps:
     """One link reader's mappings of the owner's cache memory, and which tensor of which lease
     slot lies where in them.

@@ -217,3 +217,33 @@ def test_the_process_holds_at_most_max_process_places(
     assert _xproc.peer_placed_total() == held + 1
     second.close()
     assert _xproc.peer_placed_total() == held
+
+
+def test_peer_maps_collected_with_cyclic_garbage_unmaps_and_gives_its_share_back(
+        owner: Owner) -> None:
+    """A reader's PeerMaps is held by a cycle (OneSidedPeer <-> its SameHostMover): when the
+    garbage collector frees that cycle, the mappings are unmapped and the process-wide counts
+    given back, whatever order the collector clears the cycle's objects in (a cleared PeerMaps
+    kept them: every such link took its files and places from every later link for good)."""
+    import gc
+
+    class Reader:
+        maps: object
+        me: object
+
+    held, placed = _xproc.peer_map_totals(), _xproc.peer_placed_total()
+    before = _kvdd_ranges()
+    for first in (True, False):  # the PeerMaps before or after the cycle's other objects
+        maps = _xproc.PeerMaps(2)
+        maps.add(owner.alloc.fd, owner.alloc.ino)
+        assert maps.place_rows(np.array([owner.row(1, 0)], np.uint64),
+                               np.array([0], np.int64)) == 1
+        assert len(_kvdd_ranges() - before) == 1
+        reader = Reader()
+        reader.maps = [maps, reader] if first else [reader, maps]
+        reader.me = reader
+        del maps, reader
+        gc.collect()
+        assert _xproc.peer_map_totals() == held
+        assert _xproc.peer_placed_total() == placed
+        assert _kvdd_ranges() == before
