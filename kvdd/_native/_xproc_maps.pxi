@@ -2,6 +2,7 @@
 # (kvdd.empty: sealed memfds) and the copies through them.
 
 cimport cython
+import os as _os
 
 
 cdef extern from "<sys/vfs.h>" nogil:
@@ -49,6 +50,17 @@ SHM_MAX_BYTES = 1 << 40
 cdef uint64_t _total_maps = 0
 cdef uint64_t _total_bytes = 0
 cdef uint64_t _total_placed = 0  # entries of every PeerMaps's placement lists (~130 bytes each)
+
+
+def _forget_parents_maps() -> None:
+    """In a forked child: none of the parent's mappings is here (``MADV_DONTFORK``), so none
+    counts against this process's bounds on mappings (the child's own links map up to them);
+    the inherited placement lists are memory here too and still count."""
+    global _total_maps, _total_bytes
+    _total_maps = _total_bytes = 0
+
+
+_os.register_at_fork(after_in_child=_forget_parents_maps)
 
 
 def peer_map_totals() -> tuple:
@@ -163,12 +175,14 @@ cdef class PeerMaps:
             return
         for lst in self._placed.values():
             _total_placed -= <uint64_t>len(<list>lst)
-        cdef bint mine = getpid() == self.pid  # (a forked child: the range is not ours to unmap)
+        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
+        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
+        cdef bint mine = getpid() == self.pid
         for addr, size in self._maps:
             if mine:
                 munmap(<void *><uintptr_t>addr, <size_t>size)
-            _total_maps -= 1
-            _total_bytes -= <uint64_t>size
+                _total_maps -= 1
+                _total_bytes -= <uint64_t>size
         self._maps = []
         self._placed = {}
 

@@ -247,3 +247,39 @@ def test_peer_maps_collected_with_cyclic_garbage_unmaps_and_gives_its_share_back
         assert _xproc.peer_map_totals() == held
         assert _xproc.peer_placed_total() == placed
         assert _kvdd_ranges() == before
+
+
+def test_a_forked_childs_bounds_count_only_its_own_mappings(owner: Owner) -> None:
+    """A forked child holds none of its parent's mappings (MADV_DONTFORK): they do not count
+    against the child's MAX_PROCESS_MAPS / MAX_PROCESS_MAP_BYTES (the child's links were refused
+    as if it held them), and closing the inherited PeerMaps there lowers no count."""
+    parent = _xproc.PeerMaps(1)
+    parent.add(owner.alloc.fd, owner.alloc.ino)
+    held = _xproc.peer_map_totals()
+    size = owner.alloc.size
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            ok = _xproc.peer_map_totals() == (0, 0)
+            mine = _xproc.PeerMaps(1)
+            ok = ok and mine.add(owner.alloc.fd, owner.alloc.ino, process_maps=1,
+                                 process_bytes=size) == 0  # exactly at both bounds
+            ok = ok and _xproc.peer_map_totals() == (1, size)
+            parent.close()  # the inherited one: nothing of it counted here
+            ok = ok and _xproc.peer_map_totals() == (1, size)
+            mine.close()
+            ok = ok and _xproc.peer_map_totals() == (0, 0)
+            code = 0 if ok else 2
+        finally:
+            os.write(w, str(code).encode())
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 16)
+    os.close(r)
+    assert os.WIFEXITED(status) and got == b"0", (status, got)
+    assert _xproc.peer_map_totals() == held
+    parent.close()
+    assert _xproc.peer_map_totals() == (held[0] - 1, held[1] - size)
