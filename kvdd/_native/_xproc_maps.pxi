@@ -95,7 +95,9 @@ def pidfd_getfd(pidfd: int, fd: int) -> int:
 def shm_check(int fd, unsigned long ino) -> int:
     """Validate a peer's shareable memory before it is mapped; its size in bytes.
 
-    The file must be on tmpfs (``fstatfs``: a ``memfd_create`` file without MFD_HUGETLB; a disk
+    The file must have seals (``F_GET_SEALS``, asked first: it reaches no file system, where
+    ``fstatfs`` of a FUSE file waits for its server, which the peer may be), be on tmpfs
+    (``fstatfs``: a ``memfd_create`` file without MFD_HUGETLB; a disk
     file, a pipe, a socket, a hugetlbfs memfd are refused), a regular file, the inode ``ino`` the
     peer announced, sealed with ``F_SEAL_SHRINK`` (it can never shrink under the mapping: no
     SIGBUS; ``/dev/shm`` files cannot be sealed), and of 1 byte .. :data:`SHM_MAX_BYTES`.
@@ -103,7 +105,11 @@ def shm_check(int fd, unsigned long ino) -> int:
     Raises ValueError (the reason) when it is not."""
     cdef statfs sfs
     cdef struct_stat st
-    cdef int seals
+    cdef int seals = kvdd_get_seals(fd)
+    # first: F_GET_SEALS asks no file system (EINVAL but for shmem and hugetlbfs files), where
+    # fstatfs / fstat of a FUSE file wait for its server, the owner itself: as long as it likes
+    if seals < 0:
+        raise ValueError(f"not a tmpfs memfd (no seals: {strerror(errno).decode(errors='replace')})")
     if fstatfs(fd, &sfs) != 0:
         raise ValueError(f"fstatfs failed ({strerror(errno).decode(errors='replace')})")
     if <unsigned long>sfs.f_type != TMPFS_MAGIC:
@@ -114,8 +120,7 @@ def shm_check(int fd, unsigned long ino) -> int:
         raise ValueError(f"not a regular file (mode {st.st_mode:#o})")
     if st.st_ino != ino:
         raise ValueError(f"inode {st.st_ino}, announced {ino}")
-    seals = kvdd_get_seals(fd)
-    if seals < 0 or not (seals & F_SEAL_SHRINK):
+    if not (seals & F_SEAL_SHRINK):
         raise ValueError(f"not sealed against shrinking (seals {seals:#x})")
     if st.st_size <= 0 or st.st_size > SHM_MAX_BYTES:
         raise ValueError(f"size {st.st_size} bytes is outside [1, {SHM_MAX_BYTES}]")
