@@ -302,3 +302,26 @@ def test_a_mapped_copy_checks_the_deadline_and_the_abort_before_copying(owner: O
         np.testing.assert_array_equal(dst, owner.arena)
     finally:
         os.close(mem)
+
+
+def test_a_close_that_fails_on_a_file_taken_from_the_owner_is_not_raised(
+        owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() of a file taken from the owner reports the file's flush (a FUSE file's FLUSH
+    answered with EIO by the owner): the fd is gone all the same, and map_owner, which never
+    raises for what the owner sent, maps the rest as usual."""
+    import errno
+
+    real = os.close
+
+    def failing_close(fd: int) -> None:
+        real(fd)
+        raise OSError(errno.EIO, "flush failed")
+
+    owner.announce([owner.row()])
+    monkeypatch.setattr(os, "close", failing_close)
+    try:
+        maps = owner.map()
+    finally:
+        monkeypatch.undo()
+    assert maps is not None and maps.placed(0) == 1
+    maps.close()
