@@ -1,6 +1,10 @@
 # Included by _xproc.pyx: the same-host path's mappings of a peer's shareable cache memory
 # (kvdd.empty: sealed memfds) and the copies through them.
 
+cimport cython
+import os as _os
+
+
 cdef extern from "<sys/vfs.h>" nogil:
     struct statfs:
         long f_type
@@ -48,6 +52,17 @@ cdef uint64_t _total_bytes = 0
 cdef uint64_t _total_placed = 0  # entries of every PeerMaps's placement lists (~130 bytes each)
 
 
+def _forget_parents_maps() -> None:
+    """In a forked child: none of the parent's mappings is here (``MADV_DONTFORK``), so none
+    counts against this process's bounds on mappings (the child's own links map up to them);
+    the inherited placement lists are memory here too and still count."""
+    global _total_maps, _total_bytes
+    _total_maps = _total_bytes = 0
+
+
+_os.register_at_fork(after_in_child=_forget_parents_maps)
+
+
 def peer_map_totals() -> tuple:
     """``(mappings, bytes)`` of peers' memory that this process's :class:`PeerMaps` hold now."""
     return _total_maps, _total_bytes
@@ -80,7 +95,9 @@ def pidfd_getfd(pidfd: int, fd: int) -> int:
 def shm_check(int fd, unsigned long ino) -> int:
     """Validate a peer's shareable memory before it is mapped; its size in bytes.
 
-    The file must be on tmpfs (``fstatfs``: a ``memfd_create`` file without MFD_HUGETLB; a disk
+    The file must have seals (``F_GET_SEALS``, asked first: it reaches no file system, where
+    ``fstatfs`` of a FUSE file waits for its server, which the peer may be), be on tmpfs
+    (``fstatfs``: a ``memfd_create`` file without MFD_HUGETLB; a disk
     file, a pipe, a socket, a hugetlbfs memfd are refused), a regular file, the inode ``ino`` the
     peer announced, sealed with ``F_SEAL_SHRINK`` (it can never shrink under the mapping: no
     SIGBUS; ``/dev/shm`` files cannot be sealed), and of 1 byte .. :data:`SHM_MAX_BYTES`.
@@ -88,7 +105,11 @@ def shm_check(int fd, unsigned long ino) -> int:
     Raises ValueError (the reason) when it is not."""
     cdef statfs sfs
     cdef struct_stat st
-    cdef int seals
+    cdef int seals = kvdd_get_seals(fd)
+    # first: F_GET_SEALS asks no file system (EINVAL but for shmem and hugetlbfs files), where
+    # fstatfs / fstat of a FUSE file wait for its server, the owner itself: as long as it likes
+    if seals < 0:
+        raise ValueError(f"not a tmpfs memfd (no seals: {strerror(errno).decode(errors='replace')})")
     if fstatfs(fd, &sfs) != 0:
         raise ValueError(f"fstatfs failed ({strerror(errno).decode(errors='replace')})")
     if <unsigned long>sfs.f_type != TMPFS_MAGIC:
@@ -99,14 +120,18 @@ def shm_check(int fd, unsigned long ino) -> int:
         raise ValueError(f"not a regular file (mode {st.st_mode:#o})")
     if st.st_ino != ino:
         raise ValueError(f"inode {st.st_ino}, announced {ino}")
-    seals = kvdd_get_seals(fd)
-    if seals < 0 or not (seals & F_SEAL_SHRINK):
+    if not (seals & F_SEAL_SHRINK):
         raise ValueError(f"not sealed against shrinking (seals {seals:#x})")
     if st.st_size <= 0 or st.st_size > SHM_MAX_BYTES:
         raise ValueError(f"size {st.st_size} bytes is outside [1, {SHM_MAX_BYTES}]")
     return st.st_size
 
 
+# Not tracked by the collector (its lists hold only ints and tuples of ints: it is in no cycle of
+# its own; a cycle that holds it, such as a reader and its SameHostMover, still frees it): when
+# tracked, the collector emptied its lists (or set them to None) before __dealloc__, which then
+# neither unmapped nor gave the process-wide counts back.
+@cython.no_gc
 cdef class PeerMaps:
     """One link reader's mappings of the owner's cache memory, and which tensor of which lease
     slot lies where in them.
@@ -155,12 +180,14 @@ cdef class PeerMaps:
             return
         for lst in self._placed.values():
             _total_placed -= <uint64_t>len(<list>lst)
-        cdef bint mine = getpid() == self.pid  # (a forked child: the range is not ours to unmap)
+        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
+        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
+        cdef bint mine = getpid() == self.pid
         for addr, size in self._maps:
             if mine:
                 munmap(<void *><uintptr_t>addr, <size_t>size)
-            _total_maps -= 1
-            _total_bytes -= <uint64_t>size
+                _total_maps -= 1
+                _total_bytes -= <uint64_t>size
         self._maps = []
         self._placed = {}
 

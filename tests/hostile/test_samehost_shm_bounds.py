@@ -217,3 +217,69 @@ def test_the_process_holds_at_most_max_process_places(
     assert _xproc.peer_placed_total() == held + 1
     second.close()
     assert _xproc.peer_placed_total() == held
+
+
+def test_peer_maps_collected_with_cyclic_garbage_unmaps_and_gives_its_share_back(
+        owner: Owner) -> None:
+    """A reader's PeerMaps is held by a cycle (OneSidedPeer <-> its SameHostMover): when the
+    garbage collector frees that cycle, the mappings are unmapped and the process-wide counts
+    given back, whatever order the collector clears the cycle's objects in (a cleared PeerMaps
+    kept them: every such link took its files and places from every later link for good)."""
+    import gc
+
+    class Reader:
+        maps: object
+        me: object
+
+    held, placed = _xproc.peer_map_totals(), _xproc.peer_placed_total()
+    before = _kvdd_ranges()
+    for first in (True, False):  # the PeerMaps before or after the cycle's other objects
+        maps = _xproc.PeerMaps(2)
+        maps.add(owner.alloc.fd, owner.alloc.ino)
+        assert maps.place_rows(np.array([owner.row(1, 0)], np.uint64),
+                               np.array([0], np.int64)) == 1
+        assert len(_kvdd_ranges() - before) == 1
+        reader = Reader()
+        reader.maps = [maps, reader] if first else [reader, maps]
+        reader.me = reader
+        del maps, reader
+        gc.collect()
+        assert _xproc.peer_map_totals() == held
+        assert _xproc.peer_placed_total() == placed
+        assert _kvdd_ranges() == before
+
+
+def test_a_forked_childs_bounds_count_only_its_own_mappings(owner: Owner) -> None:
+    """A forked child holds none of its parent's mappings (MADV_DONTFORK): they do not count
+    against the child's MAX_PROCESS_MAPS / MAX_PROCESS_MAP_BYTES (the child's links were refused
+    as if it held them), and closing the inherited PeerMaps there lowers no count."""
+    parent = _xproc.PeerMaps(1)
+    parent.add(owner.alloc.fd, owner.alloc.ino)
+    held = _xproc.peer_map_totals()
+    size = owner.alloc.size
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            ok = _xproc.peer_map_totals() == (0, 0)
+            mine = _xproc.PeerMaps(1)
+            ok = ok and mine.add(owner.alloc.fd, owner.alloc.ino, process_maps=1,
+                                 process_bytes=size) == 0  # exactly at both bounds
+            ok = ok and _xproc.peer_map_totals() == (1, size)
+            parent.close()  # the inherited one: nothing of it counted here
+            ok = ok and _xproc.peer_map_totals() == (1, size)
+            mine.close()
+            ok = ok and _xproc.peer_map_totals() == (0, 0)
+            code = 0 if ok else 2
+        finally:
+            os.write(w, str(code).encode())
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 16)
+    os.close(r)
+    assert os.WIFEXITED(status) and got == b"0", (status, got)
+    assert _xproc.peer_map_totals() == held
+    parent.close()
+    assert _xproc.peer_map_totals() == (held[0] - 1, held[1] - size)

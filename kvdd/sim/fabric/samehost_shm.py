@@ -130,6 +130,15 @@ def announce(table: _xproc.LeaseTable, entries: Sequence[ServedCache]) -> int:
     return fd
 
 
+def _close_taken(fd: int) -> None:
+    """Close a file taken from the owner: the fd is gone whatever ``close`` says (the file's
+    flush may fail: a FUSE file answers FLUSH with the owner's error), never an exception."""
+    try:
+        os.close(fd)
+    except OSError as exc:
+        logger.info("kvdd same-host: closing a file taken from the owner: %s", exc)
+
+
 def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
     """The owner's announcement, checked: a sealed, immutable tmpfs memfd of whole records."""
     assert _xproc is not None
@@ -149,7 +158,7 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
                              f"bytes, at most {MAX_RECORDS})")
         data = os.pread(fd, size, 0)  # all of it: the file cannot shrink (F_SEAL_SHRINK)
     finally:
-        os.close(fd)
+        _close_taken(fd)
     return np.frombuffer(data, dtype="<u8").reshape(-1, 5)  # (ValueError if it were short)
 
 
@@ -209,7 +218,7 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
             except ValueError as exc:
                 logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
             finally:
-                os.close(fd)
+                _close_taken(fd)
         # a slot's tensors are numbered below its record count: bounded lists
         slot, tensor = rows[:, 0], rows[:, 1]
         ok = slot < table.slots
