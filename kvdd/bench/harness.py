@@ -21,11 +21,13 @@ import statistics
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from typing import IO, Any
 
 __all__ = [
     "TABLE_WIDTH",
+    "peer_reporting",
     "say",
     "KiB",
     "MiB",
@@ -298,3 +300,18 @@ def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str] | None
             print("  ".join(row[i].rjust(widths[i]) for i in idx), file=out)
     out.flush()
 
+
+
+@contextmanager
+def peer_reporting(conn: Any) -> Iterator[None]:
+    """The body of a bench's spawned peer process: an exception is sent to the bench over ``conn``
+    as ``("error", "Type: message")`` and the process exits with status 1; ``conn`` is closed at
+    the end either way."""
+    try:
+        yield
+    except BaseException as exc:  # reported to the bench
+        with suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()

@@ -48,7 +48,7 @@ from .. import (
 from ..models import BLOCK_TOKENS
 from ..sim.fabric import ENV_XPROC
 from .baselines import arena, fill_pattern
-from .harness import Row, Timing, gbps, interleaved
+from .harness import Row, Timing, gbps, interleaved, peer_reporting
 from .transfers import GEOMETRIES, LOCALHOST, BenchGeometry
 
 __all__ = ["GOAL", "PKG_COLUMNS", "PKG_GEOMETRY", "PKG_TOKENS", "measure_package", "print_package"]
@@ -105,7 +105,7 @@ def _peer_main(conn: Any, geom_name: str, pool: int, tcp: bool) -> None:
         os.environ[ENV_XPROC] = "tcp"
     parent = os.getppid()
     geom = GEOMETRIES[geom_name]
-    try:
+    with peer_reporting(conn):
         mem = arena(geom.tensors * pool * geom.block_bytes)
         fill_pattern(mem)
         addrs = _addrs(mem, geom.tensors)
@@ -129,14 +129,6 @@ def _peer_main(conn: Any, geom_name: str, pool: int, tcp: bool) -> None:
             engine.finalize()
         t = os.times()
         conn.send(("cpu", t.user + t.system))
-    except BaseException as exc:  # reported to the bench
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
-    finally:
-        conn.close()
 
 
 @contextmanager

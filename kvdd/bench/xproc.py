@@ -47,7 +47,8 @@ from .. import (
 from .._native import _copy
 from ..backend import link_data_path
 from .baselines import TwoThreadMemcpy, arena, fill_pattern, memcpy_limits
-from .harness import KiB, MiB, Row, Timing, fmt, gbps, interleaved, print_table, repeats_for, say
+from .harness import (KiB, MiB, Row, Timing, fmt, gbps, interleaved, peer_reporting, print_table, repeats_for,
+                      say)
 from .transfers import LOCALHOST
 from .xproc_setup import measure_setup, print_setup
 from .xproc_small import LAT_COLUMNS, CpuMeter, latency, xp_targets
@@ -106,7 +107,7 @@ def _xp_peer_main(conn: Any, row_bytes: int, cluster_id: int, tcp: bool) -> None
     if tcp:
         os.environ[ENV_XPROC] = "tcp"
     parent = os.getppid()
-    try:
+    with peer_reporting(conn):
         mem = arena(row_bytes) if tcp else empty(row_bytes, np.uint8)  # the same-host path maps it
         fill_pattern(mem)
         server = socket.create_server((LOCALHOST, 0))
@@ -127,14 +128,6 @@ def _xp_peer_main(conn: Any, row_bytes: int, cluster_id: int, tcp: bool) -> None
             conn.recv()
         t = os.times()
         conn.send(("cpu", t.user + t.system))
-    except BaseException as exc:  # reported to the bench
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
-    finally:
-        conn.close()
 
 
 @dataclass

@@ -36,7 +36,7 @@ from .. import (
 )
 from ..backend import link_data_path
 from .baselines import arena
-from .harness import Row, print_table, say
+from .harness import Row, peer_reporting, print_table, say
 from .transfers import LOCALHOST
 
 __all__ = ["SETUP_CACHES", "SETUP_TENSORS", "LINK_COLUMNS", "REGISTER_COLUMNS", "measure_setup",
@@ -62,7 +62,7 @@ def _peer_main(conn: Any, cluster_id: int) -> None:
     """The spawned peer: an instance listening on loopback; ``("caches", n)`` registers one-tensor
     caches until it has ``n``; ``"stop"`` (or the bench's death) ends it."""
     parent = os.getppid()
-    try:
+    with peer_reporting(conn):
         with LlmDataDist(cluster_id, LlmRole.PROMPT, backend="sim") as dd:
             dd.initialize(_options(0))
             desc = CacheDesc(1, DataType.DT_UINT8, (1, SETUP_TENSOR_BYTES))
@@ -82,14 +82,6 @@ def _peer_main(conn: Any, cluster_id: int) -> None:
                     dd.register_kv_cache(desc, [addr])
                     held += 1
                 conn.send(("caches", held))
-    except BaseException as exc:  # reported to the bench
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
-    finally:
-        conn.close()
 
 
 class _Peer:
