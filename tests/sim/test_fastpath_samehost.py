@@ -82,11 +82,11 @@ class World:
     owner: Owner
 
 
-@pytest.fixture(scope="module", params=["numpy", "shm"])
-def world(request: pytest.FixtureRequest) -> Iterator[World]:
-    """The owner's cache memory from numpy (copies through its /proc/<pid>/mem) or from
-    kvdd.empty (copies through its memory mapped here)."""
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES), request.param],
+def owner_world(memory: str) -> Iterator[World]:
+    """A linked owner process whose cache memory comes from numpy (``"numpy"``: copies through
+    its /proc/<pid>/mem) or from kvdd.empty (``"shm"``: copies through its memory mapped here);
+    skips when the link does not use the same-host path."""
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES), memory],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     port, addr, size, *ids = (int(x) for x in proc.stdout.readline().split())
@@ -99,7 +99,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
         if path != "process_vm":
             pytest.skip(f"the link uses {path}, not the same-host path")
         reader = me.dd.backend.entities[OWNER].peer._path._reader  # type: ignore[attr-defined]
-        assert (reader.maps is not None) == (request.param == "shm")
+        assert (reader.maps is not None) == (memory == "shm")
         yield World(me, Owner(proc, port, addr, size, ids, mem))
     finally:
         me.dd.finalize()
@@ -107,6 +107,11 @@ def world(request: pytest.FixtureRequest) -> Iterator[World]:
         proc.stdin.flush()
         proc.wait(30)
         os.close(mem)
+
+
+@pytest.fixture(scope="module", params=["numpy", "shm"])
+def world(request: pytest.FixtureRequest) -> Iterator[World]:
+    yield from owner_world(request.param)
 
 
 def _both_ways(w: World, call: Callable[[], None], seed: int) -> bool:

@@ -5,9 +5,6 @@ processes equal, the compiled path (kvdd._native._xproc.SameHostMover) on and of
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -15,15 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvdd
-from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam
+from kvdd import Cache, CacheDesc, CacheIndex, KvCacheExtParam
 from kvdd._native import _xproc
 from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost
 
 from fastpath_support import outcome
-from test_fastpath import GEOMETRIES, LOCALHOST, U8, _side, block_pair, layer_ext
-from test_fastpath_samehost import _OWNER, OWNER, Owner, World
+from test_fastpath import GEOMETRIES, U8, block_pair, layer_ext
+from test_fastpath_samehost import OWNER, World, owner_world
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -31,24 +27,7 @@ pytestmark = pytest.mark.skipif(not samehost.availability()[0],
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, repr(GEOMETRIES), "shm"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdin is not None
-    port, addr, size, *ids = (int(x) for x in proc.stdout.readline().split())
-    mem = os.open(f"/proc/{proc.pid}/mem", os.O_RDWR)
-    me = _side(2, kvdd.LlmRole.DECODER)
-    try:
-        me.dd.link_llm_clusters([ClusterInfo(remote_cluster_id=OWNER,
-                                             remote_ip_infos=(IpInfo(LOCALHOST, port),))])
-        if me.dd.backend.link_data_path(OWNER) != "process_vm":  # type: ignore[attr-defined]
-            pytest.skip("the link does not use the same-host path")
-        yield World(me, Owner(proc, port, addr, size, ids, mem))
-    finally:
-        me.dd.finalize()
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        proc.wait(30)
-        os.close(mem)
+    yield from owner_world("shm")
 
 
 def _maps(w: World) -> _xproc.PeerMaps | None:
