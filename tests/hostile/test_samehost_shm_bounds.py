@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -46,6 +46,19 @@ def _kvdd_ranges() -> set[tuple[int, int]]:
                 for line in f if "memfd:kvdd-cache" in line}
 
 
+def _passes_in_a_forked_child(check: Callable[[], bool]) -> None:
+    """Run ``check`` in a forked child: it must return True (False or an exception fails)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            code = 0 if check() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_a_forked_child_never_copies_through_the_parents_mappings(owner: Owner) -> None:
     owner.announce([owner.row()])
     before = _kvdd_ranges()
@@ -55,39 +68,29 @@ def test_a_forked_child_never_copies_through_the_parents_mappings(owner: Owner) 
     mem = _xproc.mem_open(os.getpid(), owner.pidfd)  # the parent's memory, as a link opens it
     src = np.full(N, 0xC3, np.uint8)
     z, ln = np.array([0], np.int64), np.array([N], np.int64)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_long]
-            p = libc.mmap(lo, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
-            assert p == lo  # the child's own memory where the parent's mapping is
-            mine = np.ctypeslib.as_array((ctypes.c_ubyte * (hi - lo)).from_address(lo))
-            mine[:] = 0x5A
-            uses = maps.uses
-            _xproc.pvm_copy(os.getppid(), [Region(int(src.ctypes.data), N, src)],
-                            [int(owner.arena.ctypes.data)], N, z, z, ln, True,
-                            pidfd=owner.pidfd, leases=owner.table, slot=0, mem_fd=mem,
-                            maps=maps, map_tensors=(0,))
-            ok = maps.uses == uses and bool((mine == 0x5A).all())
-            ok = ok and bool((owner.arena == 0xC3).all())  # (MAP_SHARED: the parent's bytes)
-            maps.close()
-            ok = ok and bool((mine == 0x5A).all())  # still mapped: nothing unmapped here
-            code = 0 if ok else 2
-        finally:
-            os.write(w, str(code).encode())
-            os._exit(code)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    got = os.read(r, 16)
-    os.close(r)
+
+    def in_child() -> bool:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        p = libc.mmap(lo, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+        assert p == lo  # the child's own memory where the parent's mapping is
+        mine = np.ctypeslib.as_array((ctypes.c_ubyte * (hi - lo)).from_address(lo))
+        mine[:] = 0x5A
+        uses = maps.uses
+        _xproc.pvm_copy(os.getppid(), [Region(int(src.ctypes.data), N, src)],
+                        [int(owner.arena.ctypes.data)], N, z, z, ln, True,
+                        pidfd=owner.pidfd, leases=owner.table, slot=0, mem_fd=mem,
+                        maps=maps, map_tensors=(0,))
+        ok = maps.uses == uses and bool((mine == 0x5A).all())
+        ok = ok and bool((owner.arena == 0xC3).all())  # (MAP_SHARED: the parent's bytes)
+        maps.close()
+        return ok and bool((mine == 0x5A).all())  # still mapped: nothing unmapped here
+
+    _passes_in_a_forked_child(in_child)
     os.close(mem)
-    assert os.WIFEXITED(status) and got == b"0", (status, got)
     assert (owner.arena == 0xC3).all()
     assert _kvdd_ranges() - before == {(lo, hi)}  # the parent's mapping is untouched
     maps.close()
@@ -95,15 +98,13 @@ def test_a_forked_child_never_copies_through_the_parents_mappings(owner: Owner) 
 
 def test_a_forked_child_maps_nothing_with_its_parents_peer_maps(owner: Owner) -> None:
     maps = _xproc.PeerMaps(1)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        try:
+
+    def in_child() -> bool:
+        with pytest.raises(ValueError):
             maps.add(owner.alloc.fd, owner.alloc.ino)
-            os._exit(1)
-        except ValueError:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        return True
+
+    _passes_in_a_forked_child(in_child)
     maps.close()
 
 
@@ -258,29 +259,19 @@ def test_a_forked_childs_bounds_count_only_its_own_mappings(owner: Owner) -> Non
     parent.add(owner.alloc.fd, owner.alloc.ino)
     held = _xproc.peer_map_totals()
     size = owner.alloc.size
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            ok = _xproc.peer_map_totals() == (0, 0)
-            mine = _xproc.PeerMaps(1)
-            ok = ok and mine.add(owner.alloc.fd, owner.alloc.ino, process_maps=1,
-                                 process_bytes=size) == 0  # exactly at both bounds
-            ok = ok and _xproc.peer_map_totals() == (1, size)
-            parent.close()  # the inherited one: nothing of it counted here
-            ok = ok and _xproc.peer_map_totals() == (1, size)
-            mine.close()
-            ok = ok and _xproc.peer_map_totals() == (0, 0)
-            code = 0 if ok else 2
-        finally:
-            os.write(w, str(code).encode())
-            os._exit(code)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    got = os.read(r, 16)
-    os.close(r)
-    assert os.WIFEXITED(status) and got == b"0", (status, got)
+
+    def in_child() -> bool:
+        ok = _xproc.peer_map_totals() == (0, 0)
+        mine = _xproc.PeerMaps(1)
+        ok = ok and mine.add(owner.alloc.fd, owner.alloc.ino, process_maps=1,
+                             process_bytes=size) == 0  # exactly at both bounds
+        ok = ok and _xproc.peer_map_totals() == (1, size)
+        parent.close()  # the inherited one: nothing of it counted here
+        ok = ok and _xproc.peer_map_totals() == (1, size)
+        mine.close()
+        return ok and _xproc.peer_map_totals() == (0, 0)
+
+    _passes_in_a_forked_child(in_child)
     assert _xproc.peer_map_totals() == held
     parent.close()
     assert _xproc.peer_map_totals() == (held[0] - 1, held[1] - size)
