@@ -32,6 +32,7 @@ from kvdd._native import _xproc
 from kvdd._native._copy import Region
 from kvdd.sim.fabric import auth, samehost, samehost_path, wire
 from kvdd.sim.fabric.samehost_path import STATE_CLOSED, ServedTable, new_table_fd
+from shared_support import FakeServedCache as _Entry
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=f"same-host path unavailable: {samehost.availability()[1]}")
@@ -161,23 +162,6 @@ def test_yama_scope_1_means_tcp_without_ptracer(monkeypatch: pytest.MonkeyPatch)
     assert not ok and "ptrace_scope=1" in why and "TCP" in why
     assert samehost.offer() == b""
     assert samehost.accept(b"x" * 41, _Session(False), lambda: (-1, 0), lambda _l: None) == b""
-
-
-class _Entry:
-    def __init__(self, cid: int) -> None:
-        self.cache_id = cid
-        self.drains: list[object] = []
-
-    def add_drain(self, fn: object) -> bool:
-        self.drains.append(fn)
-        return True
-
-    def remove_drain(self, fn: object) -> None:
-        self.drains.remove(fn)
-
-    def unregister(self) -> None:
-        for fn in list(self.drains):
-            fn()  # type: ignore[operator]
 
 
 def _served(cids: tuple[int, ...], cap_ms: int = wire.MAX_LEASE_MS) -> tuple[list[_Entry], ServedTable, int]:

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from kvdd.sim.fabric import samehost
 from kvdd.sim.fabric.protocol import RemoteCache
 from kvdd.sim.fabric.samehost_path import (STATE_CLOSED, STATE_UNREGISTERED, OneSidedLease,
                                            OneSidedPeer, ServedTable)
+from shared_support import FakeServedCache
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -32,32 +33,16 @@ GUARD = 4096
 T = 8192
 
 
-@dataclass
-class FakeEntry:
-    """A registered cache as the fabric sees it (kvdd.sim.fabric.protocol.ServedCache)."""
+class FakeEntry(FakeServedCache):
+    """A registered cache in ``arena``, ``GUARD`` bytes in (kvdd.sim.fabric.protocol.ServedCache)."""
 
-    cache_id: int
-    arena: np.ndarray
-    registered: bool = True
-    drains: list[Callable[[], None]] = field(default_factory=list)
+    def __init__(self, cache_id: int, arena: np.ndarray) -> None:
+        super().__init__(cache_id)
+        self.arena = arena
 
     @property
     def addr(self) -> int:
         return int(self.arena.ctypes.data) + GUARD
-
-    def add_drain(self, fn: Callable[[], None]) -> bool:
-        if not self.registered:
-            return False
-        self.drains.append(fn)
-        return True
-
-    def remove_drain(self, fn: Callable[[], None]) -> None:
-        self.drains.remove(fn)
-
-    def unregister(self) -> None:
-        self.registered = False
-        for fn in list(self.drains):
-            fn()
 
 
 def _arena(seed: int) -> np.ndarray:

@@ -9,34 +9,16 @@ every table made is closed when the proof never comes (no fd kept)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from kvdd.sim.fabric import samehost
 from kvdd.sim.fabric.samehost_link import SameHostPath, _Tables
 from kvdd.sim.fabric.samehost_path import STATE_UNREGISTERED
+from shared_support import FakeServedCache as FakeEntry
 
 _xproc = pytest.importorskip("kvdd._native._xproc")
-
-
-@dataclass
-class FakeEntry:
-    """A registered cache as the fabric sees it (kvdd.sim.fabric.protocol.ServedCache)."""
-
-    cache_id: int
-    registered: bool = True
-    drains: list[Callable[[], None]] = field(default_factory=list)
-
-    def add_drain(self, fn: Callable[[], None]) -> bool:
-        if not self.registered:
-            return False
-        self.drains.append(fn)
-        return True
-
-    def remove_drain(self, fn: Callable[[], None]) -> None:
-        self.drains.remove(fn)
 
 
 @dataclass

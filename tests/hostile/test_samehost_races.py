@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from kvdd import Status
 from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost
 from kvdd.sim.fabric.samehost_path import STATE_CLOSED, STATE_FINALIZED, ServedTable
+from shared_support import FakeServedCache as _Entry
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -67,26 +67,6 @@ while not stop.is_set():
         marked += 1
 print(ok, refused, marked, last, flush=True)
 """
-
-
-class _Entry:
-    """A registered cache as ServedTable sees it (kvdd.sim.fabric.protocol.ServedCache)."""
-
-    def __init__(self, cid: int, addrs: tuple[int, ...] = (), nbytes: int = 0) -> None:
-        self.cache_id = cid
-        self.addrs, self.T = addrs, nbytes
-        self.drains: list[Callable[[], None]] = []
-
-    def add_drain(self, fn: Callable[[], None]) -> bool:
-        self.drains.append(fn)
-        return True
-
-    def remove_drain(self, fn: Callable[[], None]) -> None:
-        self.drains.remove(fn)
-
-    def unregister(self) -> None:
-        for fn in list(self.drains):
-            fn()
 
 
 @pytest.mark.parametrize("alloc", ["numpy", "shm"])

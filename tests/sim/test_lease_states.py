@@ -13,16 +13,7 @@ from kvdd import Status
 
 from kvdd.sim.fabric import leases, watchdog, wire
 from kvdd.sim.fabric.leases import Lease
-
-
-class Entry:
-    """A served cache entry that counts its releases."""
-
-    def __init__(self) -> None:
-        self.releases = 0
-
-    def release(self) -> None:
-        self.releases += 1
+from shared_support import FakeServedCache
 
 
 class Chan:
@@ -37,8 +28,8 @@ class Chan:
         pass
 
 
-def _lease() -> tuple[Lease, Entry, Chan]:
-    entry, chan = Entry(), Chan()
+def _lease() -> tuple[Lease, FakeServedCache, Chan]:
+    entry, chan = FakeServedCache(), Chan()
     return Lease(7, entry, chan), entry, chan  # type: ignore[arg-type]
 
 
@@ -94,27 +85,9 @@ class Owner:
     initialized = True
 
 
-class Served(Entry):
-    """A served cache that counts acquisitions too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.acquired = 0
-
-    def acquire(self) -> bool:
-        self.acquired += 1
-        return True
-
-    def add_drain(self, fn: object) -> bool:
-        return True
-
-    def remove_drain(self, fn: object) -> None:
-        pass
-
-
 def test_a_closed_connection_grants_no_lease() -> None:
     table = leases.LeaseTable(Chan())
-    served = Served()
+    served = FakeServedCache()
     owner: Any = Owner()
     entries: Any = {3: served}
     payload = struct.pack("<Q", 3)
@@ -129,7 +102,7 @@ def test_a_closed_connection_grants_no_lease() -> None:
 class Resolver:
     """An owner that resolves a lease request to one served entry (two-sided pulls)."""
 
-    def __init__(self, served: Served, initialized: bool = True,
+    def __init__(self, served: FakeServedCache, initialized: bool = True,
                  status: int = Status.LLM_SUCCESS) -> None:
         self.served, self.initialized, self.status = served, initialized, status
 
@@ -147,7 +120,7 @@ def _resolved(table: leases.LeaseTable, owner: Any) -> tuple[int, int, bytes]:
 
 
 def test_a_resolved_lease_needs_an_initialized_resolving_owner() -> None:
-    served = Served()
+    served = FakeServedCache()
     assert _resolved(leases.LeaseTable(Chan()), Resolver(served, initialized=False))[:2] == \
         (Status.LLM_KV_CACHE_NOT_EXIST, 0)
     assert _resolved(leases.LeaseTable(Chan()), Owner())[:2] == (Status.LLM_KV_CACHE_NOT_EXIST, 0)
@@ -160,7 +133,7 @@ def test_a_resolved_lease_needs_an_initialized_resolving_owner() -> None:
 
 
 def test_resolved_leases_count_against_the_cap() -> None:
-    served = Served()
+    served = FakeServedCache()
     table = leases.LeaseTable(Chan())
     owner = Resolver(served)
     for _ in range(wire.MAX_LEASES):
