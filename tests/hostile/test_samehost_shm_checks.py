@@ -20,6 +20,7 @@ from kvdd._native import _xproc
 from kvdd._native._copy import Region
 from kvdd.sim.fabric import samehost, samehost_shm
 from kvdd.sim.fabric.samehost_path import new_table_fd
+from shared_support import in_a_forked_child
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -246,15 +247,7 @@ def test_a_forked_child_does_not_inherit_the_mappings(owner: Owner) -> None:
             return sum("memfd:kvdd-cache" in line for line in f)
 
     here = count()  # our own kvdd.empty arenas (inherited) and the reader's mapping
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        os.write(w, str(count()).encode())
-        os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    there = int(os.read(r, 64))
-    os.close(r)
+    there = in_a_forked_child(count)
     assert here >= 2 and there == here - 1
     maps.close()
     assert count() == here - 1

@@ -20,6 +20,7 @@ import pytest
 
 from hostile import rawpeer
 from hostile.rawpeer import MinimalOwner
+from shared_support import passes_in_a_forked_child
 
 PONG_WAIT_S = 5.0
 
@@ -140,20 +141,15 @@ def test_a_forked_child_gets_a_pool_of_its_own() -> None:
     links = _open(1, owner)
     try:
         _ping(links[0][1], 1)
-        pid = os.fork()
-        if pid == 0:  # the child: report through the exit status only
-            code = 1
-            try:
-                if REACTOR.threads == 0:
-                    code = 2
-                    child = _open(1, owner)
-                    _ping(child[0][1], 5)
-                    if REACTOR.threads == POOL_THREADS:
-                        code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+        def in_child() -> bool:
+            if REACTOR.threads != 0:
+                return False
+            child = _open(1, owner)
+            _ping(child[0][1], 5)
+            return REACTOR.threads == POOL_THREADS
+
+        passes_in_a_forked_child(in_child)
         _ping(links[0][1], 2)  # the parent's pool is untouched
     finally:
         _close(links)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from kvdd.sim import memory
+from shared_support import passes_in_a_forked_child
 
 PAGE = mmap.PAGESIZE
 libc = ctypes.CDLL(None, use_errno=True)
@@ -67,14 +67,10 @@ def test_ranges(pages: int, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_forked_child_asks_about_its_own_memory(pages: int) -> None:
     memory.first_inaccessible([pages], PAGE)  # the parent's fd is open now
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:  # the child unmaps page 0; the parent still has it
-            libc.munmap(pages, PAGE)
-            code = 0 if memory.first_inaccessible([pages], PAGE) == 0 else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def in_child() -> bool:  # the child unmaps page 0; the parent still has it
+        libc.munmap(pages, PAGE)
+        return memory.first_inaccessible([pages], PAGE) == 0
+
+    passes_in_a_forked_child(in_child)
     assert memory.first_inaccessible([pages], PAGE) == -1

@@ -18,6 +18,7 @@ from kvdd import (OPTION_DEVICE_ID, OPTION_LISTEN_IP_INFO, Cache, CacheDesc, Cac
                   tensor_addrs)
 from kvdd import shm
 from kvdd.sim.fabric import samehost
+from shared_support import in_a_forked_child
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), (7, np.uint8), ((2, 3, 4), np.int64),
@@ -91,11 +92,7 @@ def test_bad_arguments() -> None:
 
 def test_a_forked_child_shares_the_pages() -> None:
     a = kvdd.empty(16, np.uint8)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        a[:] = 42
-        os._exit(0)
-    os.waitpid(pid, 0)
+    in_a_forked_child(lambda: a.fill(42))
     assert (a == 42).all()
 
 
