@@ -186,13 +186,10 @@ BREAKS = ("none", "none", "none", "row", "remote_row", "size", "block", "src_blo
           "layer", "tensor_num", "num_tensors", "placement", "cluster", "empty", "length")
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
-    """Valid calls, and valid calls with one value just past its bound: the compiled path's
-    acceptance must stop exactly where the checks do."""
-    p, d = pair
-    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
+def near_valid_call(data: st.DataObject, caller: LlmDataDist, caller_ids: list[int], owner_ids: list[int],
+                    owner_cluster: int) -> tuple[str, Callable[[], None], int]:
+    """A valid call of ``caller`` on the owner's caches (``owner_ids``, one per geometry), or one with
+    one value just past its bound (``BREAKS``): its kind, the call, and a seed to fill memory with."""
     g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
     n, (B, S) = GEOMETRIES[g]
     kind = data.draw(st.sampled_from(KINDS))
@@ -204,8 +201,8 @@ def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
     if brk == "tensor_num":  # a tensor count per layer that does not divide the cache's
         t = data.draw(st.sampled_from([t for t in (2, 3, 4) if n % t]))
         ext = KvCacheExtParam((0, 0), (0, 0), t) if data.draw(st.booleans()) else KvCacheExtParam(tensor_num_per_layer=t)
-    remote_id = owner.ids[(g + 1) % len(GEOMETRIES)] if brk == "geometry" else owner.ids[g]
-    cluster = {"cluster": caller.dd.cluster_id}.get(brk, owner.dd.cluster_id)
+    remote_id = owner_ids[(g + 1) % len(GEOMETRIES)] if brk == "geometry" else owner_ids[g]
+    cluster = {"cluster": caller.cluster_id}.get(brk, owner_cluster)
     seed = data.draw(st.integers(0, 2**16))
     call: Callable[[], None]
     if kind == "pull_kv_cache":
@@ -213,14 +210,14 @@ def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
         rrow = B if brk == "remote_row" else data.draw(st.integers(0, B - 1))
         size = S + 1 if brk == "size" else data.draw(st.sampled_from([-1, 1, S // 2, S]))
         idx = CacheIndex(cluster, remote_id, rrow)
-        call = lambda: caller.dd.pull_kv_cache(idx, Cache(caller.ids[g]), row, size, ext)  # noqa: E731
+        call = lambda: caller.pull_kv_cache(idx, Cache(caller_ids[g]), row, size, ext)  # noqa: E731
     elif kind == "push_kv_cache":
         row = B if brk == "row" else data.draw(st.integers(0, B - 1))
         idx = CacheIndex(cluster, remote_id, B if brk == "remote_row" else data.draw(st.integers(0, B - 1)))
         desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
                          CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
         size = 0 if brk == "size" else -1
-        call = lambda: caller.dd.push_kv_cache(Cache(caller.ids[g], (), desc), idx, row, size, ext)  # noqa: E731
+        call = lambda: caller.push_kv_cache(Cache(caller_ids[g], (), desc), idx, row, size, ext)  # noqa: E731
     else:
         k = 0 if brk == "empty" else data.draw(st.integers(1, min(B, 4)))
         runs = data.draw(st.booleans())  # consecutive pairs: one run of k blocks
@@ -240,12 +237,23 @@ def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
             dst = dst + [0]
         idx = CacheIndex(cluster, remote_id, 0)
         if kind == "pull_kv_blocks":
-            call = lambda: caller.dd.pull_kv_blocks(idx, Cache(caller.ids[g]), src, dst, ext)  # noqa: E731
+            call = lambda: caller.pull_kv_blocks(idx, Cache(caller_ids[g]), src, dst, ext)  # noqa: E731
         else:
             num = n + 1 if brk == "num_tensors" else n
             placement = CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE
             desc = CacheDesc(num, U8, (B, S), placement)
-            call = lambda: caller.dd.push_kv_blocks(Cache(caller.ids[g], (), desc), idx, src, dst, ext)  # noqa: E731
+            call = lambda: caller.push_kv_blocks(Cache(caller_ids[g], (), desc), idx, src, dst, ext)  # noqa: E731
+    return kind, call, seed
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_near_valid_calls(pair: tuple[Side, Side], data: st.DataObject) -> None:
+    """Valid calls, and valid calls with one value just past its bound: the compiled path's
+    acceptance must stop exactly where the checks do."""
+    p, d = pair
+    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
+    kind, call, seed = near_valid_call(data, caller.dd, caller.ids, owner.ids, owner.dd.cluster_id)
     event(f"{kind}: {'compiled' if _both_ways(pair, call, seed) else 'Python path'}")
 
 

@@ -26,8 +26,8 @@ from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost
 
 from fastpath_support import fast, outcome
-from test_fastpath import (BREAKS, GEOMETRIES, KINDS, LOCALHOST, U8, Side, _side, block_pair, exts,
-                           layer_ext, small)
+from test_fastpath import (GEOMETRIES, KINDS, LOCALHOST, U8, Side, _side, block_pair, exts, near_valid_call,
+                           small)
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -183,58 +183,7 @@ def test_the_compiled_path_never_changes_a_same_host_call(world: World, data: st
 def test_near_valid_same_host_calls(world: World, data: st.DataObject) -> None:
     """Valid calls, and valid calls with one value just past its bound."""
     me, owner = world.me, world.owner
-    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
-    n, (B, S) = GEOMETRIES[g]
-    kind = data.draw(st.sampled_from(KINDS))
-    brk = data.draw(st.sampled_from(BREAKS))
-    ext = data.draw(layer_ext(n))
-    if brk == "layer" and ext is not None and ext.src_layer_range[0] >= 0:
-        (s0, s1), (d0, d1) = ext.src_layer_range, ext.dst_layer_range
-        ext = KvCacheExtParam((s0 + 1, s1 + 1), (d0 + 1, d1 + 1), ext.tensor_num_per_layer)
-    if brk == "tensor_num":
-        t = data.draw(st.sampled_from([t for t in (2, 3, 4) if n % t]))
-        ext = KvCacheExtParam((0, 0), (0, 0), t) if data.draw(st.booleans()) else KvCacheExtParam(tensor_num_per_layer=t)
-    remote_id = owner.ids[(g + 1) % len(GEOMETRIES)] if brk == "geometry" else owner.ids[g]
-    cluster = me.dd.cluster_id if brk == "cluster" else OWNER
-    seed = data.draw(st.integers(0, 2**16))
-    call: Callable[[], None]
-    if kind == "pull_kv_cache":
-        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
-        rrow = B if brk == "remote_row" else data.draw(st.integers(0, B - 1))
-        size = S + 1 if brk == "size" else data.draw(st.sampled_from([-1, 1, S // 2, S]))
-        idx = CacheIndex(cluster, remote_id, rrow)
-        call = lambda: me.dd.pull_kv_cache(idx, Cache(me.ids[g]), row, size, ext)  # noqa: E731
-    elif kind == "push_kv_cache":
-        row = B if brk == "row" else data.draw(st.integers(0, B - 1))
-        idx = CacheIndex(cluster, remote_id, B if brk == "remote_row" else data.draw(st.integers(0, B - 1)))
-        desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
-                         CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
-        size = 0 if brk == "size" else -1
-        call = lambda: me.dd.push_kv_cache(Cache(me.ids[g], (), desc), idx, row, size, ext)  # noqa: E731
-    else:
-        k = 0 if brk == "empty" else data.draw(st.integers(1, min(B, 4)))
-        runs = data.draw(st.booleans())
-        if runs:
-            s0, d0 = data.draw(st.integers(0, B - k)), data.draw(st.integers(0, B - k))
-            src, dst = [s0 + i for i in range(k)], [d0 + i for i in range(k)]
-        else:
-            src = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
-            dst = data.draw(st.lists(st.integers(0, B - 1), min_size=k, max_size=k))
-        if k and brk in ("block", "src_block"):
-            moved = src if brk == "src_block" else dst
-            if runs:
-                moved[:] = [B - k + 1 + i for i in range(k)]
-            else:
-                moved[data.draw(st.integers(0, k - 1))] = B
-        if brk == "length":
-            dst = dst + [0]
-        idx = CacheIndex(cluster, remote_id, 0)
-        if kind == "pull_kv_blocks":
-            call = lambda: me.dd.pull_kv_blocks(idx, Cache(me.ids[g]), src, dst, ext)  # noqa: E731
-        else:
-            desc = CacheDesc(n + 1 if brk == "num_tensors" else n, U8, (B, S),
-                             CachePlacement.HOST if brk == "placement" else CachePlacement.DEVICE)
-            call = lambda: me.dd.push_kv_blocks(Cache(me.ids[g], (), desc), idx, src, dst, ext)  # noqa: E731
+    kind, call, seed = near_valid_call(data, me.dd, me.ids, owner.ids, OWNER)
     event(f"{kind}: {'compiled' if _both_ways(world, call, seed) else 'Python path'}")
 
 
