@@ -22,10 +22,11 @@ import pytest
 import kvdd
 from kvdd import ClusterInfo, IpInfo, LlmRole
 from kvdd.cli import main as cli_main
-from kvdd.demo import DEFAULT_MODEL, DemoOptions, DemoReport, Geometry, resolve_model
+from kvdd.demo import DEFAULT_MODEL, DemoOptions, DemoReport, Geometry, resolve_model, run_prefill
+from kvdd.demo.control import ReadyInfo
 from kvdd.sim.engine import SimBackend
 
-__all__ = ["KiB", "TRANSFERS", "quick", "assert_ok", "child_env", "cross_process_problem", "needs_cross_process",
+__all__ = ["KiB", "TRANSFERS", "quick", "PrefillThread", "prefill_thread", "assert_ok", "child_env", "cross_process_problem", "needs_cross_process",
            "write_config", "poke", "corrupt_first_block_pull", "closed_port", "terminal_output"]
 
 KiB = 1024
@@ -36,6 +37,37 @@ TRANSFERS = ["paged block pull", "layer-by-layer pull", "batch-row pull", "prefi
 def quick(**kw: Any) -> DemoOptions:
     geom = kw.pop("geometry", None) or Geometry(resolve_model(DEFAULT_MODEL), 1, 256)
     return DemoOptions(geometry=geom, timeout=30.0, **kw)
+
+
+#: A prefill side running in a thread: its ReadyInfo, its outcome (``"result"`` or ``"error"``), its thread.
+PrefillThread = tuple[ReadyInfo, dict[str, Any], threading.Thread]
+
+
+def prefill_thread(options: DemoOptions) -> Iterator[PrefillThread]:
+    """Run :func:`kvdd.demo.run_prefill` with ``options`` in a thread until it is ready; yield it,
+    then cancel it and join its thread (``yield from`` in a fixture)."""
+    out: dict[str, Any] = {}
+    ready: list[ReadyInfo] = []
+    event = threading.Event()
+    cancel = threading.Event()
+
+    def on_ready(info: ReadyInfo) -> None:
+        ready.append(info)
+        event.set()
+
+    def run() -> None:
+        try:
+            out["result"] = run_prefill(options, on_ready, cancel=cancel)
+        except BaseException as exc:
+            out["error"] = exc
+            event.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert event.wait(60) and ready, out.get("error")
+    yield ready[0], out, thread
+    cancel.set()
+    thread.join(60)
 
 
 def assert_ok(report: DemoReport) -> None:

@@ -14,10 +14,12 @@ import pytest
 
 from kvdd.cli import main as cli_main
 from kvdd.demo import (DEFAULT_MODEL, DemoError, DemoOptions, Geometry, control, resolve_model, run_decode,
-                       run_demo, run_prefill)
+                       run_demo)
 from kvdd.demo.control import ReadyInfo
 from kvdd.sim.fabric import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, AuthError, Secret, authenticate_socket,
                              load_secret)
+
+from demo_support import PrefillThread, prefill_thread
 
 SECRET_A = os.urandom(32).hex()
 SECRET_B = os.urandom(32).hex()
@@ -108,30 +110,9 @@ def test_authenticate_socket_silent_peer_times_out() -> None:
 # ---- the demo -------------------------------------------------------------------------------------
 
 @pytest.fixture
-def prefill() -> Iterator[tuple[ReadyInfo, dict[str, Any], threading.Thread]]:
+def prefill() -> Iterator[PrefillThread]:
     """A prefill side running in a thread (secret A): its ReadyInfo, its outcome, its thread."""
-    out: dict[str, Any] = {}
-    ready: list[ReadyInfo] = []
-    event = threading.Event()
-    cancel = threading.Event()
-
-    def on_ready(info: ReadyInfo) -> None:
-        ready.append(info)
-        event.set()
-
-    def run() -> None:
-        try:
-            out["result"] = run_prefill(quick(), on_ready, cancel=cancel)
-        except BaseException as exc:
-            out["error"] = exc
-            event.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert event.wait(60) and ready, out.get("error")
-    yield ready[0], out, thread
-    cancel.set()
-    thread.join(60)
+    yield from prefill_thread(quick())
 
 
 def _raw(addr: tuple[str, int]) -> socket.socket:

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from kvdd.demo import DEFAULT_MODEL, DemoOptions, Geometry, control, resolve_model, run_decode, run_prefill
+from kvdd.demo import DEFAULT_MODEL, DemoOptions, Geometry, control, resolve_model, run_decode
 from kvdd.demo.control import ReadyInfo
 from kvdd.secret import ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE
+
+from demo_support import PrefillThread, prefill_thread
 
 
 @pytest.fixture(autouse=True)
@@ -30,29 +32,8 @@ def quick(tokens: int = 256, seed: int = 0) -> DemoOptions:
 
 
 @pytest.fixture
-def prefill() -> Iterator[tuple[ReadyInfo, dict[str, Any], threading.Thread]]:
-    out: dict[str, Any] = {}
-    ready: list[ReadyInfo] = []
-    event = threading.Event()
-    cancel = threading.Event()
-
-    def on_ready(info: ReadyInfo) -> None:
-        ready.append(info)
-        event.set()
-
-    def run() -> None:
-        try:
-            out["result"] = run_prefill(quick(), on_ready, cancel=cancel)
-        except BaseException as exc:
-            out["error"] = exc
-            event.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert event.wait(60) and ready, out.get("error")
-    yield ready[0], out, thread
-    cancel.set()
-    thread.join(60)
+def prefill() -> Iterator[PrefillThread]:
+    yield from prefill_thread(quick())
 
 
 def test_mismatched_decodes_are_refused_and_the_matching_one_is_served(
