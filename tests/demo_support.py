@@ -1,6 +1,6 @@
-"""Shared set-up of the ``kvdd demo`` tests (test_demo*.py): quick options, the checks of a good
-run, child processes that import the kvdd under test, a corrupting pull, a closed port, and the
-command line run on a pseudo-terminal."""
+"""Shared set-up of the ``kvdd demo`` tests (test_demo*.py): quick options, a prefill side in a
+thread, the checks of a good run, child processes that import the kvdd under test, a corrupting
+pull, a closed port, and the command line run on a pseudo-terminal."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from kvdd.demo import DEFAULT_MODEL, DemoOptions, DemoReport, Geometry, resolve_
 from kvdd.demo.control import ReadyInfo
 from kvdd.sim.engine import SimBackend
 
-__all__ = ["KiB", "TRANSFERS", "quick", "PrefillThread", "prefill_thread", "assert_ok", "child_env", "cross_process_problem", "needs_cross_process",
-           "write_config", "poke", "corrupt_first_block_pull", "closed_port", "terminal_output"]
+__all__ = ["KiB", "TRANSFERS", "quick", "PrefillThread", "prefill_thread", "assert_ok", "child_env",
+           "cross_process_problem", "needs_cross_process", "write_config", "poke", "corrupt_first_block_pull",
+           "closed_port", "terminal_output"]
 
 KiB = 1024
 TRANSFERS = ["paged block pull", "layer-by-layer pull", "batch-row pull", "prefix pull",
