@@ -7,7 +7,7 @@ for one test and finalizes any LLMDataDist left initialized.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -165,6 +165,8 @@ def use_fake() -> Iterator[RecordingWrapper]:
 import pytest  # noqa: E402
 
 from kvdd.llm_datadist import (  # noqa: E402
+    BlocksCacheKey,
+    Cache,
     CacheDesc,
     DataType,
     LLMDataDist,
@@ -172,6 +174,7 @@ from kvdd.llm_datadist import (  # noqa: E402
     LLMRole,
     LLMStatusCode,
 )
+from kvdd.llm_datadist.v2.cache_manager import CacheManager  # noqa: E402
 
 
 @pytest.fixture
@@ -200,3 +203,30 @@ def desc(num_tensors: int = 4, shape: Sequence[int] = (8, 16), **kw: Any) -> Cac
 def param_invalid(exc: pytest.ExceptionInfo[LLMException]) -> bool:
     """The raised LLMException carries LLM_PARAM_INVALID."""
     return exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def raised(call: Callable[[], Any], *also: type[BaseException]) -> Any:
+    """What ``call`` raised: an LLMException's status code, else the type of the TypeError or
+    ValueError (or of one of ``also``); pytest fails the test when it raised nothing else."""
+    with pytest.raises((TypeError, ValueError, *also, LLMException)) as exc:
+        call()
+    value = exc.value
+    return value.status_code if isinstance(value, LLMException) else type(value)
+
+
+def outcome(fake: RecordingWrapper, call: Callable[[], Any]) -> Any:
+    """The raised error (status for LLMException, else the type), asserting no engine call."""
+    before = len(fake.names())
+    value = raised(call)
+    assert len(fake.names()) == before, "a Python-level error reached the engine"
+    return value
+
+
+def blocks(mgr: CacheManager, n: int = 4) -> Cache:
+    """``n`` tensors registered as a blocks cache (addresses 0x1000, 0x2000, ...; key cluster 2)."""
+    return mgr.register_blocks_cache(desc(n), [0x1000 * (i + 1) for i in range(n)], BlocksCacheKey(2, 0))
+
+
+def contiguous(mgr: CacheManager, n: int = 4) -> Cache:
+    """``n`` tensors registered as a contiguous cache (addresses 0x1000, 0x2000, ...)."""
+    return mgr.register_cache(desc(n), [0x1000 * (i + 1) for i in range(n)])

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-from pkg_fake import RecordingWrapper, desc, fake, started
+from pkg_fake import RecordingWrapper, desc, fake, outcome, started
 
 from kvdd.llm_datadist import (
     BlocksCacheKey,
     CacheKeyByIdAndIndex,
     LayerSynchronizer,
-    LLMException,
     LLMStatusCode,
     Placement,
     TransferConfig,
@@ -45,15 +43,6 @@ class Sync(LayerSynchronizer):
 def mgr(remote_accessible: bool = True) -> CacheManager:
     opts = {"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1" if remote_accessible else "0"}
     return started(opts).cache_manager
-
-
-def outcome(fake: RecordingWrapper, call: Callable[[], Any]) -> Any:
-    before = len(fake.names())
-    with pytest.raises((TypeError, ValueError, LLMException)) as exc:
-        call()
-    assert len(fake.names()) == before
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
 
 
 def test_checks_in_order(fake: RecordingWrapper) -> None:

@@ -4,11 +4,10 @@ before any engine call, and the exact tuples sent."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pkg_fake import PARAM_INVALID, RecordingWrapper, desc, fake, started
+from pkg_fake import PARAM_INVALID, RecordingWrapper, blocks, contiguous, desc, fake, outcome, started
 
 from kvdd.llm_datadist import (
     BlocksCacheKey,
@@ -35,24 +34,6 @@ RA_OFF = {"llm.EnableCacheManager": "1"}
 
 def cm(options: dict[str, str] | None = None) -> CacheManager:
     return started(options).cache_manager
-
-
-def outcome(fake: RecordingWrapper, call: Callable[[], Any]) -> Any:
-    """The raised error (status for LLMException, else the type), asserting no engine call."""
-    before = len(fake.names())
-    with pytest.raises((TypeError, ValueError, LLMException)) as exc:
-        call()
-    assert len(fake.names()) == before, "a Python-level error reached the engine"
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
-
-
-def blocks(mgr: CacheManager, n: int = 4) -> Cache:
-    return mgr.register_blocks_cache(desc(n), [0x1000 * (i + 1) for i in range(n)], BlocksCacheKey(2, 0))
-
-
-def contiguous(mgr: CacheManager, n: int = 4) -> Cache:
-    return mgr.register_cache(desc(n), [0x1000 * (i + 1) for i in range(n)])
 
 
 # -- registration --------------------------------------------------------------------------------

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pkg_fake import RecordingWrapper, desc, fake, started
+from pkg_fake import RecordingWrapper, blocks, contiguous, desc, fake, outcome, started
 
 from kvdd.llm_datadist import (
     BlocksCacheKey,
-    Cache,
     CacheKeyByIdAndIndex,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -23,30 +22,11 @@ from kvdd.llm_datadist import (
     Placement,
     TransferConfig,
 )
-from kvdd.llm_datadist.v2.cache_manager import CacheManager
 
 __all__ = ["fake"]
 
 PI = LLMStatusCode.LLM_PARAM_INVALID
 RA_OFF = {"llm.EnableCacheManager": "1"}
-
-
-def outcome(fake: RecordingWrapper, call: Callable[[], Any]) -> Any:
-    """The raised error (status for LLMException, else the type), asserting no engine call."""
-    before = len(fake.names())
-    with pytest.raises((TypeError, ValueError, LLMException)) as exc:
-        call()
-    assert len(fake.names()) == before, "a Python-level error reached the engine"
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
-
-
-def blocks(mgr: CacheManager, n: int = 4) -> Cache:
-    return mgr.register_blocks_cache(desc(n), [0x1000 * (i + 1) for i in range(n)], BlocksCacheKey(2, 0))
-
-
-def contiguous(mgr: CacheManager, n: int = 4) -> Cache:
-    return mgr.register_cache(desc(n), [0x1000 * (i + 1) for i in range(n)])
 
 
 class Sync(LayerSynchronizer):

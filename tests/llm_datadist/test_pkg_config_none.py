@@ -9,17 +9,15 @@ import json
 from typing import Any
 
 import pytest
+from pkg_fake import raised
 
-from kvdd.llm_datadist import LLMClusterInfo, LLMConfig, LLMException, LLMStatusCode
+from kvdd.llm_datadist import LLMClusterInfo, LLMConfig, LLMStatusCode
 
 PI = LLMStatusCode.LLM_PARAM_INVALID
 
 
 def outcome(call: Any) -> Any:
-    with pytest.raises((TypeError, ValueError, IndexError, LLMException)) as exc:
-        call()
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
+    return raised(call, IndexError)
 
 
 @pytest.mark.parametrize("name,value,key", [

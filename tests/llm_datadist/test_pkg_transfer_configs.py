@@ -6,16 +6,13 @@ destination is always sent source batch 0."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from pkg_fake import RecordingWrapper, desc, fake, started
+from pkg_fake import RecordingWrapper, desc, fake, raised, started
 
 from kvdd.llm_datadist import (
     BlocksCacheKey,
     CacheKeyByIdAndIndex,
     LayerSynchronizer,
-    LLMException,
     LLMStatusCode,
     TransferConfig,
     TransferWithCacheKeyConfig,
@@ -27,22 +24,15 @@ __all__ = ["fake"]
 PI = LLMStatusCode.LLM_PARAM_INVALID
 
 
-def outcome(call: Any) -> Any:
-    with pytest.raises((TypeError, ValueError, LLMException)) as exc:
-        call()
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
-
-
 class Sync(LayerSynchronizer):
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         return True
 
 
 def test_a_layer_range_that_is_not_a_range_is_a_type_error() -> None:
-    assert outcome(lambda: check_layer_range("r", [0, 1])) is TypeError  # type: ignore[arg-type]
-    assert outcome(lambda: TransferConfig(1, [1, 2], (0, 1))) is TypeError  # type: ignore[arg-type]
-    assert outcome(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(1), [0], range(1))) is TypeError  # type: ignore[arg-type]
+    assert raised(lambda: check_layer_range("r", [0, 1])) is TypeError  # type: ignore[arg-type]
+    assert raised(lambda: TransferConfig(1, [1, 2], (0, 1))) is TypeError  # type: ignore[arg-type]
+    assert raised(lambda: TransferWithCacheKeyConfig(BlocksCacheKey(1), [0], range(1))) is TypeError  # type: ignore[arg-type]
 
 
 def test_push_layer_range_that_is_not_a_range_is_a_type_error(fake: RecordingWrapper) -> None:
@@ -56,17 +46,17 @@ def test_push_layer_range_that_is_not_a_range_is_a_type_error(fake: RecordingWra
 
 def test_keyed_config_checks_the_source_range_fully_before_the_destination() -> None:
     key = BlocksCacheKey(1)
-    assert outcome(lambda: TransferWithCacheKeyConfig(key, range(0, 4, 2), None)) == PI
-    assert outcome(lambda: TransferWithCacheKeyConfig(key, range(2, 1), "x")) == PI  # type: ignore[arg-type]
-    assert outcome(lambda: TransferWithCacheKeyConfig(key, range(1), None)) is TypeError
+    assert raised(lambda: TransferWithCacheKeyConfig(key, range(0, 4, 2), None)) == PI
+    assert raised(lambda: TransferWithCacheKeyConfig(key, range(2, 1), "x")) == PI  # type: ignore[arg-type]
+    assert raised(lambda: TransferWithCacheKeyConfig(key, range(1), None)) is TypeError
 
 
 def test_keyed_config_src_batch_index_setter_keeps_the_blocks_rule() -> None:
     cfg = TransferWithCacheKeyConfig(BlocksCacheKey(1), range(1), range(1))
-    assert outcome(lambda: setattr(cfg, "src_batch_index", 1)) == PI
-    assert outcome(lambda: setattr(cfg, "src_batch_index", -1)) == PI  # the rule comes before uint32
+    assert raised(lambda: setattr(cfg, "src_batch_index", 1)) == PI
+    assert raised(lambda: setattr(cfg, "src_batch_index", -1)) == PI  # the rule comes before uint32
     by_id = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(1, 1), range(1), range(1))
-    assert outcome(lambda: setattr(by_id, "src_batch_index", -1)) is ValueError
+    assert raised(lambda: setattr(by_id, "src_batch_index", -1)) is ValueError
     by_id.src_batch_index = 3
     assert by_id.src_batch_index == 3
 

@@ -5,20 +5,11 @@ to num_tensors)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pkg_fake import raised
 
-import pytest
-
-from kvdd.llm_datadist import CacheDesc, DataType, KvCache, LLMClusterInfo, LLMException, LLMStatusCode, Placement
+from kvdd.llm_datadist import CacheDesc, DataType, KvCache, LLMClusterInfo, LLMStatusCode, Placement
 
 PI = LLMStatusCode.LLM_PARAM_INVALID
-
-
-def outcome(call: Any) -> Any:
-    with pytest.raises((TypeError, ValueError, LLMException)) as exc:
-        call()
-    value = exc.value
-    return value.status_code if isinstance(value, LLMException) else type(value)
 
 
 def test_cluster_info_lists_are_live() -> None:
@@ -32,12 +23,12 @@ def test_cluster_info_lists_are_live() -> None:
 def test_kv_cache_create_cpu_cache_checks() -> None:
     host = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.HOST)
     device = CacheDesc(2, [4, 8], DataType.DT_INT8)
-    assert outcome(lambda: KvCache.create_cpu_cache(device, "x")) == PI  # type: ignore[arg-type]  # placement before addrs' type
-    assert outcome(lambda: KvCache.create_cpu_cache(host, "x")) is TypeError  # type: ignore[arg-type]
-    assert outcome(lambda: KvCache.create_cpu_cache(host, [])) == PI
-    assert outcome(lambda: KvCache.create_cpu_cache(host, [1])) == PI  # flat count != num_tensors
-    assert outcome(lambda: KvCache.create_cpu_cache(host, [[1, 2], [3]])) == PI  # nested count
-    assert outcome(lambda: KvCache.create_cpu_cache(host, [1, [2, 3]])) == PI  # type: ignore[arg-type]  # mixed kinds
-    assert outcome(lambda: KvCache.create_cpu_cache(host, [1.0, 2])) is TypeError  # type: ignore[arg-type]
+    assert raised(lambda: KvCache.create_cpu_cache(device, "x")) == PI  # type: ignore[arg-type]  # placement before addrs' type
+    assert raised(lambda: KvCache.create_cpu_cache(host, "x")) is TypeError  # type: ignore[arg-type]
+    assert raised(lambda: KvCache.create_cpu_cache(host, [])) == PI
+    assert raised(lambda: KvCache.create_cpu_cache(host, [1])) == PI  # flat count != num_tensors
+    assert raised(lambda: KvCache.create_cpu_cache(host, [[1, 2], [3]])) == PI  # nested count
+    assert raised(lambda: KvCache.create_cpu_cache(host, [1, [2, 3]])) == PI  # type: ignore[arg-type]  # mixed kinds
+    assert raised(lambda: KvCache.create_cpu_cache(host, [1.0, 2])) is TypeError  # type: ignore[arg-type]
     assert KvCache.create_cpu_cache(host, [1, 2]).per_device_tensor_addrs == [[1, 2]]
     assert KvCache.create_cpu_cache(host, [[1, 2], [3, 4]]).per_device_tensor_addrs == [[1, 2], [3, 4]]
