@@ -128,23 +128,23 @@ def block_pair(draw: st.DrawFn) -> tuple[Sequence[int], Sequence[int]]:
     return (tuple(src), tuple(dst)) if draw(st.booleans()) else (src, dst)
 
 
-def _ids(side: Side) -> st.SearchStrategy[int]:
-    return st.sampled_from(side.ids * 3 + [0, -1, 999])
+def _ids(ids: list[int]) -> st.SearchStrategy[int]:
+    return st.sampled_from(ids * 3 + [0, -1, 999])
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_the_compiled_path_never_changes_a_call(pair: tuple[Side, Side], data: st.DataObject) -> None:
-    p, d = pair
-    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
-    cluster = data.draw(st.sampled_from([owner.dd.cluster_id] * 6 + [caller.dd.cluster_id, 99]))
+def any_call(data: st.DataObject, caller: LlmDataDist, caller_ids: list[int], owner_ids: list[int],
+             owner_cluster: int) -> tuple[str, Callable[[], None], int]:
+    """A call of ``caller`` on the owner's caches (``owner_ids``, one per geometry) with values
+    around every bound (mostly the owner's cluster and the same geometry on both sides): its kind,
+    the call, and a seed to fill memory with."""
+    cluster = data.draw(st.sampled_from([owner_cluster] * 6 + [caller.cluster_id, 99]))
     kind = data.draw(st.sampled_from(KINDS))
     rows = [0, 1, 3, 7] if kind.endswith("cache") else [0] * 9 + [1]  # blocks: row 0 or refused
     g = data.draw(st.integers(0, len(GEOMETRIES) - 1))  # mostly the same geometry on both sides
-    remote_id = owner.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(owner))
-    local_id = caller.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(caller))
+    remote_id = owner_ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(owner_ids))
+    local_id = caller_ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(caller_ids))
     idx = CacheIndex(cluster, remote_id, data.draw(st.sampled_from(rows)))
-    n_local = dict(zip(caller.ids, (n for n, _ in GEOMETRIES))).get(local_id, 4)
+    n_local = dict(zip(caller_ids, (n for n, _ in GEOMETRIES))).get(local_id, 4)
     ext = data.draw(exts)
     seed = data.draw(st.integers(0, 2**16))
     call: Callable[[], None]
@@ -154,17 +154,26 @@ def test_the_compiled_path_never_changes_a_call(pair: tuple[Side, Side], data: s
     if kind == "pull_kv_cache":
         row = data.draw(small.filter(lambda x: x >= 0))
         size = data.draw(st.sampled_from([-1, -1, 0, 1, 16, 32, 48, 64, 65, 100, 200, -2]))
-        call = lambda: caller.dd.pull_kv_cache(idx, Cache(local_id), row, size, ext)  # noqa: E731
+        call = lambda: caller.pull_kv_cache(idx, Cache(local_id), row, size, ext)  # noqa: E731
     elif kind == "push_kv_cache":
         row = data.draw(small.filter(lambda x: x >= 0))
         size = data.draw(st.sampled_from([-1] * 5 + [0, 32]))
-        call = lambda: caller.dd.push_kv_cache(Cache(local_id, (), desc), idx, row, size, ext)  # noqa: E731
+        call = lambda: caller.push_kv_cache(Cache(local_id, (), desc), idx, row, size, ext)  # noqa: E731
     else:
         src, dst = data.draw(block_pair())
         if kind == "pull_kv_blocks":
-            call = lambda: caller.dd.pull_kv_blocks(idx, Cache(local_id), src, dst, ext)  # noqa: E731
+            call = lambda: caller.pull_kv_blocks(idx, Cache(local_id), src, dst, ext)  # noqa: E731
         else:
-            call = lambda: caller.dd.push_kv_blocks(Cache(local_id, (), desc), idx, src, dst, ext)  # noqa: E731
+            call = lambda: caller.push_kv_blocks(Cache(local_id, (), desc), idx, src, dst, ext)  # noqa: E731
+    return kind, call, seed
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_compiled_path_never_changes_a_call(pair: tuple[Side, Side], data: st.DataObject) -> None:
+    p, d = pair
+    caller, owner = data.draw(st.sampled_from([(d, p), (p, d)]))
+    kind, call, seed = any_call(data, caller.dd, caller.ids, owner.ids, owner.dd.cluster_id)
     took = _both_ways(pair, call, seed)
     event(f"{kind}: {'compiled' if took else 'Python path'}")
 

@@ -21,13 +21,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import kvdd
-from kvdd import Cache, CacheDesc, CacheIndex, CachePlacement, ClusterInfo, IpInfo, KvCacheExtParam
+from kvdd import Cache, CacheIndex, ClusterInfo, IpInfo, KvCacheExtParam
 from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost
 
 from fastpath_support import fast, outcome
-from test_fastpath import (GEOMETRIES, KINDS, LOCALHOST, U8, Side, _side, block_pair, exts, near_valid_call,
-                           small)
+from test_fastpath import GEOMETRIES, LOCALHOST, Side, _side, any_call, near_valid_call
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -139,42 +138,11 @@ def _both_ways(w: World, call: Callable[[], None], seed: int) -> bool:
     return taken == 1
 
 
-def _ids(ids: list[int]) -> st.SearchStrategy[int]:
-    return st.sampled_from(ids * 3 + [0, -1, 999])
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_the_compiled_path_never_changes_a_same_host_call(world: World, data: st.DataObject) -> None:
     me, owner = world.me, world.owner
-    cluster = data.draw(st.sampled_from([OWNER] * 6 + [me.dd.cluster_id, 99]))
-    kind = data.draw(st.sampled_from(KINDS))
-    rows = [0, 1, 3, 7] if kind.endswith("cache") else [0] * 9 + [1]
-    g = data.draw(st.integers(0, len(GEOMETRIES) - 1))
-    remote_id = owner.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(owner.ids))
-    local_id = me.ids[g] if data.draw(st.integers(0, 3)) else data.draw(_ids(me.ids))
-    idx = CacheIndex(cluster, remote_id, data.draw(st.sampled_from(rows)))
-    n_local = dict(zip(me.ids, (n for n, _ in GEOMETRIES))).get(local_id, 4)
-    ext = data.draw(exts)
-    seed = data.draw(st.integers(0, 2**16))
-    shape = data.draw(st.sampled_from([g[1] for g in GEOMETRIES]))
-    desc = CacheDesc(data.draw(st.sampled_from([n_local] * 3 + [0, 1, 5, 7])), U8, shape,
-                     data.draw(st.sampled_from([CachePlacement.DEVICE] * 3 + [CachePlacement.HOST])))
-    call: Callable[[], None]
-    if kind == "pull_kv_cache":
-        row = data.draw(small.filter(lambda x: x >= 0))
-        size = data.draw(st.sampled_from([-1, -1, 0, 1, 16, 32, 48, 64, 65, 100, 200, -2]))
-        call = lambda: me.dd.pull_kv_cache(idx, Cache(local_id), row, size, ext)  # noqa: E731
-    elif kind == "push_kv_cache":
-        row = data.draw(small.filter(lambda x: x >= 0))
-        size = data.draw(st.sampled_from([-1] * 5 + [0, 32]))
-        call = lambda: me.dd.push_kv_cache(Cache(local_id, (), desc), idx, row, size, ext)  # noqa: E731
-    else:
-        src, dst = data.draw(block_pair())
-        if kind == "pull_kv_blocks":
-            call = lambda: me.dd.pull_kv_blocks(idx, Cache(local_id), src, dst, ext)  # noqa: E731
-        else:
-            call = lambda: me.dd.push_kv_blocks(Cache(local_id, (), desc), idx, src, dst, ext)  # noqa: E731
+    kind, call, seed = any_call(data, me.dd, me.ids, owner.ids, OWNER)
     event(f"{kind}: {'compiled' if _both_ways(world, call, seed) else 'Python path'}")
 
 
