@@ -40,6 +40,24 @@ cdef extern from *:
 cdef extern from "<unistd.h>" nogil:
     pid_t getpid()
 
+cdef extern from "<pthread.h>" nogil:
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+# This process's pid for the per-copy "made here?" check of PeerMaps.bases without a system call:
+# set at import and again in every child that any fork() makes (pthread_atfork runs for os.fork
+# and for a fork in C alike; a vfork/posix_spawn child runs no Python before its exec).
+cdef pid_t _pid_now = getpid()
+
+
+cdef void _pid_after_fork() noexcept nogil:
+    global _pid_now
+    _pid_now = getpid()
+
+
+if pthread_atfork(NULL, NULL, _pid_after_fork) != 0:
+    raise ImportError("kvdd._native._xproc: pthread_atfork failed")
+
 #: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
 TMPFS_MAGIC = 0x01021994
 #: Largest file (bytes) mapped from a peer (a check against absurd sizes; 1 TiB).
@@ -294,7 +312,7 @@ cdef class PeerMaps:
         """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
         ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
         from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
-        if self.closed or not self.enabled or rn < 0 or getpid() != self.pid:
+        if self.closed or not self.enabled or rn < 0 or _pid_now != self.pid:
             return False
         placed = self._placed.get(slot)
         if placed is None:

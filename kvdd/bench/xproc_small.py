@@ -98,9 +98,10 @@ LAT_COLUMNS = ("path", "kind", "median_us", "p99_us", "in_process_median_us", "v
                "pvm_ctypes_median_us", "pvm_ctypes_p99_us", "vs_pvm_ctypes_median", "calls", "verified")
 
 #: The cross-process targets: (path, table, kind, key, at least / at most, bound, what). The same-host
-#: latency targets measure what the fabric adds to a call: against the in-process pull through the
-#: same engine path (the Python checks; the compiled path takes in-process calls only), the
-#: comparison with the compiled in-process pull is printed beside it (vs_in_process_median).
+#: latency targets compare a call with the in-process pull through the engine's Python checks, and
+#: with a bare ``process_vm_readv`` from Python; the comparison with the compiled in-process pull
+#: (the same compiled call path, an instance of this process at the other end) is printed beside
+#: them (vs_in_process_median).
 _TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
     ("process_vm", "latency", "pull_64B", "vs_in_process_python_median", "max", 2.5,
      "same-host 64 B pull median <= 2.5x the in-process pull (both through the engine's Python checks)"),
