@@ -1,0 +1,249 @@
+"""Files a same-host peer hands us whose ``close`` never returns do not hold the link set-up
+(kvdd.sim.fabric.samehost_close).
+
+A refused file taken from the owner with ``pidfd_getfd`` (a FUSE file: close sends FLUSH, which
+its server need not answer), a refused lease table or an extra file received over the proof's
+socket (a TCP socket with ``SO_LINGER`` whose peer never reads, the sender's own copy closed: the
+last close waits the linger time) are closed on the closer thread; the set-up returns at once.
+What a peer can make us hold is bounded by admission (``MAX_PENDING``): at the cap, a link takes
+no more files (its copies use /proc/<pid>/mem) and the proof declines (TCP).  The owner is this
+very process, as in test_samehost_shm_checks.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvdd._native import _xproc
+from kvdd.sim.fabric import samehost, samehost_close, samehost_endpoint
+from kvdd.sim.fabric.samehost_endpoint import endpoint
+from kvdd.sim.fabric.samehost_path import OneSidedPeer
+
+from hostile.hostile_files import FuseFile, LingeringSocket, fuse_mount_error
+from hostile.test_samehost_shm_checks import Owner
+
+pytestmark = pytest.mark.skipif(not samehost.availability()[0],
+                                reason=samehost.availability()[1])
+
+DEADLINE_S = 1.0  # a set-up step must return within this, whatever close does
+LINGER_S = 30  # how long a lingering socket's last close waits (released by the test at once)
+
+
+@pytest.fixture
+def owner() -> Iterator[Owner]:
+    o = Owner()
+    yield o
+    o.close()
+
+
+_FUSE_ERROR: list[str] = []
+
+
+@pytest.fixture
+def fuse() -> Iterator[FuseFile]:
+    if not _FUSE_ERROR:
+        _FUSE_ERROR.append(fuse_mount_error())
+    if _FUSE_ERROR[0]:
+        pytest.skip(_FUSE_ERROR[0])
+    f = FuseFile()
+    yield f
+    f.close()  # aborts the connection: the FLUSH waiting in the closer fails at once
+    assert samehost_close.idle(2.0)
+
+
+@pytest.fixture
+def lingering() -> Iterator[LingeringSocket]:
+    s = LingeringSocket(LINGER_S)
+    assert s.unsent() > 0  # its last close will wait
+    yield s
+    s.release()
+    assert samehost_close.idle(5.0)  # the closer got through the linger once released
+
+
+def _within(fn: Callable[[], object], deadline_s: float = DEADLINE_S) -> object:
+    """Run ``fn`` on a thread; it must return within ``deadline_s`` (its result, or what it
+    raised)."""
+    out: list[object] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            err.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(deadline_s)
+    assert not t.is_alive(), f"held past {deadline_s} s"
+    if err:
+        raise err[0]
+    return out[0]
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float = DEADLINE_S) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+# ---- files taken from the owner (pidfd_getfd) ---------------------------------------------------
+
+
+def test_a_fuse_memory_file_the_reader_refuses_does_not_hold_map_owner(
+        owner: Owner, fuse: FuseFile) -> None:
+    flushes = fuse.flushes
+    owner.announce([owner.row(0), [1, 0, fuse.fd, 0, 2]])  # slot 1: the owner's FUSE file
+    maps = _within(lambda: owner.map())
+    assert isinstance(maps, _xproc.PeerMaps) and maps.placed(0) == 1 and maps.placed(1) == 0
+    maps.close()
+    assert _wait_until(lambda: fuse.flushes == flushes + 1)  # its FLUSH is out, unanswered
+    assert samehost_close.pending() == 1  # held by the closer, not by the link
+
+
+def test_a_fuse_records_file_does_not_hold_map_owner(owner: Owner, fuse: FuseFile) -> None:
+    owner.table.store_header(3, fuse.fd + 1)
+    owner.table.store_header(4, 2)
+    assert _within(lambda: owner.map()) is None
+    assert samehost_close.pending() >= 1
+
+
+def test_an_injected_blocking_close_does_not_hold_map_owner(
+        owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FUSE cannot be mounted: a close of the refused file (a pipe) that blocks until
+    released; the closer closes it once released."""
+    r, w = os.pipe()
+    release = threading.Event()
+    real = os.close
+    closed: list[int] = []
+
+    def blocking_close(fd: int) -> None:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode) and fd not in (r, w):
+            release.wait(30)
+            closed.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "close", blocking_close)
+    try:
+        owner.announce([owner.row(0), [1, 0, r, 0, os.fstat(r).st_ino]])
+        maps = _within(lambda: owner.map())
+        assert isinstance(maps, _xproc.PeerMaps) and maps.placed(0) == 1 and maps.placed(1) == 0
+        maps.close()
+        assert samehost_close.pending() == 1 and not closed
+        release.set()
+        assert samehost_close.idle(2.0) and len(closed) == 1
+    finally:
+        release.set()
+        samehost_close.idle(2.0)
+        monkeypatch.undo()
+        real(r)
+        real(w)
+
+
+def test_at_the_closer_cap_a_link_takes_no_more_files(
+        owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_PENDING closes pending (exactly at the cap): map_owner takes nothing (None: every
+    copy through /proc/<pid>/mem); one below: the announcement is mapped as usual."""
+    monkeypatch.setattr(samehost_close, "MAX_PENDING", 2)
+    gate = threading.Event()
+    held = []
+    for _ in range(2):
+        samehost_close._closer.put(lambda: (gate.wait(10), None)[1])
+        held.append(1)
+    try:
+        assert _wait_until(lambda: samehost_close.pending() == 2)
+        owner.announce([owner.row(0)])
+        assert owner.map() is None
+        assert not samehost_close.room()
+        with pytest.raises(samehost.SameHostRefused, match="clos"):
+            samehost.prove(b"", None, lambda: (-1, 0), lambda link: None)  # type: ignore[arg-type]
+        monkeypatch.setattr(samehost_close, "MAX_PENDING", 3)  # one below the cap
+        maps = owner.map()
+        assert maps is not None and maps.placed(0) == 1
+        maps.close()
+    finally:
+        gate.set()
+        assert samehost_close.idle(2.0)
+
+
+# ---- files received over the proof's socket (SCM_RIGHTS) --------------------------------------
+
+
+@pytest.mark.parametrize("refusable", [True, False], ids=["passrights", "older-kernel"])
+def test_a_lingering_socket_sent_with_a_hello_does_not_hold_the_endpoint(
+        lingering: LingeringSocket, refusable: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-uid process without the secret: its hello carries a socket whose last close
+    waits LINGER_S.  Where the kernel can refuse files (SO_PASSRIGHTS, Linux >= 6.16) its
+    sendmsg fails and the endpoint closes it after its one message as usual; elsewhere (here:
+    an endpoint that does not ask the kernel to refuse) the endpoint hands the file to the
+    closer at once."""
+    if refusable:
+        ep = endpoint()
+    else:
+        monkeypatch.setattr(samehost_endpoint, "refuse_files", lambda sock: None)
+        monkeypatch.setattr(samehost_close, "_refusable", False)
+        ep = samehost_endpoint.Endpoint()  # (its thread stays, idle, for the process's life)
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c.connect(ep.name)
+    c.settimeout(DEADLINE_S)
+    msg = b"kvdd-samehost/1" + samehost.M_HELLO + b"\0" * 64
+    try:
+        socket.send_fds(c, [msg], [lingering.fileno()])
+    except PermissionError:  # refused by the kernel: nothing of it reached the endpoint (our
+        c.sendall(msg)       # own copy stays the last: released by the fixture)
+        assert c.recv(64) == b""  # the endpoint refused the hello and closed (not held)
+        assert refusable and samehost_close.files_refusable()
+    else:
+        assert not (refusable and samehost_close.files_refusable())
+        lingering.drop_own()
+        assert _wait_until(lambda: samehost_close.pending() >= 1)
+        time.sleep(0.1)
+        assert samehost_close.pending() >= 1  # still lingering there, not here
+    finally:
+        c.close()
+
+
+def test_an_extra_file_in_a_proof_message_is_closed_off_the_thread(
+        lingering: LingeringSocket) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        samehost_close.accept_files(b)
+        r, w = os.pipe()
+        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], [r, lingering.fileno()])
+        os.close(r)
+        os.close(w)
+        lingering.drop_own()
+
+        def receive() -> str:
+            try:
+                samehost.recv_message(b, samehost.M_FINAL, 4)
+            except samehost.SameHostRefused as exc:
+                return str(exc)
+            return "accepted"
+        assert "unexpected" in str(_within(receive))
+        assert samehost_close.pending() >= 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_refused_lease_table_does_not_hold_the_link_close(
+        owner: Owner, lingering: LingeringSocket) -> None:
+    """The peer's 'lease table' is a lingering socket: refused (no seals), and the link's close
+    (the last reference) returns at once."""
+    link = samehost.SameHostLink(os.getpid(), os.getuid(), os.dup(owner.pidfd),
+                                 os.dup(lingering.fileno()), 1)
+    lingering.drop_own()
+    with pytest.raises(samehost.SameHostRefused, match="sealed"):
+        _within(lambda: OneSidedPeer(link))
+    _within(link.close)
+    assert samehost_close.pending() >= 1
