@@ -23,7 +23,9 @@ changes.  Every value read is untrusted: each file is checked before it is mappe
 shrinking, so a mapping never faults past the file's end), mapped ``MAP_SHARED`` read-write with
 ``MADV_DONTFORK``, and its fd closed at once.  A file refused leaves the tensors in it on
 ``/proc/<pid>/mem``; so does a tensor whose registered bytes do not fit in its file from its
-offset (checked at every copy, after the usual checks of every run).
+offset (checked at every copy, after the usual checks of every run).  A refused file is closed
+on the closer thread (:mod:`.samehost_close`: a FUSE file's close waits for its server), and
+no file is taken while ``samehost_close.MAX_PENDING`` closes are pending.
 
 Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
 ``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
