@@ -87,6 +87,19 @@ def _within(fn: Callable[[], object], deadline_s: float = DEADLINE_S) -> object:
     return out[0]
 
 
+def _fds() -> dict[str, str]:
+    """This process's pipes and sockets by fd (other files come and go with the collector)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # (the listing's own fd)
+            continue
+        if link.startswith(("pipe:", "socket:")):
+            out[name] = link
+    return out
+
+
 def _wait_until(cond: Callable[[], bool], timeout_s: float = DEADLINE_S) -> bool:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -247,3 +260,35 @@ def test_a_refused_lease_table_does_not_hold_the_link_close(
         _within(lambda: OneSidedPeer(link))
     _within(link.close)
     assert samehost_close.pending() >= 1
+
+
+def test_a_file_past_the_old_control_buffer_is_received_and_closed_off_the_thread(
+        lingering: LingeringSocket) -> None:
+    """One message carries 252 pipes and then the lingering socket (253: SCM_MAX_FD): every fd
+    fits the control buffer (a file the kernel dropped for want of room would be released on
+    the receiving thread, waiting the linger), the message is refused, every fd is closed."""
+    assert samehost_close.idle(2.0)  # (earlier tests' closes done: the fd count is ours)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pipes = [os.pipe() for _ in range(126)]
+    fds = [fd for pair in pipes for fd in pair]
+    try:
+        samehost_close.accept_files(b)
+        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], fds + [lingering.fileno()])
+        lingering.drop_own()
+        before = _fds()
+
+        def receive() -> str:
+            try:
+                samehost.recv_message(b, samehost.M_FINAL, 4)
+            except samehost.SameHostRefused as exc:
+                return str(exc)
+            return "accepted"
+        assert "unexpected" in str(_within(receive))  # (not "truncated")
+        time.sleep(0.1)
+        assert samehost_close.pending() == 1  # the pipes closed, the socket's close waiting there
+        assert _fds() == before  # all 253 gone from the table (the last one's close waits there)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        a.close()
+        b.close()
