@@ -292,3 +292,24 @@ def test_a_file_past_the_old_control_buffer_is_received_and_closed_off_the_threa
             os.close(fd)
         a.close()
         b.close()
+
+
+def test_files_received_in_the_proof_are_close_on_exec() -> None:
+    """The peer's lease table (held for the link's life) and any file of a proof message are
+    close-on-exec: a program the process runs meanwhile never inherits them."""
+    import fcntl
+    from kvdd.sim.fabric.samehost_path import new_table_fd
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    table = new_table_fd(1)
+    got = -1
+    try:
+        samehost_close.accept_files(b)
+        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], [table])
+        _body, got, _sender = samehost.recv_message(b, samehost.M_FINAL, 4)
+        assert got >= 0 and fcntl.fcntl(got, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        for fd in (table, got):
+            if fd >= 0:
+                os.close(fd)
+        a.close()
+        b.close()

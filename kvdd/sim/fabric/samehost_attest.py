@@ -92,7 +92,9 @@ def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
     """One message: its bytes, the fds it carried (SCM_RIGHTS) and the sender's pidfd (-1: none).
 
     Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
-    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC)
+    # close-on-exec: the peer's lease table is held for the link's life, and a program this
+    # process runs meanwhile must not inherit it
+    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     pidfd = -1
     bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
