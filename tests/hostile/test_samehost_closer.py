@@ -162,30 +162,75 @@ def test_an_injected_blocking_close_does_not_hold_map_owner(
         real(w)
 
 
+def _count_takes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the reader's pidfd_getfd calls (one entry per file taken)."""
+    taken: list[int] = []
+    real = _xproc.pidfd_getfd
+
+    def counting(pidfd: int, fd: int) -> int:
+        taken.append(fd)
+        return real(pidfd, fd)
+    monkeypatch.setattr(_xproc, "pidfd_getfd", counting)
+    return taken
+
+
 def test_at_the_closer_cap_a_link_takes_no_more_files(
         owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MAX_PENDING closes pending (exactly at the cap): map_owner takes nothing (None: every
-    copy through /proc/<pid>/mem); one below: the announcement is mapped as usual."""
+    """MAX_PENDING closes pending (exactly at the cap): map_owner takes no file, not even the
+    records' (None: every copy through /proc/<pid>/mem) and the initiator declines the proof;
+    one below: the announcement is mapped as usual."""
     monkeypatch.setattr(samehost_close, "MAX_PENDING", 2)
     gate = threading.Event()
-    held = []
     for _ in range(2):
         samehost_close._closer.put(lambda: (gate.wait(10), None)[1])
-        held.append(1)
+    taken = _count_takes(monkeypatch)
     try:
         assert _wait_until(lambda: samehost_close.pending() == 2)
         owner.announce([owner.row(0)])
-        assert owner.map() is None
+        assert owner.map() is None and taken == []
         assert not samehost_close.room()
         with pytest.raises(samehost.SameHostRefused, match="clos"):
             samehost.prove(b"", None, lambda: (-1, 0), lambda link: None)  # type: ignore[arg-type]
         monkeypatch.setattr(samehost_close, "MAX_PENDING", 3)  # one below the cap
         maps = owner.map()
-        assert maps is not None and maps.placed(0) == 1
+        assert maps is not None and maps.placed(0) == 1 and len(taken) == 2
         maps.close()
     finally:
         gate.set()
         assert samehost_close.idle(2.0)
+
+
+def test_a_link_stops_taking_files_once_its_refusals_fill_the_closer(
+        owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three refused files (pipes whose close blocks) with room for two closes: the records,
+    the honest file and two pipes are taken, the third pipe is not."""
+    monkeypatch.setattr(samehost_close, "MAX_PENDING", 2)
+    pipes = [os.pipe() for _ in range(3)]
+    release = threading.Event()
+    real = os.close
+
+    def blocking_close(fd: int) -> None:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode) and all(fd not in p for p in pipes):
+            release.wait(30)
+        real(fd)
+    taken = _count_takes(monkeypatch)
+    monkeypatch.setattr(os, "close", blocking_close)
+    try:
+        rows = [[1, 0, r, 0, os.fstat(r).st_ino] for r, _w in pipes]
+        owner.announce([owner.row(0)] + rows)  # (files are taken in fd order: the honest first)
+        assert owner.alloc.fd < pipes[0][0] < pipes[1][0] < pipes[2][0]
+        maps = _within(lambda: owner.map())
+        assert isinstance(maps, _xproc.PeerMaps) and maps.placed(0) == 1 and maps.placed(1) == 0
+        maps.close()
+        assert taken[1:] == [owner.alloc.fd, pipes[0][0], pipes[1][0]]  # (taken[0]: the records)
+        assert samehost_close.pending() == 2
+    finally:
+        release.set()
+        assert samehost_close.idle(2.0)
+        monkeypatch.undo()
+        for p in pipes:
+            os.close(p[0])
+            os.close(p[1])
 
 
 # ---- files received over the proof's socket (SCM_RIGHTS) --------------------------------------

@@ -156,7 +156,9 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
     word, ino = table.load_header(_H_ANNOUNCE), table.load_header(_H_INODE)
     # word 0 names fd -1, which pidfd_getfd refuses (ValueError: None as well, with a log
     # line); word 1 names fd 0, the owner's stdin, never a memfd of kvdd's
-    if word == 0 or not _may_take():  # mutation: equivalent(skip, 0 -> 1, 0 -> -1): see above
+    if word == 0:  # mutation: equivalent(skip, 0 -> 1, 0 -> -1): see above
+        return None
+    if not _may_take():
         return None
     fd = _xproc.pidfd_getfd(pidfd, word - 1)  # (ValueError past the largest fd number)
     try:
