@@ -86,13 +86,20 @@ def seal_table_fd(fd: int) -> None:
 
 
 def check_table_fd(fd: int, slots: int, size: int) -> None:
-    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
-    for ``slots`` slots; raises SameHostRefused otherwise."""
+    """A received lease table must be a tmpfs memfd sealed against resizing, of exactly ``size``
+    bytes for ``slots`` slots; raises SameHostRefused otherwise.
+
+    tmpfs as for the owner's memory files (:func:`kvdd._native._xproc.shm_check`, seals asked
+    first: no file system is reached for a file without them): a hugetlbfs memfd takes the same
+    seals, and its page, punched out by the peer while none is free, is SIGBUS at the reader's
+    next lease."""
+    assert _xproc is not None
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # first (see above)
         st = os.fstat(fd)
-    except OSError as exc:
-        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
+        _xproc.shm_check(fd, st.st_ino)  # tmpfs, a regular file, 1 byte .. 1 TiB
+    except (OSError, ValueError) as exc:
+        raise SameHostRefused(f"the peer's lease table is not a sealed tmpfs memfd ({exc})") from None
     need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
     if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
         raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
