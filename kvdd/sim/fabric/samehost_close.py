@@ -24,8 +24,10 @@ takes or receives a peer's file (``pidfd_getfd``, the proof's messages); with
 and takes already admitted (one file per ``pidfd_getfd``; a proof message carries at most one
 fd that kvdd keeps, and at most ``SCM_MAX_FD`` (253) in all).
 
-A memfd (``F_GET_SEALS`` succeeds: shmem or hugetlbfs, which define no flush and whose release
-never waits) is closed at once, on the caller's thread.
+A memfd (``F_GET_SEALS`` succeeds: shmem or hugetlbfs, which define no flush) is closed at once
+on the caller's thread when it holds at most :data:`FREE_INLINE` bytes of memory; a larger one
+on the unmapper thread: when ours is the last reference its release frees its pages (about
+0.2 s per GiB), which always ends but need not hold the caller.
 
 ``SO_PASSRIGHTS`` (Linux >= 6.16, :func:`refuse_files` / :func:`accept_files`): the proof's
 sockets refuse ``SCM_RIGHTS`` until the peer has proven the session key, so a local process
@@ -46,10 +48,14 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_PENDING", "SO_PASSRIGHTS", "close_file", "close_socket", "close_stranger", "room", "pending",
-           "wait_room", "refuse_files", "accept_files", "files_refusable", "idle"]
+           "wait_room", "refuse_files", "accept_files", "files_refusable", "idle", "unmap_later",
+           "unmaps_idle"]
 
 #: Closes of peers' files that may wait at once (beyond it: links decline to take more).
 MAX_PENDING = 64
+#: Bytes of memory a peer's memfd may hold to be closed on the caller's thread (its pages are
+#: freed there when ours is the last reference).
+FREE_INLINE = 64 << 20
 #: ``SO_PASSRIGHTS`` (Linux >= 6.16): the asm-generic number, used only where
 #: :data:`.samehost_attest.SO_PASSPIDFD` is known (the same architectures).
 SO_PASSRIGHTS = 83
@@ -58,7 +64,8 @@ SO_PASSRIGHTS = 83
 class _Closer:
     """One daemon thread closing queued files in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "kvdd-samehost-closer") -> None:
+        self.name = name
         self.cv = threading.Condition()
         self.queue: deque[Callable[[], None]] = deque()
         self.busy = 0  # 1 while the thread runs a close
@@ -73,8 +80,7 @@ class _Closer:
             self.queue.append(close)
             self.cv.notify()
             if self.thread is None:
-                thread = threading.Thread(target=self._run, name="kvdd-samehost-closer",
-                                          daemon=True)
+                thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:  # no thread now: queued, the next put tries again
@@ -94,7 +100,7 @@ class _Closer:
             except OSError as exc:  # the fd is gone whatever close says (a failed flush)
                 logger.info("kvdd same-host: closing a peer's file: %s", exc)
             except Exception:  # pragma: no cover (never raised by os.close / socket.close)
-                logger.exception("kvdd same-host: closing a peer's file failed")
+                logger.exception("kvdd same-host: releasing a peer's file or memory failed")
             finally:
                 with self.cv:
                     self.busy = 0
@@ -122,6 +128,11 @@ class _Closer:
 
 _closer = _Closer()
 os.register_at_fork(after_in_child=_closer.after_fork)
+# Unmapping a peer's memory (PeerMaps.close) frees the pages when ours was the last reference
+# (the owner exited): ~0.2 s per GiB of its cache, on the thread that unmaps.  That always ends,
+# so it has a thread of its own (a close hung on the closer never holds it).
+_unmapper = _Closer("kvdd-samehost-unmap")
+os.register_at_fork(after_in_child=_unmapper.after_fork)
 
 
 def room() -> bool:
@@ -145,26 +156,43 @@ def idle(timeout_s: float) -> bool:
     return _closer.idle(timeout_s)
 
 
-def _memfd(fd: int) -> bool:
+def unmap_later(unmap: Callable[[], None]) -> None:
+    """Run ``unmap`` (a :class:`kvdd._native._xproc.PeerMaps`'s ``close``: no copy may use it
+    any more) on the unmapper thread: a link's close or a copy's end never waits for the freeing
+    of an exited owner's cache memory."""
+    _unmapper.put(unmap)
+
+
+def unmaps_idle(timeout_s: float) -> bool:
+    """Wait until no unmapping is pending (tests); False when ``timeout_s`` passed first."""
+    return _unmapper.idle(timeout_s)
+
+
+def _memfd_bytes(fd: int) -> int:
+    """Bytes of memory the memfd ``fd`` holds, or -1 when it is no memfd."""
     try:
-        fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # asks no file system
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # first: asks no file system
+        return int(os.fstat(fd).st_blocks) * 512  # (shmem / hugetlbfs: no file system waits)
     except OSError:
-        return False
-    return True
+        return -1
 
 
 def close_file(fd: int) -> None:
-    """Close ``fd``, a file a peer handed us: a memfd at once, anything else on the closer
-    thread (never waits; an error of ``close`` is logged, the fd is gone all the same)."""
+    """Close ``fd``, a file a peer handed us, never waiting: a memfd of at most
+    :data:`FREE_INLINE` bytes at once, a larger one on the unmapper thread, anything else on the
+    closer thread (an error of ``close`` is logged, the fd is gone all the same)."""
     if fd < 0:
         return
-    if _memfd(fd):
+    held = _memfd_bytes(fd)
+    if 0 <= held <= FREE_INLINE:
         try:
             os.close(fd)
         except OSError as exc:  # (shmem defines no flush; EINTR, EIO of a hook)
             logger.info("kvdd same-host: closing a peer's memfd: %s", exc)
-        return
-    _closer.put(lambda: os.close(fd))
+    elif held > FREE_INLINE:
+        _unmapper.put(lambda: os.close(fd))
+    else:
+        _closer.put(lambda: os.close(fd))
 
 
 # sockets that accepted files at some time (accept_files): their close may release them
