@@ -198,16 +198,25 @@ cdef class PeerMaps:
             return
         for lst in self._placed.values():
             _total_placed -= <uint64_t>len(<list>lst)
-        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
-        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
-        cdef bint mine = getpid() == self.pid
-        for addr, size in self._maps:
-            if mine:
-                munmap(<void *><uintptr_t>addr, <size_t>size)
-                _total_maps -= 1
-                _total_bytes -= <uint64_t>size
+        # taken before the GIL is released below: another thread's _unmap finds nothing left
+        cdef list maps = self._maps
         self._maps = []
         self._placed = {}
+        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
+        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
+        if getpid() != self.pid:
+            return
+        cdef void *p
+        cdef size_t n
+        for addr, size in maps:
+            p = <void *><uintptr_t>addr
+            n = <size_t>size
+            # without the GIL: when the owner exited, this is the last reference to its file
+            # and frees its memory (~0.2 s per GiB), which must not stop the process's threads
+            with nogil:
+                munmap(p, n)
+            _total_maps -= 1  # (counted until unmapped: the process-wide bounds hold)
+            _total_bytes -= <uint64_t>n
 
     def add(self, int fd, unsigned long ino, uint64_t limit=SHM_MAX_BYTES,
             uint64_t process_maps=UINT64_MAX, uint64_t process_bytes=UINT64_MAX) -> int:
