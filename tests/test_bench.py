@@ -264,8 +264,16 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
             assert _positive(r[k]), (key, k, r[k])
         assert math.isclose(r["ratio"], r["vs_" + r["limit"]]), key
         assert math.isclose(r["cpu_s_per_gb"], r["own_cpu_s_per_gb"] + r["peer_cpu_s_per_gb"]), key
-    lat = {r["path"]: r for r in xp["latency"]}
+    lat = {r["path"]: r for r in xp["latency"] if r["kind"] == "pull_64B"}
     assert set(lat) == {"process_vm", "tcp"}
+    # small block lists (1 and 4 of the run's 8 blocks) against the bare syscall of their iovecs
+    blocks = [r for r in xp["latency"] if r["kind"] != "pull_64B"]
+    assert [(r["path"], r["kind"], r["bytes"]) for r in blocks] == [
+        ("process_vm", "pull_blocks_1x64KiB", 64 * KiB), ("process_vm", "pull_blocks_4x64KiB", 256 * KiB)]
+    for r in blocks:
+        assert r["calls"] == 50 and r["verified"] is True and r["data_path"] == peers["process_vm"]["data_path"]
+        assert 0 < r["median_us"] <= r["p99_us"] and 0 < r["pvm_ctypes_median_us"] <= r["pvm_ctypes_p99_us"]
+        assert math.isclose(r["vs_pvm_ctypes_median"], r["median_us"] / r["pvm_ctypes_median_us"])
     for path, r in lat.items():
         assert set(r) == LAT_KEYS, path
         assert r["kind"] == "pull_64B" and r["bytes"] == 64 and r["calls"] == 50 and r["verified"] is True
@@ -283,8 +291,10 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
     assert [(r["tensors"], r["samples"]) for r in setup["registers"]] == [(2, 50), (16, 50), (256, 50)]
     assert all(0 < r["min_us"] <= r["median_us"] for r in setup["registers"])
     targets = xp["targets"]
-    assert len(targets) == 10 + 2 + 3  # the transfers' and small calls', the links', the registrations'
-    assert targets[10:] == setup["targets"]
+    # the transfers' and small calls' (two small block lists), the links', the registrations'
+    assert len(targets) == 12 + 2 + 3
+    assert sum("x 64 KiB blocks: median <= 1.2x" in t["target"] for t in targets) == 2
+    assert targets[12:] == setup["targets"]
     for t in targets:
         assert _positive(t["ratio"]) and isinstance(t["met"], bool), t
 

@@ -101,7 +101,8 @@ TARGETS: tuple[Target, ...] = (
     Target("samehost-shm", "kvdd/sim/fabric/samehost_shm.py",
            ("_read_records", "_distinct_files", "map_owner"),
            ("tests/hostile/test_samehost_shm_checks.py", "tests/hostile/test_samehost_shm.py",
-            "tests/hostile/test_samehost_shm_bounds.py")),
+            "tests/hostile/test_samehost_shm_bounds.py", "tests/hostile/test_samehost_closer.py",
+            "tests/hostile/test_samehost_shm_seals.py")),
     Target("widths", "kvdd/widths.py", ("*",),
            ("tests/test_widths.py", "tests/test_argument_bounds.py", "tests/test_argument_checks.py")),
 )

@@ -40,6 +40,24 @@ cdef extern from *:
 cdef extern from "<unistd.h>" nogil:
     pid_t getpid()
 
+cdef extern from "<pthread.h>" nogil:
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+# This process's pid for the per-copy "made here?" check of PeerMaps.bases without a system call:
+# set at import and again in every child that any fork() makes (pthread_atfork runs for os.fork
+# and for a fork in C alike; a vfork/posix_spawn child runs no Python before its exec).
+cdef pid_t _pid_now = getpid()
+
+
+cdef void _pid_after_fork() noexcept nogil:
+    global _pid_now
+    _pid_now = getpid()
+
+
+if pthread_atfork(NULL, NULL, _pid_after_fork) != 0:
+    raise ImportError("kvdd._native._xproc: pthread_atfork failed")
+
 #: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
 TMPFS_MAGIC = 0x01021994
 #: Largest file (bytes) mapped from a peer (a check against absurd sizes; 1 TiB).
@@ -180,16 +198,25 @@ cdef class PeerMaps:
             return
         for lst in self._placed.values():
             _total_placed -= <uint64_t>len(<list>lst)
-        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
-        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
-        cdef bint mine = getpid() == self.pid
-        for addr, size in self._maps:
-            if mine:
-                munmap(<void *><uintptr_t>addr, <size_t>size)
-                _total_maps -= 1
-                _total_bytes -= <uint64_t>size
+        # taken before the GIL is released below: another thread's _unmap finds nothing left
+        cdef list maps = self._maps
         self._maps = []
         self._placed = {}
+        # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
+        # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
+        if getpid() != self.pid:
+            return
+        cdef void *p
+        cdef size_t n
+        for addr, size in maps:
+            p = <void *><uintptr_t>addr
+            n = <size_t>size
+            # without the GIL: when the owner exited, this is the last reference to its file
+            # and frees its memory (~0.2 s per GiB), which must not stop the process's threads
+            with nogil:
+                munmap(p, n)
+            _total_maps -= 1  # (counted until unmapped: the process-wide bounds hold)
+            _total_bytes -= <uint64_t>n
 
     def add(self, int fd, unsigned long ino, uint64_t limit=SHM_MAX_BYTES,
             uint64_t process_maps=UINT64_MAX, uint64_t process_bytes=UINT64_MAX) -> int:
@@ -294,7 +321,7 @@ cdef class PeerMaps:
         """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
         ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
         from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
-        if self.closed or not self.enabled or rn < 0 or getpid() != self.pid:
+        if self.closed or not self.enabled or rn < 0 or _pid_now != self.pid:
             return False
         placed = self._placed.get(slot)
         if placed is None:

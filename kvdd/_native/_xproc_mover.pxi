@@ -208,7 +208,10 @@ cdef class SameHostMover:
                                 job.err = ESRCH
                             else:
                                 _run_map(&job, call_bytes)
-                                if _pidfd_exited(cpidfd):
+                                # a copy of at most one chunk (microseconds) is taken as done
+                                # before an exit racing it, as one pread of /proc/<pid>/mem is;
+                                # a longer one fails when the peer exited meanwhile
+                                if call_bytes > <uint64_t>job.chunk and _pidfd_exited(cpidfd):
                                     job.err = ESRCH
                         else:  # (no pidfd check: the file names the attested address space)
                             _run_mem(&job)

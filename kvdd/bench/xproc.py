@@ -51,7 +51,7 @@ from .harness import (KiB, MiB, Row, Timing, fmt, gbps, interleaved, peer_report
                       say)
 from .transfers import LOCALHOST
 from .xproc_setup import measure_setup, print_setup
-from .xproc_small import LAT_COLUMNS, CpuMeter, latency, xp_targets
+from .xproc_small import LAT_COLUMNS, CpuMeter, latency, pvm_ctypes, small_block_rows, xp_targets
 
 __all__ = ["XP_BLOCKS", "XP_BLOCK_BYTES", "XP_COLUMNS", "XP_QUICK_BLOCKS", "XP_QUICK_ROW_BYTES", "XP_ROW_BYTES",
            "measure_cross_process", "print_cross_process"]
@@ -298,34 +298,6 @@ def _latency_row(path: str, data_path: str, res: Mapping[str, Mapping[str, float
     return row
 
 
-def _pvm_ctypes(pid: int, local: np.ndarray, remote: int) -> Callable[[], object]:
-    """A bare 64-byte ``process_vm_readv`` called from Python through ctypes (the small-call
-    reference: what any Python caller of the system call pays)."""
-    import ctypes
-
-    class IoVec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.process_vm_readv
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                   ctypes.c_ulong]
-    liov = IoVec(int(local.ctypes.data), XP_SMALL)
-    riov = IoVec(remote, XP_SMALL)
-    return _Bound(fn, (pid, ctypes.addressof(liov), 1, ctypes.addressof(riov), 1, 0), (liov, riov))
-
-
-class _Bound:
-    """A ctypes call with fixed arguments that keeps the memory they point to alive."""
-
-    def __init__(self, fn: Callable[..., object], args: tuple[object, ...], keep: object) -> None:
-        self.fn, self.args, self.keep = fn, args, keep
-
-    def __call__(self) -> object:
-        return self.fn(*self.args)
-
-
 @contextmanager
 def _in_process_peer(local: LlmDataDist, nbytes: int,
                      ext: KvCacheExtParam) -> Iterator[tuple[CacheIndex, Callable[[], object]]]:
@@ -448,8 +420,22 @@ def measure_cross_process(row_bytes: int, blocks: int, budget_s: float, repeats:
                                                                XP_SMALL, ext),
                                "in_process_python": python_pull,
                                "socket_rr": functools.partial(raw.pull, small_mv, XP_SMALL),
-                               "pvm_ctypes": _pvm_ctypes(peer.pid, small, peer.addr)}, calls)
+                               "pvm_ctypes": pvm_ctypes(peer.pid, [small.ctypes.data], [peer.addr], [XP_SMALL])}, calls)
                 lat_rows.append(_latency_row(path, data_path, lat, ok_small))
+                if path == "process_vm":  # small block lists against the bare syscall of their iovecs
+                    def pull_k(k: int) -> Callable[[], object]:
+                        return functools.partial(dd.pull_kv_blocks, blk_idx, dst_paged, src_ids[:k], dst_ids[:k], ext)
+
+                    def pvm_k(k: int) -> Callable[[], object]:
+                        return pvm_ctypes(peer.pid, [dst.ctypes.data + d * B for d in dst_ids[:k]],
+                                          [peer.addr + s * B for s in src_ids[:k]], [B] * k)
+
+                    def landed(k: int) -> bool:
+                        return all(np.array_equal(dst[d * B:(d + 1) * B], src[s * B:(s + 1) * B])
+                                   for s, d in zip(src_ids[:k], dst_ids[:k]))
+                    dst.fill(0)
+                    lat_rows.extend(small_block_rows(path, data_path, pull_k, pvm_k, landed, B, max(50, calls // 4),
+                                                     blocks))
 
                 def limits(nbytes: int, write: bool, iov: bool) -> dict[str, Callable[[], object]]:
                     fns: dict[str, Callable[[], object]] = {}

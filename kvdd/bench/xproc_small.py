@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["latency", "CpuMeter", "task_cpu_s"]
+__all__ = ["latency", "CpuMeter", "task_cpu_s", "pvm_ctypes", "small_block_rows", "SMALL_BLOCK_COUNTS"]
+
+#: Block counts of the small block-list latency rows (64 KiB blocks, pulled from the peer process).
+SMALL_BLOCK_COUNTS = (1, 4, 16)
 
 
 def latency(fns: Mapping[str, Callable[[], object]], calls: int, batch: int = 50,
@@ -51,6 +54,62 @@ def latency(fns: Mapping[str, Callable[[], object]], calls: int, batch: int = 50
         result[name] = {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)),
                         "calls": float(len(a))}
     return result
+
+
+def pvm_ctypes(pid: int, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> Callable[[], object]:
+    """A bare ``process_vm_readv`` of these iovecs (addresses and byte lengths, local run i <-
+    remote run i) called from Python through ctypes: what any Python caller of the system call
+    pays, the reference of the small-call targets.  Raises OSError when a call moves fewer bytes."""
+    import ctypes
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                   ctypes.c_ulong]
+    n = len(lengths)
+    liov = (IoVec * n)(*(IoVec(a, ln) for a, ln in zip(local, lengths)))
+    riov = (IoVec * n)(*(IoVec(a, ln) for a, ln in zip(remote, lengths)))
+    args = (pid, ctypes.addressof(liov), n, ctypes.addressof(riov), n, 0)
+    if fn(*args) != sum(lengths):
+        raise OSError(ctypes.get_errno(), "process_vm_readv of the reference iovecs failed")
+    return _Bound(fn, args, (liov, riov))
+
+
+class _Bound:
+    """A ctypes call with fixed arguments that keeps the memory they point to alive."""
+
+    def __init__(self, fn: Callable[..., object], args: tuple[object, ...], keep: object) -> None:
+        self.fn, self.args, self.keep = fn, args, keep
+
+    def __call__(self) -> object:
+        return self.fn(*self.args)
+
+
+def small_block_rows(path: str, data_path: str, pull: Callable[[int], Callable[[], object]],
+                     reference: Callable[[int], Callable[[], object]], verify: Callable[[int], bool],
+                     block_bytes: int, calls: int, most: int) -> list[dict[str, Any]]:
+    """Latency rows of small block lists: for each count in :data:`SMALL_BLOCK_COUNTS`,
+    ``pull(count)`` (a ``pull_kv_blocks`` of that many blocks) against ``reference(count)`` (the
+    bare ``process_vm_readv`` of the same iovecs), interleaved as :func:`latency` does;
+    ``verify(count)`` says whether the pull landed the peer's bytes.  Counts above ``most`` (the
+    blocks the run has) are left out."""
+    rows: list[dict[str, Any]] = []
+    for count in (c for c in SMALL_BLOCK_COUNTS if c <= most):
+        fn = pull(count)
+        fn()
+        ok = verify(count)
+        res = latency({"transfer": fn, "pvm_ctypes": reference(count)}, calls)
+        tr, ref = res["transfer"], res["pvm_ctypes"]
+        rows.append({"path": path, "data_path": data_path, "kind": f"pull_blocks_{count}x{block_bytes >> 10}KiB",
+                     "bytes": count * block_bytes, "median_us": tr["median_us"], "p99_us": tr["p99_us"],
+                     "pvm_ctypes_median_us": ref["median_us"], "pvm_ctypes_p99_us": ref["p99_us"],
+                     "vs_pvm_ctypes_median": tr["median_us"] / ref["median_us"], "calls": int(tr["calls"]),
+                     "verified": ok})
+    return rows
 
 
 def task_cpu_s(pid: int) -> float | None:
@@ -98,9 +157,10 @@ LAT_COLUMNS = ("path", "kind", "median_us", "p99_us", "in_process_median_us", "v
                "pvm_ctypes_median_us", "pvm_ctypes_p99_us", "vs_pvm_ctypes_median", "calls", "verified")
 
 #: The cross-process targets: (path, table, kind, key, at least / at most, bound, what). The same-host
-#: latency targets measure what the fabric adds to a call: against the in-process pull through the
-#: same engine path (the Python checks; the compiled path takes in-process calls only), the
-#: comparison with the compiled in-process pull is printed beside it (vs_in_process_median).
+#: latency targets compare a call with the in-process pull through the engine's Python checks, and
+#: with a bare ``process_vm_readv`` from Python; the comparison with the compiled in-process pull
+#: (the same compiled call path, an instance of this process at the other end) is printed beside
+#: them (vs_in_process_median).
 _TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
     ("process_vm", "latency", "pull_64B", "vs_in_process_python_median", "max", 2.5,
      "same-host 64 B pull median <= 2.5x the in-process pull (both through the engine's Python checks)"),
@@ -110,6 +170,9 @@ _TARGETS: tuple[tuple[str, str, str, str, str, float, str], ...] = (
      "same-host 64 B pull median <= 1.2x a bare 64 B process_vm_readv from Python (ctypes)"),
     ("process_vm", "latency", "pull_64B", "p99_us", "max", 10.0,
      "same-host 64 B pull p99 <= 10 us"),
+    *(("process_vm", "latency", f"pull_blocks_{n}x64KiB", "vs_pvm_ctypes_median", "max", 1.2,
+       f"same-host pull of {n} x 64 KiB blocks: median <= 1.2x a bare process_vm_readv of the same "
+       "iovecs from Python (ctypes)") for n in SMALL_BLOCK_COUNTS),
     ("process_vm", "rows", "pull_blocks", "vs_pvm_iov", "min", 0.95,
      "same-host block pull >= 0.95x bare process_vm_readv of the same iovecs"),
     ("process_vm", "rows", "pull_row", "vs_pvm", "min", 0.95,

@@ -54,6 +54,8 @@ ENV_VAR = "KVDD_SIM_FAST_PATH"
 #: runs than this (§3.11 step 8).
 MAX_PAIRS = 1 << 16
 
+cdef object _IN_PROCESS = object()  # a link's route (FastTransfers._route): an instance of this process
+
 cdef bint _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 cdef dict _calls_known_off = known_off  # the call logger's cached answers: {DEBUG: False} when off
 cdef object _DEBUG = DEBUG
@@ -245,17 +247,17 @@ cdef class FastTransfers:
         self.declined += 1
         return False
 
-    cdef bint _move(self, object entity, object local, object rc, bint pull, Py_ssize_t l_first,
-                    Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off, const int64_t *r_off,
-                    const int64_t *ln, Py_ssize_t J) except -1:
+    cdef bint _move(self, object entity, object route, object local, object rc, bint pull,
+                    Py_ssize_t l_first, Py_ssize_t r_first, Py_ssize_t K, const int64_t *l_off,
+                    const int64_t *r_off, const int64_t *ln, Py_ssize_t J) except -1:
         """:func:`kvdd.sim.transfers.run` for an in-process peer (entity.lock held): the leases on
         both caches (their region tables' counts: what CacheEntry.acquire and InProcessPeer.acquire
         take), then one copy between the tables; False (nothing moved) where run would refuse.
         For a peer in another process on this host, the same through the link's one-sided path
-        (:class:`kvdd._native._xproc.SameHostMover`)."""
-        if type(entity.peer) is not InProcessPeer:
-            return self._move_one_sided(entity, local, rc, pull, l_first, r_first, K, l_off,
-                                        r_off, ln, J)
+        (:class:`kvdd._native._xproc.SameHostMover`: ``route``, from :meth:`_route`)."""
+        if route is not _IN_PROCESS:
+            return self._move_one_sided(entity, <SameHostMover>route, local, rc, pull, l_first,
+                                        r_first, K, l_off, r_off, ln, J)
         if _injections.armed or entity.broken or entity.peer.closed:  # faults.on_transfer; rule 8
             return False
         cdef RegionTable lt = local.table, rt = rc.token.table
@@ -276,24 +278,24 @@ cdef class FastTransfers:
         self.taken += 1
         return True
 
-    cdef bint _move_one_sided(self, object entity, object local, object rc, bint pull,
-                              Py_ssize_t l_first, Py_ssize_t r_first, Py_ssize_t K,
+    cdef bint _move_one_sided(self, object entity, SameHostMover mover, object local, object rc,
+                              bint pull, Py_ssize_t l_first, Py_ssize_t r_first, Py_ssize_t K,
                               const int64_t *l_off, const int64_t *r_off, const int64_t *ln,
                               Py_ssize_t J) except -1:
         """:func:`kvdd.sim.transfers.run` for a peer reached by the same-host one-sided path
         (entity.lock held): RemotePeer.acquire's checks, then the lease, copy and release of
         OneSidedPeer in C.  A copy that timed out (or was aborted, or whose peer is gone) breaks
         the link as run does, then declines: the Python path answers LLM_TIMEOUT at once; a copy
-        that failed otherwise declines and the Python path runs the call (and reports it)."""
+        that failed otherwise declines and the Python path runs the call (and reports it).
+
+        ``mover`` is the link's as :meth:`_route` found it before ``entity.lock`` was taken: a
+        link closed since (unlink, the owner's finalize) is declined by the mover itself (its
+        reader unusable, its lease table's state words set), a copy racing the close is waited
+        for by it (the mover's copy count, the owner's in-flight count)."""
         if _injections.armed or entity.broken:  # faults.on_transfer; kvdd rule 8
             return False
-        peer = entity.peer
-        mover = peer.one_sided()  # None: unlinked, the owner finalized, or TCP
-        if mover is None:
-            return False
-        cdef int r = (<SameHostMover>mover).move(rc, peer.tensor_addrs(rc.cache_id), local.table,
-                                                 pull, l_first, r_first, K, l_off, r_off, ln, J,
-                                                 self.backend.sync_wait_ms)
+        cdef int r = mover.move(rc, entity.peer.addresses(rc.cache_id), local.table, pull,
+                                l_first, r_first, K, l_off, r_off, ln, J, self.backend.sync_wait_ms)
         if r == 1:
             self.taken += 1
             return True
@@ -301,23 +303,26 @@ cdef class FastTransfers:
             entity.broken = True
         return False
 
-    cdef bint _reachable(self, object entity) except -1:
-        """The link's peer is an instance of this process, or is served by the link's one-sided
-        same-host path."""
+    cdef object _route(self, object entity):
+        """How the link's peer is reached: ``_IN_PROCESS`` (an instance of this process), the
+        link's compiled one-sided same-host copy (a ``SameHostMover``), or None (declined)."""
         peer = entity.peer
-        return type(peer) is InProcessPeer or (type(peer) is RemotePeer and
-                                               peer.one_sided() is not None)
+        if type(peer) is InProcessPeer:
+            return _IN_PROCESS
+        if type(peer) is RemotePeer:
+            return peer.one_sided()  # None: unlinked, the owner finalized, or TCP
+        return None
 
     cdef bint _in_process(self, object idx) except -1:
         """Whether the link to ``idx.cluster_id`` reaches an instance of this process (or one on
         this host through the one-sided path): checked before a block list is read, so that a TCP
         call does not parse its block list twice (once here to decline)."""
         entity = self.backend.entities.get(idx.cluster_id)
-        return entity is not None and self._reachable(entity)
+        return entity is not None and self._route(entity) is not None
 
     cdef object _pull_link(self, object idx, object dst_cache, const Ext *e, int64_t bi, Pull *p):
         """PullKvCache steps 4-8, 10, 11 (kvdd.sim.pulls._pull_common without 9) for local row
-        `bi`: ``(local entry, link entity)`` with `p` filled, or None (decline)."""
+        `bi`: ``(local entry, link entity, route)`` with `p` filled, or None (decline)."""
         b = self.backend
         cluster = idx.cluster_id
         if cluster == b.cluster_id:  # 6
@@ -338,13 +343,14 @@ cdef class FastTransfers:
                     or (e.s1 - e.s0 + 1) * e.t != p.K):
                 return None
         entity = b.entities.get(cluster)  # 11
-        if entity is None or not self._reachable(entity) or p.K <= 0:
+        if entity is None or p.K <= 0:
             return None
-        return local, entity
+        route = self._route(entity)
+        return None if route is None else (local, entity, route)
 
     cdef object _push_link(self, object src_cache, object idx, int64_t cache_id, const Ext *e, Push *q):
         """A push's plan (§3.12 steps 5-6) and steps a-d (kvdd.sim.pushes._push_layers):
-        ``(local entry, link entity, remote cache)`` with `q` filled, or None (decline)."""
+        ``(local entry, link entity, remote cache, route)`` with `q` filled, or None (decline)."""
         q.t = e.t
         if not _push_plan(src_cache.cache_desc, e, &q.ls0, &q.L, &q.ld0):
             return None
@@ -353,7 +359,10 @@ cdef class FastTransfers:
         if local is None:
             return None
         entity = b.entities.get(idx.cluster_id)  # b
-        if entity is None or not self._reachable(entity):
+        if entity is None:
+            return None
+        route = self._route(entity)
+        if route is None:
             return None
         rc = entity.peer.snapshot().get(cache_id) if cache_id > 0 else None  # c
         if rc is None:
@@ -362,7 +371,7 @@ cdef class FastTransfers:
         q.remote_layers = rc.num_tensors // q.t
         if q.ld0 < 0 or q.ld0 >= q.remote_layers:  # d
             return None
-        return local, entity, rc
+        return local, entity, rc, route
 
     cdef bint _push_layers_pass(self, object local, object rc, const Push *q) except -1:
         """The checks of a push's layers that do not depend on what is moved (entity.lock held):
@@ -391,7 +400,7 @@ cdef class FastTransfers:
         link = self._pull_link(src_cache_index, dst_cache, &e, bi, &p)  # 4-8, 10, 11 (3, 5: _ext)
         if link is None or (nbytes > 0 and nbytes > p.S):  # 9
             return self._no()
-        local, entity = link
+        local, entity, route = link
         if 120 + 16 * (p.K + 2) > _request_limit:  # 12
             return self._no()
         lock = entity.lock
@@ -414,7 +423,7 @@ cdef class FastTransfers:
                 return self._no()
             l_off = bi * p.S
             r_off = row * p.S
-            if self._move(entity, local, rc, True, p.l_first, p.r_first, p.K, &l_off, &r_off, &nbytes, 1):
+            if self._move(entity, route, local, rc, True, p.l_first, p.r_first, p.K, &l_off, &r_off, &nbytes, 1):
                 return True
             return self._no()
         finally:
@@ -447,7 +456,7 @@ cdef class FastTransfers:
         link = self._pull_link(idx, dst_cache, e, 0, &p)  # 6: PullKvCache 4-8, 10, 11
         if link is None:
             return self._no()
-        local, entity = link
+        local, entity, route = link
         if 120 + 16 * (p.K + 2 * r.G) > _request_limit:  # 8
             return self._no()
         for i in range(r.G):  # 9
@@ -475,7 +484,7 @@ cdef class FastTransfers:
                 return self._no()
             if not _byte_plan(r, p.S, rT % p.S) or r.s_end > rT:  # the §3.11 tail quirk; kvdd rule 1
                 return self._no()
-            if self._move(entity, local, rc, True, p.l_first, p.r_first, p.K, r.do, r.so, r.nb, r.G):
+            if self._move(entity, route, local, rc, True, p.l_first, p.r_first, p.K, r.do, r.so, r.nb, r.G):
                 return True
             return self._no()
         finally:
@@ -511,7 +520,7 @@ cdef class FastTransfers:
         link = self._push_link(src_cache, idx, cache_id, e, &q)  # 6, 7, a-d
         if link is None:
             return self._no()
-        local, entity, rc = link
+        local, entity, rc, route = link
         lock = entity.lock
         lock.acquire()
         try:
@@ -525,7 +534,7 @@ cdef class FastTransfers:
             # kvdd rule 1 (block = local S, §7.4)
             if not _byte_plan(r, q.S, 0) or r.d_end > rc.tensor_nbytes:
                 return self._no()
-            if self._move(entity, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, r.so, r.do, r.nb, r.G):
+            if self._move(entity, route, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, r.so, r.do, r.nb, r.G):
                 return True
             return self._no()
         finally:
@@ -549,7 +558,7 @@ cdef class FastTransfers:
         link = self._push_link(src_cache, dst_cache_index, cache_id, &e, &q)  # 5, 6, a-d
         if link is None:
             return self._no()
-        local, entity, rc = link
+        local, entity, rc, route = link
         lock = entity.lock
         lock.acquire()
         try:
@@ -562,7 +571,7 @@ cdef class FastTransfers:
                 return self._no()
             l_off = sbi * q.S  # exactly L.S bytes of the source row at the remote row's offset (§7.5)
             r_off = bd * stride
-            if self._move(entity, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, &l_off, &r_off, &q.S, 1):
+            if self._move(entity, route, local, rc, False, q.ls0 * q.t, q.ld0 * q.t, q.L * q.t, &l_off, &r_off, &q.S, 1):
                 return True
             return self._no()
         finally:

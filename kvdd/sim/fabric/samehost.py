@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from .samehost_endpoint import Endpoint
 from .samehost_attest import (SameHostRefused, attest, close_fd, pass_pidfd, pidfd_passing,
                               recv_msg, same_sender)
+from .samehost_close import accept_files, close_file, close_socket, refuse_files, room
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +143,10 @@ class SameHostLink:
             if self._closed:
                 return
             self._closed = True
-            for fd in (self.pidfd, self.table_fd, self.mem_fd):
+            for fd in (self.pidfd, self.mem_fd):
                 if fd >= 0:
                     os.close(fd)
+            close_file(self.table_fd)  # the peer's file: never waits (.samehost_close)
             self.pidfd = self.table_fd = self.mem_fd = -1
 
 
@@ -318,8 +320,9 @@ def recv_message(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, in
     ok = (len(fds) <= 1 and len(data) == len(_PROTO) + 1 + size and
           data.startswith(_PROTO + kind))
     if not ok:
-        for extra in fds + [pidfd]:
-            close_fd(extra)
+        for extra in fds:
+            close_file(extra)
+        close_fd(pidfd)
         raise SameHostRefused("unexpected message during the same-host proof" if data else
                               "the peer closed the AF_UNIX socket during the proof")
     return data[len(_PROTO) + 1:], fd, pidfd
@@ -340,6 +343,8 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
     used."""
     own_fd = -1
     try:
+        if not room():  # files of peers still closing (.samehost_close): take none more
+            raise SameHostRefused("too many files of same-host peers are still closing")
         if len(reply) <= _OFFER.size or not _same_host(reply[:_OFFER.size]):
             raise SameHostRefused("the acceptor declined the same-host path")
         name = reply[_OFFER.size:]
@@ -349,6 +354,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
         link: SameHostLink | None = None
         try:
             pass_pidfd(sock)
+            refuse_files(sock)  # no file from the acceptor before it proved the key
             # a blocking connect bounded by SO_SNDTIMEO: the kernel waits for room in the
             # endpoint's queue (woken by each accept) rather than failing while another uid's
             # connects fill it (the endpoint closes those at once)
@@ -359,6 +365,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
             except OSError as exc:
                 raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
             sock.settimeout(timeout_s)
+            accept_files(sock)  # its reply carries its lease table
             send_message(sock, M_HELLO, session_id(session) + proof_of(session, b"initiator"))
             # our table is made while the acceptor checks our proof (it is sent only once the
             # acceptor proved itself; caches unregistered before it is attached are revoked then)
@@ -367,7 +374,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
             try:
                 pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
             except BaseException:
-                close_fd(fd)
+                close_file(fd)
                 raise
             link = SameHostLink(pid, uid, pidfd, fd, 0)
             proof, (slots,) = body[:32], struct.unpack("<I", body[32:])
@@ -382,7 +389,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
             if activate is not None:
                 activate(link)
             _body, extra, sender = recv_message(sock, M_ACK, 0)
-            close_fd(extra)
+            close_file(extra)
             same_sender(sender, pid)
             if not link.alive():
                 raise SameHostRefused("the peer process exited during the proof")
@@ -396,7 +403,7 @@ def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
                 link.close()
             raise
         finally:
-            sock.close()
+            close_socket(sock)  # (files the acceptor queued are closed off this thread)
     finally:
         close_fd(own_fd)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import socket
 
+from .samehost_close import close_file
+
 try:  # always built on Linux; absent elsewhere → TCP only
     from ..._native import _xproc
 except ImportError:  # pragma: no cover
@@ -81,14 +83,18 @@ def pass_pidfd(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
 
 
-_ANC = socket.CMSG_SPACE(4) * 2 + 64  # one SCM_RIGHTS fd + one SCM_PIDFD (+ room to see extras)
+# room for every fd one message can carry (SCM_MAX_FD, 253) + one SCM_PIDFD: a file that did
+# not fit would be released by the kernel on this thread (a lingering socket's close waits)
+_ANC = socket.CMSG_SPACE(4 * 253) + socket.CMSG_SPACE(4) + 64
 
 
 def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
     """One message: its bytes, the fds it carried (SCM_RIGHTS) and the sender's pidfd (-1: none).
 
     Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
-    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC)
+    # close-on-exec: the peer's lease table is held for the link's life, and a program this
+    # process runs meanwhile must not inherit it
+    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC, socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     pidfd = -1
     bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
@@ -108,8 +114,9 @@ def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
                 if extra >= 0:
                     fds.append(extra)
     if bad:
-        for fd in fds + [pidfd]:
-            close_fd(fd)
+        for fd in fds:
+            close_file(fd)
+        close_fd(pidfd)
         raise SameHostRefused("truncated message during the same-host proof")
     return data, fds, pidfd
 

@@ -45,6 +45,8 @@ from .samehost import (M_ACK, M_FINAL, M_HELLO, M_REPLY, SETUP_TIMEOUT_S, LinkCa
                        SameHostLink, SessionKeys, TableFactory, max_slots, proof_of,
                        recv_message, send_message, session_id)
 from .samehost_attest import SameHostRefused, attest, close_fd, pass_pidfd, same_sender
+from .samehost_close import (accept_files, close_file, close_socket, close_stranger,
+                             refuse_files, wait_room)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class Endpoint:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.name)
         pass_pidfd(self._sock)  # inherited by accepted sockets: a hello is attested from the start
+        refuse_files(self._sock)  # inherited too: no file before the initiator proved the key
         # a short queue: a same-uid initiator blocked in connect() (prove) is woken by every
         # accept and takes a freed place at once, instead of waiting behind thousands of
         # another uid's queued connects
@@ -123,9 +126,11 @@ class Endpoint:
         right after accept, by its kernel credentials (``SO_PEERCRED``), before any other work
         (no socket object, no read), so that the queue drains faster than strangers fill it."""
         assert _xproc is not None
-        peer_cred, uid, close = _xproc.peer_cred, os.getuid(), os.close
+        peer_cred, uid, close = _xproc.peer_cred, os.getuid(), close_stranger
         accept: Callable[[], tuple[int, object]] = getattr(self._sock, "_accept")  # the fd only
         while True:
+            if not wait_room(1.0):  # files of peers still closing: accept no more meanwhile
+                continue
             try:
                 fd, _ = accept()
             except OSError as exc:
@@ -220,7 +225,7 @@ class Endpoint:
         pass_pidfd(conn)  # (inherited from the listening socket already; harmless)
         body, fd, sender = recv_message(conn, M_HELLO, 64)
         conn.settimeout(SETUP_TIMEOUT_S)
-        close_fd(fd)
+        close_file(fd)
         pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof
         proof.link = SameHostLink(pid, uid, pidfd)
         pending = proof.pending = self._claim(body[:32])
@@ -229,6 +234,7 @@ class Endpoint:
         if not hmac.compare_digest(body[32:], proof_of(pending.session, b"initiator")):
             raise SameHostRefused("the connecting process does not hold the session key")
         pending.table_fd, slots = pending.make_table()
+        accept_files(conn)  # the initiator proved the key: its lease table may come
         send_message(conn, M_REPLY, proof_of(pending.session, b"acceptor") +
                      struct.pack("<I", slots), pending.table_fd)
         close_fd(pending.table_fd)
@@ -258,7 +264,7 @@ class Endpoint:
                 proof.link.close()
             if proof.pending is not None and not proof.attached:
                 _forget(proof.pending)
-        proof.conn.close()
+        close_socket(proof.conn)  # (files the peer queued in it are closed off this thread)
         self._slots.release()
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...status import NOT_EXIST, S_OK, TIMEOUT, Status
+from . import samehost_close
 from .samehost import SameHostLink, SameHostRefused
 from .samehost_shm import announce, map_owner
 from .wire import LEASE_GRACE_MS, MAX_LEASE_MS
@@ -86,13 +87,20 @@ def seal_table_fd(fd: int) -> None:
 
 
 def check_table_fd(fd: int, slots: int, size: int) -> None:
-    """A received lease table must be a memfd sealed against resizing, of exactly ``size`` bytes
-    for ``slots`` slots; raises SameHostRefused otherwise."""
+    """A received lease table must be a tmpfs memfd sealed against resizing, of exactly ``size``
+    bytes for ``slots`` slots; raises SameHostRefused otherwise.
+
+    tmpfs as for the owner's memory files (:func:`kvdd._native._xproc.shm_check`, seals asked
+    first: no file system is reached for a file without them): a hugetlbfs memfd takes the same
+    seals, and its page, punched out by the peer while none is free, is SIGBUS at the reader's
+    next lease."""
+    assert _xproc is not None
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # first (see above)
         st = os.fstat(fd)
-    except OSError as exc:
-        raise SameHostRefused(f"the peer's lease table is not a sealed memfd ({exc})") from None
+        _xproc.shm_check(fd, st.st_ino)  # tmpfs, a regular file, 1 byte .. 1 TiB
+    except (OSError, ValueError) as exc:
+        raise SameHostRefused(f"the peer's lease table is not a sealed tmpfs memfd ({exc})") from None
     need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
     if seals & need != need or seals & fcntl.F_SEAL_WRITE or st.st_size != size:
         raise SameHostRefused(f"the peer's lease table ({st.st_size} bytes, seals {seals:#x}) is "
@@ -307,9 +315,13 @@ class OneSidedPeer:
             self.release_fds()
 
     def release_fds(self) -> None:
-        """Unmap the owner's memory and close the link's fds (no copy runs: the copy count)."""
+        """Unmap the owner's memory and close the link's fds (no copy runs: the copy count).
+        The unmapping runs on the unmapper thread (:func:`.samehost_close.unmap_later`): when the
+        owner exited, it frees the owner's cache memory (~0.2 s per GiB), which must not hold
+        the unlink, finalize or copy that closes the link."""
         if self.maps is not None:
-            self.maps.close()
+            self.maps.enabled = False  # (no copy runs or starts: the copy count; doubly sure)
+            samehost_close.unmap_later(self.maps.close)
         self.link.close()
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],

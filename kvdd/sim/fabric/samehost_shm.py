@@ -23,7 +23,9 @@ changes.  Every value read is untrusted: each file is checked before it is mappe
 shrinking, so a mapping never faults past the file's end), mapped ``MAP_SHARED`` read-write with
 ``MADV_DONTFORK``, and its fd closed at once.  A file refused leaves the tensors in it on
 ``/proc/<pid>/mem``; so does a tensor whose registered bytes do not fit in its file from its
-offset (checked at every copy, after the usual checks of every run).
+offset (checked at every copy, after the usual checks of every run).  A refused file is closed
+on the closer thread (:mod:`.samehost_close`: a FUSE file's close waits for its server), and
+no file is taken while ``samehost_close.MAX_PENDING`` closes are pending.
 
 Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
 ``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ... import shm
+from . import samehost_close
 
 if TYPE_CHECKING:
     from .protocol import ServedCache
@@ -131,12 +134,20 @@ def announce(table: _xproc.LeaseTable, entries: Sequence[ServedCache]) -> int:
 
 
 def _close_taken(fd: int) -> None:
-    """Close a file taken from the owner: the fd is gone whatever ``close`` says (the file's
-    flush may fail: a FUSE file answers FLUSH with the owner's error), never an exception."""
-    try:
-        os.close(fd)
-    except OSError as exc:
-        logger.info("kvdd same-host: closing a file taken from the owner: %s", exc)
+    """Close a file taken from the owner, never waiting for it: a memfd at once, anything else
+    (a FUSE file, whose FLUSH the owner need not answer) on the closer thread
+    (:mod:`.samehost_close`); the fd is gone whatever ``close`` says, never an exception."""
+    samehost_close.close_file(fd)
+
+
+def _may_take() -> bool:
+    """Room to close one more of the owner's files without waiting (:func:`.samehost_close.room`);
+    logged when there is none."""
+    if samehost_close.room():
+        return True
+    logger.info("kvdd same-host: %d closes of peers' files are pending (MAX_PENDING): the "
+                "owner's files are not taken", samehost_close.pending())
+    return False
 
 
 def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
@@ -146,6 +157,8 @@ def _read_records(pidfd: int, table: _xproc.LeaseTable) -> np.ndarray | None:
     # word 0 names fd -1, which pidfd_getfd refuses (ValueError: None as well, with a log
     # line); word 1 names fd 0, the owner's stdin, never a memfd of kvdd's
     if word == 0:  # mutation: equivalent(skip, 0 -> 1, 0 -> -1): see above
+        return None
+    if not _may_take():
         return None
     fd = _xproc.pidfd_getfd(pidfd, word - 1)  # (ValueError past the largest fd number)
     try:
@@ -206,6 +219,8 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
                 logger.info("kvdd same-host: this process maps %d files of its peers already "
                             "(MAX_PROCESS_MAPS): the rest of this owner's are not mapped",
                             MAX_PROCESS_MAPS)
+                break
+            if not _may_take():
                 break
             try:
                 fd = _xproc.pidfd_getfd(pidfd, fdnum)
