@@ -26,6 +26,7 @@ from kvdd._native._copy import Region
 from kvdd.sim.fabric import samehost, samehost_shm
 
 from hostile.test_samehost_shm_checks import N, Owner, _memfd
+from shared_support import passes_in_a_forked_child
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -44,19 +45,6 @@ def _kvdd_ranges() -> set[tuple[int, int]]:
     with open("/proc/self/maps") as f:
         return {tuple(int(x, 16) for x in line.split()[0].split("-"))  # type: ignore[misc]
                 for line in f if "memfd:kvdd-cache" in line}
-
-
-def _passes_in_a_forked_child(check: Callable[[], bool]) -> None:
-    """Run ``check`` in a forked child: it must return True (False or an exception fails)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            code = 0 if check() else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 def test_a_forked_child_never_copies_through_the_parents_mappings(owner: Owner) -> None:
@@ -89,7 +77,7 @@ def test_a_forked_child_never_copies_through_the_parents_mappings(owner: Owner) 
         maps.close()
         return ok and bool((mine == 0x5A).all())  # still mapped: nothing unmapped here
 
-    _passes_in_a_forked_child(in_child)
+    passes_in_a_forked_child(in_child)
     os.close(mem)
     assert (owner.arena == 0xC3).all()
     assert _kvdd_ranges() - before == {(lo, hi)}  # the parent's mapping is untouched
@@ -104,7 +92,7 @@ def test_a_forked_child_maps_nothing_with_its_parents_peer_maps(owner: Owner) ->
             maps.add(owner.alloc.fd, owner.alloc.ino)
         return True
 
-    _passes_in_a_forked_child(in_child)
+    passes_in_a_forked_child(in_child)
     maps.close()
 
 
@@ -271,7 +259,7 @@ def test_a_forked_childs_bounds_count_only_its_own_mappings(owner: Owner) -> Non
         mine.close()
         return ok and _xproc.peer_map_totals() == (0, 0)
 
-    _passes_in_a_forked_child(in_child)
+    passes_in_a_forked_child(in_child)
     assert _xproc.peer_map_totals() == held
     parent.close()
     assert _xproc.peer_map_totals() == (held[0] - 1, held[1] - size)
