@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
