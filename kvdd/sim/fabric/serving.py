@@ -217,25 +217,29 @@ class RunPlan:
 
     def _block_steps(self, req: int, region: Region, st: _Cut) -> Iterator[list[memoryview]]:
         """:meth:`send_steps` of one tensor when every run is long (blocks): the same lists, made
-        with the runs' views at once; runs that go whole into the open list, leaving it open
-        (as many as fit, when every run has one length), are added together."""
+        with the views of GATHER_BUFFERS runs at a time (the first list goes before the other
+        views are made); runs that go whole into the open list, leaving it open (as many as fit,
+        when every run has one length), are added together."""
         mv = region_view(region)
-        views = [mv[o:o + n] for o, n in zip(self._runs_off, self._runs_len)]
-        i, count = 0, len(views)
-        while i < count:
-            _stream, frame_left, gathered, bufs = st
-            n = len(views[i])
-            fit = min((frame_left - 1) // n, (GATHER_BYTES - gathered - 1) // n,
-                      GATHER_BUFFERS - 2 - len(bufs))
-            if fit > 0:  # no header before them, and neither they nor the list end with them
-                m = min(fit, count - i) if self._equal else 1
-                bufs.extend(views[i:i + m])
-                st[1] = frame_left - m * n
-                st[2] = gathered + m * n
-                i += m
-            else:
-                yield from self._cut(req, views[i], st)
-                i += 1
+        off, length = self._runs_off, self._runs_len
+        for start in range(0, len(off), GATHER_BUFFERS):
+            views = [mv[o:o + n] for o, n in zip(off[start:start + GATHER_BUFFERS],
+                                                 length[start:start + GATHER_BUFFERS])]
+            i, count = 0, len(views)
+            while i < count:
+                _stream, frame_left, gathered, bufs = st
+                n = len(views[i])
+                fit = min((frame_left - 1) // n, (GATHER_BYTES - gathered - 1) // n,
+                          GATHER_BUFFERS - 2 - len(bufs))
+                if fit > 0:  # no header before them, and neither they nor the list end with them
+                    m = min(fit, count - i) if self._equal else 1
+                    bufs.extend(views[i:i + m])
+                    st[1] = frame_left - m * n
+                    st[2] = gathered + m * n
+                    i += m
+                else:
+                    yield from self._cut(req, views[i], st)
+                    i += 1
 
     def _cut(self, req: int, view: memoryview, st: _Cut) -> Iterator[list[memoryview]]:
         """One piece into the lists (``st``: the stream's bytes not yet in a frame, the current
