@@ -45,9 +45,9 @@ from .baselines import arena, fill_pattern
 from .harness import KiB, peer_reporting
 from .transfers import LOCALHOST
 
-__all__ = ["ENV_XPROC", "XP_BLOCK_BYTES", "XP_LOCAL_ID", "XP_RAW_CHUNK", "XP_SMALL", "XP_WAIT_MS", "RawSocket",
-           "XPeer", "in_process_peer", "peer_main", "pvm_ctypes", "serve_raw", "xp_data_path", "xp_env",
-           "xp_options", "xp_peer"]
+__all__ = ["ENV_XPROC", "XP_BLOCK_BYTES", "XP_LOCAL_ID", "XP_RAW_CHUNK", "XP_RAW_GATHER", "XP_RAW_LOWAT",
+           "XP_SMALL", "XP_WAIT_MS", "RawSocket", "XPeer", "in_process_peer", "peer_main", "pvm_ctypes", "serve_raw",
+           "xp_data_path", "xp_env", "xp_options", "xp_peer"]
 
 XP_BLOCK_BYTES = 64 * KiB
 XP_LOCAL_ID = 20
@@ -56,6 +56,8 @@ XP_WAIT_MS = 60_000  # llm.SyncKvCacheWaitTime of both sides: no slow transfer t
 ENV_XPROC = "KVDD_SIM_XPROC"  # "tcp": the simulator links other processes over TCP (docs/backends.md)
 XP_START_TIMEOUT_S = 120.0  # the peer must be ready within this (spawn, import, fill, listen)
 XP_RAW_CHUNK = 64 * KiB  # the raw socket limit receives in chunks of this
+XP_RAW_GATHER = 4 << 20  # or this much per receive (as kvdd's caller: 64 views of 64 KiB)
+XP_RAW_LOWAT = 1 << 20  # woken once this much is queued (kvdd.sim.fabric.streams.RCV_LOWAT)
 XP_SMALL = 64  # bytes of the small-call latency pulls
 XP_STOP = b"\0" * 8
 
@@ -202,7 +204,8 @@ def xp_data_path(dd: LlmDataDist, peer_cluster_id: int) -> str:
 
 class RawSocket:
     """The raw loopback limit, bench side: ask for N bytes (a blocking request/response), then
-    recv_into a preallocated buffer in 64 KiB chunks."""
+    receive them into a preallocated buffer, in 64 KiB chunks (:meth:`pull`) or 4 MiB at a time
+    woken per MiB queued (:meth:`pull_gathered`); the bench takes the faster of the two."""
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection((LOCALHOST, port), timeout=60)
@@ -217,6 +220,34 @@ class RawSocket:
             if n == 0:
                 raise RuntimeError("the raw socket peer closed the connection")
             got += n
+
+    def pull_gathered(self, buf: memoryview, nbytes: int) -> None:
+        """:meth:`pull`, received up to :data:`XP_RAW_GATHER` bytes per ``recv_into``
+        (``MSG_WAITALL``, the socket blocking: one system call each), the socket waking this thread
+        once :data:`XP_RAW_LOWAT` bytes are queued (``SO_RCVLOWAT``) while at least that many
+        follow the bytes asked for (the last ones with every arrival waking it, as they must:
+        nothing follows them)."""
+        sock = self.sock
+        timeout = sock.gettimeout()
+        sock.settimeout(None)
+        raised = False
+        try:
+            sock.sendall(nbytes.to_bytes(8, "little"))
+            got = 0
+            while got < nbytes:
+                end = min(nbytes, got + XP_RAW_GATHER)
+                follow = nbytes - end >= XP_RAW_LOWAT
+                if follow != raised:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, XP_RAW_LOWAT if follow else 1)
+                    raised = follow
+                n = sock.recv_into(buf[got:end], end - got, socket.MSG_WAITALL)
+                if n == 0:
+                    raise RuntimeError("the raw socket peer closed the connection")
+                got += n
+        finally:
+            if raised:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            sock.settimeout(timeout)
 
     def close(self) -> None:
         try:
