@@ -111,6 +111,40 @@ def test_a_long_payload_is_received_with_gathered_wakeups(monkeypatch: pytest.Mo
     assert seen[-1] == (1, 0)  # the last views with every arrival waking the receiver
 
 
+def test_one_long_run_is_received_in_pieces_with_gathered_wakeups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row (one 12 MiB run + 5 bytes): received RECV_BYTES at a time at most, SO_RCVLOWAT
+    raised while RCV_LOWAT bytes or more follow, every byte in place, nothing else touched."""
+    monkeypatch.setattr(streams, "RCV_LOWAT", 512 * KiB)
+    n = (12 << 20) + 5
+    dst = np.full(n + 8 * KiB, 0xEE, dtype=np.uint8)
+    layout = Layout([_region(dst)], np.array([4 * KiB], np.int64), np.array([n], np.int64))
+    payload = bytes(np.random.default_rng(13).integers(0, 256, n, dtype=np.uint8))
+    a, b = _tcp_pair()
+    asked: list[tuple[int, int]] = []  # (bytes asked for, SO_RCVLOWAT)
+
+    class Spy(Rx):
+        __slots__ = ()
+
+        def into_views(self, views: list[memoryview]) -> None:
+            asked.append((sum(len(v) for v in views), _lowat(b)))
+            Rx.into_views(self, views)
+
+    sender = threading.Thread(target=a.sendall, args=(payload,))
+    sender.start()
+    try:
+        Cursor(layout).recv(Spy(b), n)
+    finally:
+        sender.join()
+        a.close()
+        b.close()
+    expected = np.full_like(dst, 0xEE)
+    expected[4 * KiB:4 * KiB + n] = np.frombuffer(payload, np.uint8)
+    assert np.array_equal(dst, expected)
+    assert [size for size, _ in asked] == [streams.RECV_BYTES] * 3 + [5]
+    assert [lowat for _, lowat in asked] == [512 * KiB] * 2 + [1, 1]  # (5 bytes follow the third)
+
+
 def test_the_wakeups_are_plain_again_when_the_peer_closes_mid_payload(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streams, "RCV_LOWAT", 256 * KiB)
