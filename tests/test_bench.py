@@ -224,7 +224,8 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
     assert xp is not None and not xp.get("error"), xp
     assert xp["config"] == {"row_bytes": 1024 * KiB, "blocks": 8, "block_bytes": 64 * KiB,
                             "sync_wait_ms": xp["config"]["sync_wait_ms"], "small_bytes": 64, "calls": 50,
-                            "raw_chunk_bytes": 64 * KiB}
+                            "raw_chunk_bytes": 64 * KiB, "raw_gather_bytes": 4096 * KiB,
+                            "raw_lowat_bytes": 1024 * KiB}
     # two peer processes, neither of them this one nor the bench's; the TCP link is really TCP
     peers = {p["path"]: p for p in xp["peers"]}
     assert set(peers) == {"process_vm", "tcp"}

@@ -18,7 +18,7 @@ import struct
 import time
 from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the co
 
 PLAN_SHARE = 64  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
 T = TypeVar("T")
+_Cut = list[Any]  # RunPlan._cut's state: [stream bytes not in a frame, frame bytes left, gathered, list]
 
 GATHER_BYTES = 1 << 20  # bytes of the tensors one step of a READ's answer gathers (one sendmsg)
 GATHER_BUFFERS = 64  # buffers one step gathers, headers included (one sendmsg each)
@@ -87,6 +88,7 @@ class RunPlan:
         self._seg_b = array("q")
         self._seg_staged = bytearray()
         self._each_run = False  # every run long: each one a segment (no arrays of them)
+        self._equal = False  # and all of one length
         self._stage = np.empty(0, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), 0, self._stage)
 
@@ -118,6 +120,7 @@ class RunPlan:
             is_long = length >= STAGE_RUN_BYTES
             if is_long.all():  # every run long (blocks): each its own segment, nothing to plan
                 self._each_run = True
+                self._equal = bool((length == length[0]).all())
                 longs: list[int] = []
                 j = n
             else:
@@ -196,37 +199,70 @@ class RunPlan:
         if not self.total:  # no byte to send: no tensor to walk (there may be a million)
             return
         yield from self._plan_steps([])
-        stream = self.total  # bytes of the stream not yet put in a frame
-        frame_left = 0  # bytes the current DATA frame still holds
-        bufs: list[memoryview] = []
-        gathered = 0
+        st: _Cut = [self.total, 0, 0, []]
         for k in self.tensors.tolist():
             region = self.regions[k]
+            if self._each_run:
+                yield from self._block_steps(req, region, st)
+                continue
             for view, a, b, staged in self._pieces(region):
                 if staged:
                     self._stage_copy(region, a, b, True)
-                pos, n = 0, len(view)
-                while pos < n:
-                    if not frame_left:  # the stream in DATA frames of MAX_DATA (the last shorter)
-                        frame_left = min(stream, MAX_DATA)
-                        stream -= frame_left
-                        bufs.append(memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req,
-                                                        frame_left)))
-                    take = min(n - pos, frame_left, GATHER_BYTES - gathered)
-                    bufs.append(view if take == n else view[pos:pos + take])
-                    pos += take
-                    frame_left -= take
-                    gathered += take
-                    # a list is full at GATHER_BYTES of the tensors, or when a header and a
-                    # buffer more would make it longer than GATHER_BUFFERS
-                    if gathered >= GATHER_BYTES or len(bufs) >= GATHER_BUFFERS - 1:
-                        yield bufs
-                        bufs, gathered = [], 0
-                if staged and bufs:  # sent before the staging buffer is filled again
-                    yield bufs
-                    bufs, gathered = [], 0
-        if bufs:
-            yield bufs
+                yield from self._cut(req, view, st)
+                if staged and st[3]:  # sent before the staging buffer is filled again
+                    yield st[3]
+                    st[2], st[3] = 0, []
+        if st[3]:
+            yield st[3]
+
+    def _block_steps(self, req: int, region: Region, st: _Cut) -> Iterator[list[memoryview]]:
+        """:meth:`send_steps` of one tensor when every run is long (blocks): the same lists, made
+        with the views of GATHER_BUFFERS runs at a time (the first list goes before the other
+        views are made); runs that go whole into the open list, leaving it open (as many as fit,
+        when every run has one length), are added together."""
+        mv = region_view(region)
+        off, length = self._runs_off, self._runs_len
+        for start in range(0, len(off), GATHER_BUFFERS):
+            views = [mv[o:o + n] for o, n in zip(off[start:start + GATHER_BUFFERS],
+                                                 length[start:start + GATHER_BUFFERS])]
+            i, count = 0, len(views)
+            while i < count:
+                _stream, frame_left, gathered, bufs = st
+                n = len(views[i])
+                fit = min((frame_left - 1) // n, (GATHER_BYTES - gathered - 1) // n,
+                          GATHER_BUFFERS - 2 - len(bufs))
+                if fit > 0:  # no header before them, and neither they nor the list end with them
+                    m = min(fit, count - i) if self._equal else 1
+                    bufs.extend(views[i:i + m])
+                    st[1] = frame_left - m * n
+                    st[2] = gathered + m * n
+                    i += m
+                else:
+                    yield from self._cut(req, views[i], st)
+                    i += 1
+
+    def _cut(self, req: int, view: memoryview, st: _Cut) -> Iterator[list[memoryview]]:
+        """One piece into the lists (``st``: the stream's bytes not yet in a frame, the current
+        frame's bytes left, the tensors' bytes gathered in the open list, that list; updated): a
+        DATA header where a frame begins (MAX_DATA bytes, the last shorter), the piece cut where
+        a frame or a list ends, each list yielded once it holds GATHER_BYTES of the tensors or a
+        header and a buffer more would make it longer than GATHER_BUFFERS."""
+        stream, frame_left, gathered, bufs = st
+        pos, n = 0, len(view)
+        while pos < n:
+            if not frame_left:
+                frame_left = min(stream, MAX_DATA)
+                stream -= frame_left
+                bufs.append(memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, frame_left)))
+            take = min(n - pos, frame_left, GATHER_BYTES - gathered)
+            bufs.append(view if take == n else view[pos:pos + take])
+            pos += take
+            frame_left -= take
+            gathered += take
+            if gathered >= GATHER_BYTES or len(bufs) >= GATHER_BUFFERS - 1:
+                yield bufs
+                bufs, gathered = [], 0
+        st[:] = stream, frame_left, gathered, bufs
 
     def receive(self, rx: Rx, req: int) -> None:
         """The stream from the peer's DATA frames into the tensors (blocking): :meth:`receive_steps`."""

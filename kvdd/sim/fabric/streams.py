@@ -13,7 +13,17 @@ from ..memory import Region, copy_runs
 from .rx import SCATTER_BUFFERS, Rx
 from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
-__all__ = ["region_view", "Layout", "Cursor", "advance", "sendmsg_all", "send_stream"]
+__all__ = ["region_view", "Layout", "Cursor", "advance", "gathered_wakeups", "sendmsg_all", "send_stream",
+           "RCV_LOWAT", "RECV_BYTES"]
+
+#: Bytes a long DATA payload gathers in the socket before the thread receiving it is woken
+#: (``SO_RCVLOWAT``; :meth:`Cursor.recv`).  Without it, every 64 KiB segment that arrives wakes
+#: the receiver, which then copies it and sleeps again: the sending process pays each wake-up
+#: (on a virtual machine an interrupt to the other CPU) and the receiver a context switch.
+RCV_LOWAT = 1 << 20
+#: Bytes one ``recvmsg`` of a DATA payload asks for, at most (a 64 MiB run too is received in
+#: pieces of this, so that SO_RCVLOWAT is raised for all of it but the last RCV_LOWAT bytes).
+RECV_BYTES = 4 << 20
 
 #: ``PyMemoryView_FromMemory``: a writable byte view of memory, made in ~2 us.  (A ctypes array
 #: of the region's size made one too, but its type is cached only while a view is alive, so a
@@ -105,25 +115,48 @@ class Cursor:
 
     def recv(self, rx: Rx, n: int) -> None:
         """The next ``n`` bytes of the stream from ``rx``, into the views they belong to
-        (:meth:`~.rx.Rx.into_views`, SCATTER_BUFFERS views at a time: receiving begins before
-        the views of a long frame are all made)."""
+        (:meth:`~.rx.Rx.into_views`, SCATTER_BUFFERS views or RECV_BYTES at a time: receiving
+        begins before the views of a long frame are all made).  While at least :data:`RCV_LOWAT` bytes of
+        these ``n`` follow the views being filled, the socket wakes the receiving thread only
+        once that many have arrived (``SO_RCVLOWAT``, :func:`gathered_wakeups`)."""
         if n > self.left:
             raise ProtocolError("more DATA than the transfer holds")
         view, want = self._view, n
-        while want > 0:
-            dst: list[memoryview] = []
-            chunk = 0
-            while chunk < want and len(dst) < SCATTER_BUFFERS:
-                if not len(view):
-                    view = next(self._views)
-                take = min(want - chunk, len(view))
-                dst.append(view if take == len(view) else view[:take])
-                view = view[take:]
-                chunk += take
-            self._view = view
-            rx.into_views(dst)
-            self.left -= chunk  # counted once received (0 means every byte is in)
-            want -= chunk
+        lowat = RCV_LOWAT
+        raised = False
+        try:
+            while want > 0:
+                dst: list[memoryview] = []
+                chunk = 0
+                while chunk < want and len(dst) < SCATTER_BUFFERS and chunk < RECV_BYTES:
+                    if not len(view):
+                        view = next(self._views)
+                    take = min(want - chunk, len(view), RECV_BYTES - chunk)
+                    dst.append(view if take == len(view) else view[:take])
+                    view = view[take:]
+                    chunk += take
+                self._view = view
+                # a thread waiting inside recvmsg is woken once SO_RCVLOWAT bytes are queued:
+                # only while that many more of this DATA are still to come after these views
+                follow = want - chunk >= lowat > 1
+                if follow != raised:
+                    raised = gathered_wakeups(rx.sock, lowat if follow else 1)
+                rx.into_views(dst)
+                self.left -= chunk  # counted once received (0 means every byte is in)
+                want -= chunk
+        finally:
+            if raised:
+                gathered_wakeups(rx.sock, 1)
+
+
+def gathered_wakeups(sock: socket.socket, lowat: int) -> bool:
+    """``SO_RCVLOWAT`` of ``sock`` set to ``lowat`` bytes (1: every arrival wakes a reader, the
+    default, as the fabric's pool expects); whether it is now above 1."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+    except OSError:  # (a socket type without it: every arrival wakes the reader)
+        return False
+    return lowat > 1
 
 
 def advance(bufs: list[memoryview], sent: int) -> None:
