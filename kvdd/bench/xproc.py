@@ -330,9 +330,11 @@ def print_cross_process(cross: Mapping[str, Any], file: IO[str] | None = None) -
     print_table(rows, XP_COLUMNS, out)
     print(file=out)
     say(f"Small calls ({cfg.get('calls')} timed calls each, interleaved; in_process = the same pull from an "
-          "instance in this process (the simulator's compiled in-process path), in_process_python = the same "
-          "with that path off (the engine's Python checks, which every cross-process call runs), socket_rr = "
-          "a raw blocking request/response of the same bytes over loopback):", out)
+          "instance in this process (the compiled call path, as same-host calls take it), in_process_python = "
+          "the same with that path off (the engine's Python checks, as TCP calls take them), socket_rr = "
+          "a raw blocking request/response of the same bytes over loopback, pvm_ctypes = a bare "
+          "process_vm_readv of the same iovecs from Python; pull_blocks_Nx64KiB = N blocks of the block "
+          "pool):", out)
     print_table(cross.get("latency", []), LAT_COLUMNS, out)
     print_setup(cross.get("setup"), out)
     for p in cross["peers"]:
