@@ -239,7 +239,10 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
                 # a tmpfs file (shm_check) now held by our mapping: this close frees nothing
                 # and waits for nothing, so it is never queued (the unmapper may be busy for
                 # seconds: one fd per announced file would pile up here meanwhile)
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError as exc:  # the fd is gone whatever close says
+                    logger.info("kvdd same-host: closing the owner's fd %d: %s", fdnum, exc)
         # a slot's tensors are numbered below its record count: bounded lists
         slot, tensor = rows[:, 0], rows[:, 1]
         ok = slot < table.slots
