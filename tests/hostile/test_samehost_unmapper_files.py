@@ -101,7 +101,8 @@ def test_large_memfds_from_an_owner_are_bounded_while_the_unmapper_is_busy(
         # the link's own fds (socket, pidfd, /proc/<pid>/mem, ...) and at most MAX_PENDING of
         # the owner's files waiting for the busy unmapper; before: one per announced fd (256)
         assert held <= samehost_close.MAX_PENDING + 16, held
-        assert samehost_close.pending() <= samehost_close.MAX_PENDING
+        # (plus what a set-up queues after its admission: the proof's sockets, the table)
+        assert samehost_close.pending() <= samehost_close.MAX_PENDING + 4
         maps = me.backend.entities[OWNER].peer._path._reader.maps  # type: ignore[attr-defined]
         if mode == "mapped":  # every file mapped, the busy unmapper notwithstanding
             assert maps is not None and len(maps) == FILES
