@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 
@@ -75,6 +76,7 @@ def test_a_child_pulls_through_proc_mem_not_the_parents_mappings(call: str) -> N
         pid = make_child()
         if pid == 0:  # the child: one pull, its outcome on the pipe, then _exit
             code = 1
+            signal.alarm(10)  # (a lock held by another thread at the fork: killed, not hung)
             try:
                 buf[:] = 0
                 uses = maps.uses
