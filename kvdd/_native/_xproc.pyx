@@ -72,6 +72,8 @@ cdef extern from "<sys/mman.h>" nogil:
     enum: PROT_READ
     enum: PROT_WRITE
     enum: MAP_SHARED
+    enum: MAP_PRIVATE
+    enum: MAP_ANONYMOUS
     void *MAP_FAILED
 
 cdef extern from "<sys/socket.h>" nogil:

@@ -40,23 +40,46 @@ cdef extern from *:
 cdef extern from "<unistd.h>" nogil:
     pid_t getpid()
 
-cdef extern from "<pthread.h>" nogil:
-    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
-                       void (*child)() noexcept nogil)
+cdef extern from *:
+    """
+    #ifndef MADV_WIPEONFORK
+    #define MADV_WIPEONFORK 18
+    #endif
+    static inline int kvdd_wipeonfork(void *p, size_t n) { return madvise(p, n, MADV_WIPEONFORK); }
+    """
+    int kvdd_wipeonfork(void *p, size_t n) nogil
 
-# This process's pid for the per-copy "made here?" check of PeerMaps.bases without a system call:
-# set at import and again in every child that any fork() makes (pthread_atfork runs for os.fork
-# and for a fork in C alike; a vfork/posix_spawn child runs no Python before its exec).
-cdef pid_t _pid_now = getpid()
+# "Made in this process?" for PeerMaps.bases at every copy, without a system call: one private
+# page marked MADV_WIPEONFORK holds the pid of the process that last made a PeerMaps here.  The
+# kernel zeroes it in every child that does not share our memory, however the child was made:
+# fork() (os.fork), glibc's _Fork() and a raw clone(), which run no pthread_atfork handler (a
+# pid kept by such a handler stayed the parent's in a _Fork child, whose next copy then went
+# through the parent's mappings, absent there: SIGSEGV, or the child's own memory since).
+# A child's first PeerMaps writes its own pid; the parent's PeerMaps never match it again.
+cdef uint64_t *_here = NULL
 
 
-cdef void _pid_after_fork() noexcept nogil:
-    global _pid_now
-    _pid_now = getpid()
+cdef void _here_init():
+    global _here
+    cdef void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if p == MAP_FAILED:
+        raise ImportError("kvdd._native._xproc: cannot map one page")
+    if kvdd_wipeonfork(p, 4096) != 0:  # (Linux < 4.14: getpid() at every copy instead)
+        munmap(p, 4096)
+        return
+    _here = <uint64_t *>p
+    _here[0] = <uint64_t>getpid()
 
 
-if pthread_atfork(NULL, NULL, _pid_after_fork) != 0:
-    raise ImportError("kvdd._native._xproc: pthread_atfork failed")
+_here_init()
+
+
+cdef inline bint _made_here(pid_t pid) noexcept nogil:
+    """Whether this process is the one whose pid the PeerMaps recorded (``pid``) at its making."""
+    if _here != NULL:
+        return _here[0] == <uint64_t>pid
+    return getpid() == pid
+
 
 #: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
 TMPFS_MAGIC = 0x01021994
@@ -159,8 +182,8 @@ cdef class PeerMaps:
     starts in a mapping.  A copy uses the mappings only when every tensor it touches is placed and
     its mapping holds the tensor's registered bytes from its offset on (:meth:`lookup`, checked at
     every call, after the run checks).  :meth:`close` unmaps: the caller does it only when no copy
-    runs (the reader's copy count, as for the link's other fds).  In a forked child (another
-    pid than the one that mapped) nothing is mapped (``MADV_DONTFORK``; the range may hold the
+    runs (the reader's copy count, as for the link's other fds).  In a child of the process
+    that mapped (made by any fork or clone without shared memory: ``_made_here``) nothing is mapped (``MADV_DONTFORK``; the range may hold the
     child's own memory since): no copy uses the mappings and nothing is unmapped there.
 
     Parameters
@@ -184,6 +207,8 @@ cdef class PeerMaps:
             raise ValueError(f"PeerMaps: {slots} slots")
         self.slots = slots
         self.pid = getpid()
+        if _here != NULL and _here[0] != <uint64_t>self.pid:  # the first one in a child
+            _here[0] = <uint64_t>self.pid
         self._maps = []
         self._placed = {}
         self.closed = False
@@ -321,7 +346,7 @@ cdef class PeerMaps:
         """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
         ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
         from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
-        if self.closed or not self.enabled or rn < 0 or _pid_now != self.pid:
+        if self.closed or not self.enabled or rn < 0 or not _made_here(self.pid):
             return False
         placed = self._placed.get(slot)
         if placed is None:

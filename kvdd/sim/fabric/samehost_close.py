@@ -27,7 +27,10 @@ fd that kvdd keeps, and at most ``SCM_MAX_FD`` (253) in all).
 A memfd (``F_GET_SEALS`` succeeds: shmem or hugetlbfs, which define no flush) is closed at once
 on the caller's thread when it holds at most :data:`FREE_INLINE` bytes of memory; a larger one
 on the unmapper thread: when ours is the last reference its release frees its pages (about
-0.2 s per GiB), which always ends but need not hold the caller.
+0.2 s per GiB), which always ends but need not hold the caller.  Such closes count against
+:data:`MAX_PENDING` with the closer's (:func:`room`): the unmapper is busy as long as freeing an
+exited owner's memory takes, and a peer announcing many large memfds (one fd each) would
+otherwise have the fds pile up meanwhile (measured: 256 fds held by one link's set-up).
 
 ``SO_PASSRIGHTS`` (Linux >= 6.16, :func:`refuse_files` / :func:`accept_files`): the proof's
 sockets refuse ``SCM_RIGHTS`` until the peer has proven the session key, so a local process
@@ -64,21 +67,23 @@ SO_PASSRIGHTS = 83
 class _Closer:
     """One daemon thread closing queued files in order."""
 
-    def __init__(self, name: str = "kvdd-samehost-closer") -> None:
+    def __init__(self, name: str, cv: threading.Condition) -> None:
         self.name = name
-        self.cv = threading.Condition()
-        self.queue: deque[Callable[[], None]] = deque()
+        self.cv = cv  # (shared by both threads: room() counts the files queued on either)
+        self.queue: deque[tuple[Callable[[], None], bool]] = deque()
         self.busy = 0  # 1 while the thread runs a close
+        self.files = 0  # closes of peers' files queued or running (put with file=True)
         self.thread: threading.Thread | None = None
 
     def pending(self) -> int:
         with self.cv:
             return len(self.queue) + self.busy
 
-    def put(self, close: Callable[[], None]) -> None:
+    def put(self, close: Callable[[], None], file: bool = False) -> None:
         with self.cv:
-            self.queue.append(close)
-            self.cv.notify()
+            self.queue.append((close, file))
+            self.files += file
+            self.cv.notify_all()  # (the condition is shared: wake this thread whichever waits)
             if self.thread is None:
                 thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 try:
@@ -93,7 +98,7 @@ class _Closer:
             with self.cv:
                 while not self.queue:
                     self.cv.wait()
-                close = self.queue.popleft()
+                close, file = self.queue.popleft()
                 self.busy = 1
             try:
                 close()
@@ -104,51 +109,67 @@ class _Closer:
             finally:
                 with self.cv:
                     self.busy = 0
+                    self.files -= file
                     self.cv.notify_all()
-
-    def wait_room(self, timeout_s: float) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: len(self.queue) + self.busy < MAX_PENDING, timeout_s)
 
     def idle(self, timeout_s: float) -> bool:
         with self.cv:
             return self.cv.wait_for(lambda: not self.queue and not self.busy, timeout_s)
 
-    def after_fork(self) -> None:
+    def after_fork(self, cv: threading.Condition) -> None:
         """In a forked child: the queued fds are the child's too (its copies); no thread runs."""
-        self.cv = threading.Condition()
+        self.cv = cv
         self.busy = 0
+        self.files = 0
         self.thread = None
         if self.queue:
             queued = list(self.queue)
             self.queue.clear()
-            for close in queued:
-                self.put(close)
+            for close, file in queued:
+                self.put(close, file)
 
 
-_closer = _Closer()
-os.register_at_fork(after_in_child=_closer.after_fork)
+# One condition for both threads: the bound on pending closes of peers' files (room) counts the
+# closer's queue and the files queued on the unmapper together.
+_cv = threading.Condition()
+_closer = _Closer("kvdd-samehost-closer", _cv)
 # Unmapping a peer's memory (PeerMaps.close) frees the pages when ours was the last reference
 # (the owner exited): ~0.2 s per GiB of its cache, on the thread that unmaps.  That always ends,
 # so it has a thread of its own (a close hung on the closer never holds it).
-_unmapper = _Closer("kvdd-samehost-unmap")
-os.register_at_fork(after_in_child=_unmapper.after_fork)
+_unmapper = _Closer("kvdd-samehost-unmap", _cv)
+
+
+def _after_fork() -> None:
+    cv = threading.Condition()
+    _closer.after_fork(cv)
+    _unmapper.after_fork(cv)
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _pending() -> int:  # (the shared condition held)
+    return len(_closer.queue) + _closer.busy + _unmapper.files
 
 
 def room() -> bool:
-    """True while fewer than :data:`MAX_PENDING` closes of peers' files are pending: only then
-    does a link set-up take or receive another file of its peer."""
-    return _closer.pending() < MAX_PENDING
+    """True while fewer than :data:`MAX_PENDING` closes of peers' files are pending (on the
+    closer, or large memfds on the unmapper, which is busy as long as freeing an exited
+    owner's memory takes): only then does a link set-up take or receive another file of its
+    peer."""
+    return pending() < MAX_PENDING
 
 
 def pending() -> int:
-    """Closes of peers' files queued or running now."""
-    return _closer.pending()
+    """Closes of peers' files queued or running now (the closer's and the unmapper's)."""
+    with _cv:
+        return _pending()
 
 
 def wait_room(timeout_s: float) -> bool:
     """Wait until :func:`room` (at most ``timeout_s``); its value then."""
-    return _closer.wait_room(timeout_s)
+    with _cv:
+        return _cv.wait_for(lambda: _pending() < MAX_PENDING, timeout_s)
 
 
 def idle(timeout_s: float) -> bool:
@@ -190,7 +211,7 @@ def close_file(fd: int) -> None:
         except OSError as exc:  # (shmem defines no flush; EINTR, EIO of a hook)
             logger.info("kvdd same-host: closing a peer's memfd: %s", exc)
     elif held > FREE_INLINE:
-        _unmapper.put(lambda: os.close(fd))
+        _unmapper.put(lambda: os.close(fd), file=True)  # (counted by room: bounded)
     else:
         _closer.put(lambda: os.close(fd))
 

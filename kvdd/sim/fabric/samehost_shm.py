@@ -24,8 +24,10 @@ shrinking, so a mapping never faults past the file's end), mapped ``MAP_SHARED``
 ``MADV_DONTFORK``, and its fd closed at once.  A file refused leaves the tensors in it on
 ``/proc/<pid>/mem``; so does a tensor whose registered bytes do not fit in its file from its
 offset (checked at every copy, after the usual checks of every run).  A refused file is closed
-on the closer thread (:mod:`.samehost_close`: a FUSE file's close waits for its server), and
-no file is taken while ``samehost_close.MAX_PENDING`` closes are pending.
+on the closer thread (:mod:`.samehost_close`: a FUSE file's close waits for its server; a
+memfd holding more than 64 MiB on the unmapper thread), and no file is taken while
+``samehost_close.MAX_PENDING`` closes are pending on either; a mapped file's fd is closed at once
+(the mapping holds the file: that close frees nothing).
 
 Bounds: the reader takes at most :data:`MAX_RECORDS` records and maps at most
 ``min(records, MAX_LINK_MAPS)`` distinct files per link (beyond that: none, the link copies
@@ -232,8 +234,15 @@ def map_owner(pidfd: int, table: _xproc.LeaseTable) -> _xproc.PeerMaps | None:
                                                MAX_PROCESS_MAPS, MAX_PROCESS_MAP_BYTES)
             except ValueError as exc:
                 logger.info("kvdd same-host: the owner's fd %d is not mapped: %s", fdnum, exc)
-            finally:
                 _close_taken(fd)
+            else:
+                # a tmpfs file (shm_check) now held by our mapping: this close frees nothing
+                # and waits for nothing, so it is never queued (the unmapper may be busy for
+                # seconds: one fd per announced file would pile up here meanwhile)
+                try:
+                    os.close(fd)
+                except OSError as exc:  # the fd is gone whatever close says
+                    logger.info("kvdd same-host: closing the owner's fd %d: %s", fdnum, exc)
         # a slot's tensors are numbered below its record count: bounded lists
         slot, tensor = rows[:, 0], rows[:, 1]
         ok = slot < table.slots
