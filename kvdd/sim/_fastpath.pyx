@@ -256,7 +256,7 @@ cdef class FastTransfers:
         For a peer in another process on this host, the same through the link's one-sided path
         (:class:`kvdd._native._xproc.SameHostMover`: ``route``, from :meth:`_route`)."""
         if route is not _IN_PROCESS:
-            return self._move_one_sided(entity, <SameHostMover>route, local, rc, pull, l_first,
+            return self._move_one_sided(entity, <SameHostMover?>route, local, rc, pull, l_first,
                                         r_first, K, l_off, r_off, ln, J)
         if _injections.armed or entity.broken or entity.peer.closed:  # faults.on_transfer; rule 8
             return False
