@@ -116,8 +116,14 @@ class Endpoint:
         self._workers = 0
         self._idle = 0
         self._pid = os.getpid()
+        self._proving = 0  # connections holding one of the MAX_SETUPS slots
         threading.Thread(target=self._accept_loop, name="kvdd-samehost-endpoint",
                          daemon=True).start()
+
+    def held(self) -> dict[str, int]:
+        """Sessions expected now and connections being proven (diagnostics)."""
+        with self._lock:
+            return {"pending": len(self._pending), "proving": self._proving}
 
     def room(self) -> bool:
         """Whether another session may be expected now (fewer than MAX_PENDING wait)."""
@@ -204,6 +210,8 @@ class Endpoint:
             if not same_uid or not self._slots.acquire(blocking=False):
                 close(fd)  # another user, or too many proofs at once: that link uses TCP
                 continue
+            with self._lock:
+                self._proving += 1
             proof = _Proof(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd))
             try:
                 proof.conn.settimeout(0.0)  # only if it is there already: never wait here
@@ -352,6 +360,8 @@ class Endpoint:
         with proof.lock:
             proof.closed = True
             proof.conn.close()
+        with self._lock:
+            self._proving -= 1
         self._slots.release()
 
     def _forget(self, p: _Pending) -> None:
