@@ -7,8 +7,9 @@ and the session transcript cover it (:mod:`.listener_auth`, :func:`.auth.answer_
 it is exactly as authentic as the answer.  The announcer learns of every session it was announced
 to (``expect``, before the answer leaves) and of each of them that will not become a link using it
 (``abandon``: an unlink, a refused link, a connection dropped before its hello was served); on the
-initiator's side, of each handshake that ended before the acceptor's reply was accepted
-(``discard``).  Every callback is cheap and never waits for a peer: the listener's thread calls
+initiator's side, of each link hello sent (``sent``: what the announcement offers starts then,
+while the acceptor serves the hello) and of each handshake that ended before the acceptor's reply
+was accepted (``discard``).  Every callback is cheap and never waits for a peer: the listener's thread calls
 the first ones.
 """
 
@@ -22,7 +23,7 @@ from .auth import Session
 logger = logging.getLogger(__name__)
 
 __all__ = ["Announcer", "MAX_ANNOUNCEMENT", "set_announcer", "announcement", "expect", "abandon",
-           "discard"]
+           "sent", "discard"]
 
 MAX_ANNOUNCEMENT = 192  # bytes after the 32-byte MAC (an authentication frame is at most 256)
 
@@ -35,6 +36,8 @@ class Announcer(Protocol):
     def expect(self, session: Session) -> bool: ...  # acceptor: the session it goes to
 
     def abandon(self, session: Session) -> None: ...  # acceptor: no link will use it
+
+    def sent(self, session: Session) -> None: ...  # initiator: its link hello left
 
     def discard(self, session: Session) -> None: ...  # initiator: the handshake ended early
 
@@ -79,6 +82,16 @@ def abandon(session: Session) -> None:
     if a is not None and session.announced:
         try:
             a.abandon(session)
+        except Exception:
+            logger.exception("kvdd fabric: the announcer failed")
+
+
+def sent(session: Session) -> None:
+    """The initiator's link hello on ``session`` left."""
+    a = _announcer
+    if a is not None and session.announced:
+        try:
+            a.sent(session)
         except Exception:
             logger.exception("kvdd fabric: the announcer failed")
 

@@ -41,7 +41,8 @@ from ..memory import Region
 from .announce import set_announcer
 from .auth import Session
 from .protocol import LinkOwner, RemoteCache, ServedCache
-from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, announcement,
+from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, announced_name,
+                       announcement,
                        availability, endpoint, expect, finish_proof, offer, same_host,
                        start_proof)
 from .samehost_attest import close_fd
@@ -318,30 +319,46 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
 
 
 def _offer_and_prove(session: SessionKeys, owner: LinkOwner) -> bytes | None:
-    """The initiator's entry, once its proof left for the endpoint the acceptor announced (None:
-    nothing announced, or the path is not usable: TCP)."""
+    """The initiator's entry (None: nothing announced, or the path is not usable: TCP); its
+    proof leaves for the announced endpoint once the hello is sent (:func:`_start`)."""
     announced = getattr(session, "announced", b"")
     mine = offer() if announced else b""
     if not mine:
         return None
     try:
-        sock = start_proof(announced, session)
+        announced_name(announced)
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         return None
+    if not _put(True, session, _LinkState(owner, mine, 0)):
+        return None
+    return mine + _wait_ms(owner)
+
+
+def _start(session: SessionKeys) -> None:
+    """Our hello left: our proof to the announced endpoint, then our table (made while the
+    acceptor serves the hello and checks the proof).  On failure the link uses TCP (our
+    ``accept`` finds no proof; the acceptor's session expires unclaimed)."""
+    with _lock:
+        state = _states.get((True, bytes(session.transcript)))
+    owner = None if state is None else state.owner
+    if state is None or owner is None or state.proof is not None:
+        return
+    announced = getattr(session, "announced", b"")
+    try:
+        sock = start_proof(announced, session)
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: this link uses TCP: %s", exc)
+        return
     _sweep()
     tables = _Tables(owner)
-    try:  # our table, made while the acceptor checks our proof and serves our hello
+    try:
         own = tables.make()
     except BaseException:
         sock.close()
         tables.close()
         raise
-    state = _LinkState(owner, mine, 0, (sock, tables, own))
-    if not _put(True, session, state):
-        state.end()
-        return None
-    return mine + _wait_ms(owner)
+    state.proof = (sock, tables, own)
 
 
 def extension_accept(session: SessionKeys, value: bytes) -> object:
@@ -393,6 +410,9 @@ class _Announcer:
 
     def abandon(self, session: Session) -> None:
         endpoint().abandon(session)
+
+    def sent(self, session: Session) -> None:
+        _start(session)
 
     def discard(self, session: Session) -> None:
         state = _take(True, session)
