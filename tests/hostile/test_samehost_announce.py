@@ -178,9 +178,9 @@ def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     return ep, s, calls
 
 
-def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int) -> None:
+def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int, proven: int = 0) -> None:
     deadline = time.monotonic() + 5
-    while ep.held() != {"pending": pending, "proving": proving}:
+    while ep.held() != {"pending": pending, "proving": proving, "proven": proven}:
         assert time.monotonic() < deadline, ep.held()
         time.sleep(0.005)
 
@@ -200,7 +200,7 @@ def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Ini
     soon as the link is decided, once; a second proof of the same session is refused."""
     ep, s, calls = _expected()
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1)
+    _settled(ep, 1, 1, 1)  # (proven: its connection claimed the session)
     initiator.prove("prove", "b", s, ep.name)
     what, ms = initiator.wait("b")
     assert what == "CLOSED" and ms < 1000  # the second proof: refused, the first unaffected
@@ -237,11 +237,11 @@ def test_the_initiators_table_before_our_proof_is_refused(initiator: Initiator,
 def test_an_abandoned_session_shuts_its_waiting_proof_down(initiator: Initiator) -> None:
     ep, s, calls = _expected()
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1)
+    _settled(ep, 1, 1, 1)
     ep.abandon(s)  # e.g. the link was refused
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    assert calls.links == [None] and calls.tables == 0
+    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0
     _settled(ep, 0, 0)
 
 
@@ -272,7 +272,7 @@ def test_a_proof_whose_link_hello_never_comes_is_closed_with_its_connection(
     s, announced = _auth(initiator, "t1", acceptor)
     assert announced.endswith(ep.name)
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, base + 1, 1)
+    _settled(ep, base + 1, 1, 1)
     assert initiator.ask("closetcp", "t1") == ["OK"]
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000

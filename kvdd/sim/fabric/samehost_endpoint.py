@@ -121,9 +121,11 @@ class Endpoint:
                          daemon=True).start()
 
     def held(self) -> dict[str, int]:
-        """Sessions expected now and connections being proven (diagnostics)."""
+        """Sessions expected now, of them those an initiator proved already, and connections
+        being proven (diagnostics)."""
         with self._lock:
-            return {"pending": len(self._pending), "proving": self._proving}
+            return {"pending": len(self._pending), "proving": self._proving,
+                    "proven": sum(p.verified for p in self._pending.values())}
 
     def room(self) -> bool:
         """Whether another session may be expected now (fewer than MAX_PENDING wait)."""
