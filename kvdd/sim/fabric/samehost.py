@@ -6,15 +6,17 @@ because of anything a peer claims (pids, addresses, nonces: a peer can relay or 
 
 How a link gets the path
 ------------------------
-1. In the authenticated hello the initiator offers the extension (:func:`offer`: version, boot id,
-   uid: hints only, used to decline early).  An acceptor on the same boot with the same uid that can
-   use ``process_vm_*`` (:func:`availability`) answers with the abstract AF_UNIX name of its
-   :class:`~.samehost_endpoint.Endpoint` (:func:`accept`) and expects the session there
-   (:meth:`~.samehost_endpoint.Endpoint.expect`).
-2. The initiator connects to that name (:func:`prove`); on the AF_UNIX socket both sides prove
-   that they hold the session's key (HMAC-SHA256 over the session transcript with distinct role
-   labels; the acceptor finds the session by the transcript's hash, which it learned in step 1,
-   and uses it once).  Identity comes from the kernel, for *the message that carries the proof*:
+1. An acceptor that can use ``process_vm_*`` (:func:`availability`) announces, after the MAC of
+   its authentication answer, its hints (version, uid, boot id) and the abstract AF_UNIX name of
+   its :class:`~.samehost_endpoint.Endpoint` (:func:`announcement`), which expects the session from
+   then on (:func:`expect`).  An initiator on the same boot with the same uid offers the extension
+   in its link hello (:func:`offer`: the same hints, used to decline early) and, once the hello
+   left, connects to that name and sends its proof (:func:`start_proof`).  The acceptor binds the
+   session to the link it makes and lets the endpoint answer once its reply is sent
+   (:meth:`~.samehost_endpoint.Endpoint.bind`, :meth:`~.samehost_endpoint.Endpoint.decide`).
+2. On the AF_UNIX socket both sides prove that they hold the session's key (HMAC-SHA256 over the
+   session transcript with distinct role labels; the acceptor finds the session by the
+   transcript's hash, which it learned in step 1, and uses it once; :func:`finish_proof`).  Identity comes from the kernel, for *the message that carries the proof*:
    both sockets have ``SO_PASSPIDFD`` on (Linux >= 6.5), so the kernel attaches to each received
    message a pidfd (``SCM_PIDFD``) on the process that *sent* it.  Each side takes the pidfd that
    came with the peer's HMAC proof (the initiator's hello, the acceptor's reply), reads its pid
