@@ -5,7 +5,7 @@ reads the frames, sends what these functions return and keeps the bounds).
 Per connection: the initiator's hello (its nonce and auth mode) gets our challenge (our nonce and
 mode) or a refusal; its proof (``HMAC(secret, "initiator" ...)``) gets our answer or a refusal.  The
 answer (``AUTH_OK``) is our MAC over the transcript so far and the announcement that follows it
-(:mod:`.announce`: the same-host endpoint, expected for this session before the answer leaves), so
+(:mod:`.announce`: the same-host endpoint, expecting the session before the answer leaves), so
 the initiator can start what the announcement offers before its link hello is answered.
 """
 
