@@ -43,6 +43,8 @@ pytestmark = pytest.mark.skipif(not samehost.availability()[0],
 #     and at once its table, on a new connection TAG)
 #   auth TAG PORT -> "AUTH <key> <transcript> <channel> <announced>" (a raw TCP authentication,
 #     held open as TAG, no hello sent)
+#   hello TAG BACKEND CLUSTER -> "REPLY <status>" (a link hello offering the path on TAG)
+#   unlink TAG CLUSTER -> "REPLY <status>" (an unlink hello on TAG)
 #   closetcp TAG -> "OK";  wait TAG -> "<what came: R, CLOSED or TIMEOUT> <ms>"
 _INITIATOR = r"""
 import socket, struct, sys, time
@@ -86,6 +88,18 @@ for line in sys.stdin:
         print("AUTH", a.key.hex(), a.transcript.hex(),
               channel_binding(tcp, initiator=True).hex() or "-", a.announced.hex() or "-",
               flush=True)
+    elif cmd == "hello":  # a link hello offering the same-host path on the held connection
+        tcp = held[tag]
+        entry = samehost.offer() + struct.pack("<I", 1000)
+        tcp.sendall(rawpeer.frame(rawpeer.wire.F_HELLO_LINK, rawpeer.hello_link(
+            int(rest[1]), backend=rest[0], extensions={samehost.EXTENSION: entry})))
+        ftype, _req, body = rawpeer.read_frame(tcp)
+        print("REPLY", rawpeer.wire.Reader(body).u("I"), flush=True)
+    elif cmd == "unlink":  # an unlink hello on the held connection
+        tcp = held[tag]
+        tcp.sendall(rawpeer.frame(rawpeer.wire.F_HELLO_UNLINK, struct.pack("<Q", int(rest[0]))))
+        ftype, _req, body = rawpeer.read_frame(tcp)
+        print("REPLY", struct.unpack("<I", body)[0], flush=True)
     elif cmd == "closetcp":
         held.pop(tag).close()
         print("OK", flush=True)
@@ -171,6 +185,7 @@ class Calls:
 
 def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     ep = samehost.endpoint()
+    _BASE.update(ep.held())  # (other tests of this process may have left sessions to expire)
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
     assert ep.expect(s)
     calls = Calls()
@@ -178,21 +193,27 @@ def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     return ep, s, calls
 
 
+_BASE: dict[str, int] = {}  # the endpoint's counts when the test began
+
+
 def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int, proven: int = 0) -> None:
+    """The endpoint holds that many more sessions, proof connections and proven sessions than
+    when the test began (:data:`_BASE`)."""
+    want = {"pending": pending, "proving": proving, "proven": proven}
     deadline = time.monotonic() + 5
-    while ep.held() != {"pending": pending, "proving": proving, "proven": proven}:
-        assert time.monotonic() < deadline, ep.held()
+    while {k: v - _BASE.get(k, 0) for k, v in ep.held().items()} != want:
+        assert time.monotonic() < deadline, (ep.held(), _BASE)
         time.sleep(0.005)
 
 
 def test_a_proof_for_a_session_never_announced_is_refused_at_once(initiator: Initiator) -> None:
     ep = samehost.endpoint()
-    before = ep.held()
+    _BASE.update(ep.held())
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
     initiator.prove("prove", "a", s, ep.name)
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    _settled(ep, before["pending"], before["proving"])
+    _settled(ep, 0, 0)
 
 
 def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Initiator) -> None:
@@ -268,33 +289,52 @@ def test_a_proof_whose_link_hello_never_comes_is_closed_with_its_connection(
     hello deadline), not when the session would expire."""
     monkeypatch.setattr(listener, "HELLO_TIMEOUT_S", 0.3)
     ep = samehost.endpoint()
-    base = ep.held()["pending"]
+    _BASE.update(ep.held())
     s, announced = _auth(initiator, "t1", acceptor)
     assert announced.endswith(ep.name)
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, base + 1, 1, 1)
+    _settled(ep, 1, 1, 1)
     assert initiator.ask("closetcp", "t1") == ["OK"]
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    _settled(ep, base, 0)
+    _settled(ep, 0, 0)
     s, announced = _auth(initiator, "t2", acceptor)  # silent: the hello deadline ends it
     initiator.prove("prove", "b", s, ep.name)
     what, ms = initiator.wait("b")
     assert what == "CLOSED" and ms < 2000
-    _settled(ep, base, 0)
+    _settled(ep, 0, 0)
     initiator.ask("closetcp", "t2")
+
+
+def test_a_proof_of_a_refused_link_is_closed_with_the_refusal(
+        initiator: Initiator, acceptor: int) -> None:
+    """The link is refused (another transfer backend): the session it was announced to is
+    abandoned with the reply, and the proof waiting for it closed, none of ours sent."""
+    ep = samehost.endpoint()
+    _BASE.update(ep.held())
+    s, _announced = _auth(initiator, "t", acceptor)
+    initiator.prove("prove", "a", s, ep.name)
+    _settled(ep, 1, 1, 1)
+    assert initiator.ask("hello", "t", "hixl", "91") == ["REPLY", str(int(Status.LLM_LINK_FAILED))]
+    what, ms = initiator.wait("a")
+    assert what == "CLOSED" and ms < 1000
+    _settled(ep, 0, 0)
+    initiator.ask("closetcp", "t")
 
 
 def test_authenticated_connections_hold_expected_sessions_only_while_they_last(
         initiator: Initiator, acceptor: int) -> None:
+    """Held until the connection closes, or its hello turns out to be an unlink."""
     ep = samehost.endpoint()
-    base = ep.held()["pending"]
+    _BASE.update(ep.held())
     for i in range(8):
         _auth(initiator, f"c{i}", acceptor)
-    _settled(ep, base + 8, 0)
+    _settled(ep, 8, 0)
+    assert initiator.ask("unlink", "c0", "77")[0] == "REPLY"
+    _settled(ep, 7, 0)  # (its connection still open)
     for i in range(8):
         initiator.ask("closetcp", f"c{i}")
-    _settled(ep, base, 0)
+    _settled(ep, 0, 0)
 
 
 def _fake_acceptor(srv: socket.socket, announced: bytes, sent: bytes) -> None:
