@@ -166,10 +166,14 @@ _BOOT_ID = boot_id()
 
 
 def ptrace_scope() -> int | None:
-    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent)."""
+    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent).  Read on every link (it may
+    change), without a text layer."""
     try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read().strip())
+        fd = os.open("/proc/sys/kernel/yama/ptrace_scope", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return int(os.read(fd, 64).strip())
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return None
 
