@@ -51,6 +51,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -165,17 +166,28 @@ def boot_id() -> str:
 _BOOT_ID = boot_id()
 
 
+_SCOPE_TTL_S = 1.0  # a ptrace_scope read is reused this long (a /proc/sys lookup costs ~50 µs,
+#                    and every authentication answer and link hello asks)
+_scope: tuple[float, int | None] = (-_SCOPE_TTL_S, None)
+
+
 def ptrace_scope() -> int | None:
-    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent).  Read on every link (it may
-    change), without a text layer."""
+    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent), read at most once a second (it
+    may change while the process runs)."""
+    global _scope
+    now = time.monotonic()
+    if now - _scope[0] < _SCOPE_TTL_S:
+        return _scope[1]
     try:
         fd = os.open("/proc/sys/kernel/yama/ptrace_scope", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return int(os.read(fd, 64).strip())
+            value: int | None = int(os.read(fd, 64).strip())
         finally:
             os.close(fd)
     except (OSError, ValueError):
-        return None
+        value = None
+    _scope = (now, value)
+    return value
 
 
 _self_check: tuple[bool, str] | None = None
