@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvdd.sim.fabric import LinkOffer, RemoteCache, wire
-from kvdd.sim.fabric.auth import NONCE_BYTES, load_secret, mac, session_key
+from kvdd.sim.fabric.auth import NONCE_BYTES, answer_transcript, load_secret, mac, session_key
 from kvdd.sim.fabric.handshake import transcript_of
 
 HDR = struct.Struct("<2sBBII")
@@ -72,6 +72,8 @@ class Auth:
     proof: bytes
     answer: bytes
     key: bytes  # session key (zero bytes when authentication failed)
+    announced: bytes = b""  # what the acceptor's answer announced after its MAC (its endpoint)
+    transcript: bytes = b""
 
 
 def refusal(payload: bytes) -> str:
@@ -98,14 +100,16 @@ def authenticate(s: socket.socket, key: bytes | None = None, auth_off: bool = Fa
     t0 = transcript_of(hello, challenge)
     my_proof = proof if proof is not None else mac(key, "initiator", nonce_i, nonce_a, t0)
     s.sendall(frame(wire.F_AUTH_PROOF, my_proof))
-    ftype, _req, answer = read_frame(s)
+    ftype, _req, payload = read_frame(s)
     if ftype == wire.F_AUTH_REFUSED:
-        raise PermissionError(refusal(answer))
+        raise PermissionError(refusal(payload))
     assert ftype == wire.F_AUTH_OK, ftype
-    t1 = hashlib.sha256(t0 + my_proof).digest()
+    answer, announced = payload[:32], payload[32:]
+    t1 = answer_transcript(t0, my_proof, announced)
     assert answer == mac(key, "acceptor", nonce_i, nonce_a, t1), "the server's proof is wrong"
     transcript = hashlib.sha256(t1 + answer).digest()
-    return Auth(hello, challenge, my_proof, answer, session_key(key, nonce_i, nonce_a, transcript))
+    return Auth(hello, challenge, my_proof, answer, session_key(key, nonce_i, nonce_a, transcript),
+                announced, transcript)
 
 
 def hello_link(cluster_id: int, force: bool = True, backend: str = "comm", wait_ms: int = 1000,

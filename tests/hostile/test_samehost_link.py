@@ -8,7 +8,6 @@ included) by the conformance harness."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import signal
@@ -26,7 +25,7 @@ import kvdd
 from kvdd import LlmRole, Status
 from kvdd.sim import fabric
 from kvdd.sim.fabric import samehost, wire
-from kvdd.sim.fabric.auth import NONCE_BYTES, load_secret, mac
+from kvdd.sim.fabric.auth import NONCE_BYTES, answer_transcript, load_secret, mac
 from kvdd.sim.fabric.handshake import transcript_of
 from kvdd.sim.fabric.samehost_path import OneSidedPeer
 
@@ -230,10 +229,11 @@ def test_reader_killed_under_load_releases(own_world: World, own_proc: PeerProce
 # ---- a fake peer that authenticated and announces another process's endpoint --------------------
 
 
-def _serve_fake_acceptor(srv: socket.socket, victim_reply: bytes, victim_addrs: list[int],
+def _serve_fake_acceptor(srv: socket.socket, victim_announced: bytes, victim_addrs: list[int],
                          nbytes: int, done: threading.Event) -> None:
-    """Accept one connection, authenticate as the acceptor (it holds the secret), answer the
-    link hello with a snapshot of the victim's addresses and the victim's samehost entry."""
+    """Accept one connection, authenticate as the acceptor (it holds the secret) announcing the
+    victim's endpoint, answer the link hello with a snapshot of the victim's addresses and a
+    samehost entry."""
     conn, _ = srv.accept()
     with conn:
         conn.settimeout(10)
@@ -245,9 +245,9 @@ def _serve_fake_acceptor(srv: socket.socket, victim_reply: bytes, victim_addrs: 
         conn.sendall(rawpeer.frame(wire.F_AUTH_CHALLENGE, challenge))
         t0 = transcript_of(hello, challenge)
         _t, _r, proof = rawpeer.read_frame(conn)
-        t1 = hashlib.sha256(t0 + proof).digest()
+        t1 = answer_transcript(t0, proof, victim_announced)
         answer = mac(key, "acceptor", nonce_i, nonce_a, t1)
-        conn.sendall(rawpeer.frame(wire.F_AUTH_OK, answer))
+        conn.sendall(rawpeer.frame(wire.F_AUTH_OK, answer + victim_announced))
         _t, _r, _hello_link = rawpeer.read_frame(conn)
         w = wire.Writer().pack("I", 0).text("")
         wire.encode_offer(w, fabric.LinkOffer(66, "comm", None, 60000))
@@ -255,17 +255,18 @@ def _serve_fake_acceptor(srv: socket.socket, victim_reply: bytes, victim_addrs: 
         w.pack("I", 1)
         w.raw(wire.RC.pack(9, len(victim_addrs), nbytes, 1, nbytes, 0, 0))
         w.raw(np.asarray(victim_addrs, dtype="<u8").tobytes())
-        wire.encode_extensions(w, {samehost.EXTENSION: victim_reply})
+        wire.encode_extensions(w, {samehost.EXTENSION: samehost.offer() + struct.pack("<I", 1000)})
         conn.sendall(rawpeer.frame(wire.F_LINK_REPLY, bytes(w.buf)))
         done.wait(30)
 
 
 def test_spoofed_endpoint_reads_and_writes_nothing_in_a_third_process(
         world: World, proc: PeerProcess) -> None:
-    """F links to the victim V (gets V's real samehost reply: V's endpoint name), then answers our
-    link with V's endpoint and V's cache addresses as its own.  Our proof at V's endpoint fails
-    (V has no session with our transcript, and our channel is not V's): the link uses TCP to F,
-    and not one byte of V (guards included) or of ours changes."""
+    """F links to the victim V (gets V's real announcement: V's endpoint name), then announces
+    V's endpoint in its own authentication answer and answers our link with V's cache addresses
+    as its own.  Our proof at V's endpoint fails (V has no session with our transcript, and our
+    channel is not V's): the link uses TCP to F, and not one byte of V (guards included) or of
+    ours changes."""
     victim = world.peer(1, LlmRole.PROMPT)
     assert isinstance(victim, ProcessNode)
     victim.initialize(listen=True)
@@ -275,7 +276,8 @@ def test_spoofed_endpoint_reads_and_writes_nothing_in_a_third_process(
     dh = register(d, Spec())
     # F links to V as a kvdd initiator would (authenticated, offering samehost)
     vs = rawpeer.connect(victim.listen_port or 0)
-    rawpeer.authenticate(vs)
+    victim_announced = rawpeer.authenticate(vs).announced
+    assert victim_announced  # V announced its endpoint
     offer = samehost.offer() + struct.pack("<I", 1000)
     vs.sendall(rawpeer.frame(wire.F_HELLO_LINK, rawpeer.hello_link(
         77, extensions={samehost.EXTENSION: offer})))
@@ -287,14 +289,12 @@ def test_spoofed_endpoint_reads_and_writes_nothing_in_a_third_process(
     wire.decode_offer(r)
     r.text()
     snap, addrs = wire.decode_snapshot(r)
-    exts = wire.decode_extensions(r)
-    victim_reply = exts[samehost.EXTENSION]
     victim_addrs = list(addrs[vh.cache_id])
     rc = snap[vh.cache_id]
     srv = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
     t = threading.Thread(target=_serve_fake_acceptor,
-                         args=(srv, victim_reply, victim_addrs, rc.tensor_nbytes, done))
+                         args=(srv, victim_announced, victim_addrs, rc.tensor_nbytes, done))
     t.start()
     before = world.snapshot()
     try:

@@ -23,7 +23,7 @@ import pytest
 import kvdd
 from kvdd import DataType, LlmRole, Status
 from kvdd.sim import fabric
-from kvdd.sim.fabric import listener as fabric_listener
+from kvdd.sim.fabric import listener_auth
 from kvdd.sim.fabric import wire
 
 import peer_node
@@ -181,7 +181,7 @@ def test_server_survives_fuzz(world: World, proc: PeerProcess) -> None:
 def test_server_drops_slow_handshakes(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """Connections that send nothing, or drip an authentication hello byte by byte, are closed
     when the pre-authentication deadline passes, and never keep a real peer from linking."""
-    monkeypatch.setattr(fabric_listener, "PREAUTH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(listener_auth, "PREAUTH_TIMEOUT_S", 0.5)
     d, p, dh, ph = setup_pair(world, d_listen=True)
     port = d.listen_port
     assert port

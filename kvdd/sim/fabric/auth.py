@@ -28,6 +28,7 @@ from .secret import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, MIN_SECRET_BYTES, Se
 
 __all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "ENV_AUTH", "SecretError", "Secret", "Session",
            "load_secret", "generate_secret", "describe_secret", "default_secret_path", "mac", "session_key",
+           "answer_transcript",
            "NONCE_BYTES", "MIN_SECRET_BYTES", "AuthError", "authenticate_socket",
            "check_private_dir"]
 
@@ -62,6 +63,10 @@ class Session:
         The connection's endpoints as this side's kernel reports them, initiator's first
         (:func:`channel_binding`): the same-host proof binds them, so a relay holding the secret,
         which can give two sessions one transcript, cannot give them one channel.
+    announced : bytes
+        What the acceptor announced in its authentication answer (:mod:`.announce`: the
+        same-host endpoint), b"" for nothing; covered by the acceptor's MAC and the transcript
+        (:func:`answer_transcript`).
     """
 
     key: bytes = field(repr=False)
@@ -72,6 +77,7 @@ class Session:
     peer_boot_id: str = ""
     auth_off: bool = False
     channel: bytes = b""
+    announced: bytes = b""
 
 
 def channel_binding(sock: socket.socket, initiator: bool) -> bytes:
@@ -91,6 +97,13 @@ def mac(key: bytes, role: str, nonce_i: bytes, nonce_a: bytes, transcript: bytes
     transcript so far (32 bytes).  Compare with :func:`hmac.compare_digest`."""
     msg = b"kvdd-fabric/2 " + role.encode() + b"\0" + nonce_i + nonce_a + transcript
     return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def answer_transcript(t0: bytes, proof: bytes, announced: bytes) -> bytes:
+    """The transcript the acceptor's MAC covers (its ``"acceptor"`` :func:`mac`): the first two
+    messages' (``t0``), the initiator's proof and the announcement the answer carries after the
+    MAC, so that no one without the secret can change or strip it (32 bytes)."""
+    return hashlib.sha256(t0 + proof + announced).digest()
 
 
 def session_key(key: bytes, nonce_i: bytes, nonce_a: bytes, transcript: bytes) -> bytes:

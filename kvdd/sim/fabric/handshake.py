@@ -20,11 +20,12 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from ...status import S_OK, TIMEOUT, Status
+from . import announce
 from .auth import (ENV_AUTH, ENV_SECRET, ENV_SECRET_FILE, NONCE_BYTES, SecretError, Session,
-                   channel_binding, load_secret, mac, session_key)
+                   answer_transcript, channel_binding, load_secret, mac, session_key)
 from .channel import Channel
 from .extensions import accept_extensions, offer_extensions
 from .peers import InProcessPeer, RemotePeer
@@ -102,12 +103,24 @@ def decode_refusal(payload: bytes) -> tuple[int, str]:
         return Status.LLM_LINK_FAILED, "malformed refusal"
 
 
+_IS_PATH: dict[type, bool] = {}  # by class: whether its objects are DataPaths (a Protocol's
+#                                  isinstance looks up every member: ~30 µs, on each link)
+
+
+def _is_path(result: object) -> bool:
+    kind = type(result)
+    known = _IS_PATH.get(kind)
+    if known is None:
+        known = _IS_PATH[kind] = isinstance(result, DataPath)
+    return known
+
+
 def _pick_path(accepted: dict[str, object]) -> DataPath | None:
     """The first accepted extension result that is a data path; the others are closed."""
     path: DataPath | None = None
     for result in accepted.values():
-        if path is None and isinstance(result, DataPath):
-            path = result
+        if path is None and _is_path(result):
+            path = cast(DataPath, result)
     return path
 
 
@@ -188,10 +201,12 @@ class RemoteConnection:
         t0 = transcript_of(hello, challenge)
         proof = mac(secret.key, "initiator", nonce_i, nonce_a, t0)
         self._send(frame(F_AUTH_PROOF, 0, proof))
-        ftype, answer = self._recv()
+        ftype, payload = self._recv()
         if ftype == F_AUTH_REFUSED:
-            raise _Failed(*decode_refusal(answer))
-        t1 = hashlib.sha256(t0 + proof).digest()
+            raise _Failed(*decode_refusal(payload))
+        # our answer: its MAC, then what it announces (covered by the MAC: :mod:`.announce`)
+        answer, announced = payload[:32], payload[32:]
+        t1 = answer_transcript(t0, proof, announced)
         if ftype != F_AUTH_OK or not hmac.compare_digest(
                 answer, mac(secret.key, "acceptor", nonce_i, nonce_a, t1)):
             raise _Failed(Status.LLM_LINK_FAILED,
@@ -202,7 +217,7 @@ class RemoteConnection:
         assert self.sock is not None
         return Session(session_key(secret.key, nonce_i, nonce_a, transcript), transcript, True,
                        local.cluster_id, 0, "", secret.auth_off,
-                       channel_binding(self.sock, initiator=True))
+                       channel_binding(self.sock, initiator=True), announced)
 
     # -- Connection -------------------------------------------------------------------------------
     def link(self, local: LinkOwner, force_link: bool) -> LinkResult:
@@ -213,6 +228,13 @@ class RemoteConnection:
 
     def _link(self, local: LinkOwner, force_link: bool) -> LinkResult:
         session = self._authenticate(local)
+        try:
+            return self._link_hello(local, force_link, session)
+        finally:  # what an extension started for this link and did not finish ends with it
+            announce.discard(session)
+
+    def _link_hello(self, local: LinkOwner, force_link: bool, session: Session) -> LinkResult:
+        """The link hello and its reply, on an authenticated connection."""
         comm = local.transfer_backend == "comm"
         snap, entries = local.snapshot_for_link() if comm else ({}, {})
         w = Writer()
@@ -226,6 +248,7 @@ class RemoteConnection:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")
         self._send(frame(F_HELLO_LINK, 0, bytes(w.buf)))
+        announce.sent(session)  # (the same-host proof leaves while the peer serves our hello)
         ftype, reply = self._recv()
         if ftype != F_LINK_REPLY:
             raise ProtocolError("unexpected reply")
@@ -356,8 +379,17 @@ def serve_link(owner: LinkOwner, conn: socket.socket, payload: bytearray | memor
 
     ``ticket`` (the listener's link bounds) is asked before any work for the link: a link over
     them gets LLM_LINK_FAILED with the reason.  A connection that does not become a link goes to
-    ``finish`` after its reply (default: :func:`linger` here)."""
-    finish = finish or linger
+    ``finish`` after its reply (default: :func:`linger` here).  What the authentication answer
+    announced for ``session`` is abandoned unless this link took it over (:mod:`.announce`)."""
+    try:
+        return _decode_and_serve(owner, conn, payload, session, ticket, finish or linger)
+    finally:
+        announce.abandon(session)  # (a no-op once the link decided it)
+
+
+def _decode_and_serve(owner: LinkOwner, conn: socket.socket, payload: bytearray | memoryview,
+                      session: Session, ticket: LinkAdmission | None,
+                      finish: Callable[[socket.socket], None]) -> bool:
     r = Reader(payload)
     offer = decode_offer(r)
     if ticket is not None:  # before the snapshot is decoded: a refused link costs no more

@@ -24,11 +24,8 @@ checks the file with one ``lstat`` per hello).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import mmap
-import secrets
 import selectors
 import socket
 import threading
@@ -36,20 +33,19 @@ import time
 import weakref
 from collections import OrderedDict, deque
 
-from ...status import Status
+from . import announce
 from .admission import FairTable, source_of
-from .auth import (NONCE_BYTES, SecretError, Session, channel_binding, load_secret, mac,
-                   session_key)
+from .auth import Session
 from .gate import HandshakeGate
-from .handshake import auth_refusal, mode_mismatch, transcript_of
+from .listener_auth import (AUTH_HELLO_BYTES, READING_HELLO, PreAuth, answer_hello, answer_proof,
+                            whole_hello)
 from .logutil import warn_limited
 from .protocol import LinkOwner
 from .registry import norm_ip, register, unregister
-from .wire import (F_AUTH_CHALLENGE, F_AUTH_HELLO, F_AUTH_OK, F_AUTH_PROOF, F_HELLO_LINK,
-                   F_HELLO_UNLINK, HDR, HELLO_TIMEOUT_S, LINGER_S, MAX_DRAINING,
+from .wire import (F_HELLO_LINK, F_HELLO_UNLINK, HDR, HELLO_TIMEOUT_S, LINGER_S, MAX_DRAINING,
                    MAX_HELLO_BUFFERED, MAX_POSTAUTH, MAX_POSTAUTH_PER_SOURCE, MAX_PREAUTH,
-                   MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError,
-                   VersionMismatch, check_header, frame, version_refusal)
+                   MAX_PREAUTH_PER_SOURCE, ProtocolError, VersionMismatch, check_header,
+                   version_refusal)
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +55,8 @@ ACCEPT_BATCH = 32  # connections accepted per turn of the loop (then the others 
 BACKLOG = 4096  # the kernel's queue of connections not accepted yet (capped by somaxconn)
 DEFER_ACCEPT_S = 1  # TCP_DEFER_ACCEPT: the kernel holds a connection that sent nothing (seconds)
 _DEFER: int | None = getattr(socket, "TCP_DEFER_ACCEPT", None)  # Linux
-_READING_HELLO, _READING_PROOF = 0, 1
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _MMAP_HELLO = 1 << 16  # hellos of at least this many bytes are read into an anonymous mapping
-_AUTH_HELLO_BYTES = HDR.size + NONCE_BYTES + 1  # the initiator's first write (its whole hello)
-
-
-def _whole_hello(first: bytes | None) -> bool:
-    """Whether the first bytes of a connection are a whole authentication hello, or at least a
-    header of another protocol version (let in: it is answered with a version refusal)."""
-    if first is None or len(first) < HDR.size:
-        return False
-    return len(first) >= _AUTH_HELLO_BYTES or first[2] != PROTOCOL_VERSION
-
-
-class _PreAuth:
-    """A connection that has not authenticated yet (lives only in the listener's loop)."""
-
-    __slots__ = ("sock", "deadline", "stage", "buf", "ftype", "need", "nonce_i", "nonce_a",
-                 "key", "auth_off", "t0", "peer", "source")
-
-    def __init__(self, sock: socket.socket, peer: object, source: str) -> None:
-        self.sock = sock
-        self.peer = peer  # the address accept() gave (formatted only for the log)
-        self.source = source
-        self.deadline = time.monotonic() + PREAUTH_TIMEOUT_S
-        self.stage = _READING_HELLO
-        self.buf = bytearray()
-        self.ftype = -1  # the frame being read (-1: its header)
-        self.need = HDR.size
-        self.nonce_i = b""
-        self.nonce_a = b""
-        self.key = b""
-        self.auth_off = False
-        self.t0 = b""
 
 
 class _Hello:
@@ -100,7 +64,7 @@ class _Hello:
 
     __slots__ = ("sock", "peer", "source", "session", "deadline", "head", "ftype", "body", "got")
 
-    def __init__(self, state: _PreAuth, session: Session) -> None:
+    def __init__(self, state: PreAuth, session: Session) -> None:
         self.sock: socket.socket = state.sock
         self.peer = state.peer
         self.source = state.source
@@ -120,7 +84,7 @@ class _Draining:
         self.deadline = time.monotonic() + LINGER_S
 
 
-_State = _PreAuth | _Hello | _Draining
+_State = PreAuth | _Hello | _Draining
 
 
 class Listener:
@@ -157,7 +121,7 @@ class Listener:
         self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._pre: FairTable[_PreAuth] = FairTable(MAX_PREAUTH, MAX_PREAUTH_PER_SOURCE)
+        self._pre: FairTable[PreAuth] = FairTable(MAX_PREAUTH, MAX_PREAUTH_PER_SOURCE)
         self._post: FairTable[_Hello] = FairTable(MAX_POSTAUTH, MAX_POSTAUTH_PER_SOURCE)
         self._buffered = 0  # hello bytes announced by the connections in ``_post``
         self._drain: OrderedDict[_Draining, None] = OrderedDict()
@@ -270,7 +234,7 @@ class Listener:
         return soonest
 
     def _step(self, state: _State) -> None:
-        if isinstance(state, _PreAuth):
+        if isinstance(state, PreAuth):
             self._step_pre(state)
         elif isinstance(state, _Hello):
             self._step_hello(state)
@@ -304,13 +268,13 @@ class Listener:
             self.accepted += 1
             source = addr[0] if self._ipv4 else source_of(addr)
             try:  # what the connection sent during the kernel's deferral
-                first: bytes | None = conn.recv(_AUTH_HELLO_BYTES, _DONTWAIT)
+                first: bytes | None = conn.recv(AUTH_HELLO_BYTES, _DONTWAIT)
             except BlockingIOError:
                 first = None
             except OSError:
                 first = b""
             mine = self._pre.count(source)
-            if first == b"" or (not _whole_hello(first) and (
+            if first == b"" or (not whole_hello(first) and (
                     mine >= MAX_PREAUTH_PER_SOURCE
                     or (len(self._pre) >= MAX_PREAUTH and mine >= self._pre.largest()))):
                 # closed already, or without a whole authentication hello (sent in one write
@@ -321,11 +285,11 @@ class Listener:
                 conn.close()
                 continue
             conn.setblocking(False)
-            state = _PreAuth(conn, addr, source)
+            state = PreAuth(conn, addr, source)
             for old in self._pre.add(state, source):  # fair eviction (admission.py)
                 self._close(old)
             try:
-                while first and state in self._pre and state.stage == _READING_HELLO:
+                while first and state in self._pre and state.stage == READING_HELLO:
                     piece = state.need - len(state.buf)  # (the hello came with the connection)
                     self._step_pre(state, first[:piece])
                     first = first[piece:]
@@ -357,13 +321,14 @@ class Listener:
         if isinstance(state, _Hello):
             self._buffered -= len(state.body)
             state.body = bytearray()  # counted once, however often it is closed
+            announce.abandon(state.session)  # (once: a no-op for a session already forgotten)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(state.sock)
         with contextlib.suppress(OSError):
             state.sock.close()
 
     def _drop(self, state: _State) -> None:
-        if isinstance(state, _PreAuth):
+        if isinstance(state, PreAuth):
             self._pre.remove(state)
         elif isinstance(state, _Hello):
             self._post.remove(state)
@@ -384,7 +349,7 @@ class Listener:
             return
         self._drain[state] = None
 
-    def _refuse(self, state: _PreAuth, data: bytes, why: str) -> None:
+    def _refuse(self, state: PreAuth, data: bytes, why: str) -> None:
         """Send ``data`` (a refusal the peer can parse), then discard its input until it closes
         or LINGER_S passes (closing with unread input would reset the refusal away)."""
         warn_limited(logger, "refused", "kvdd fabric: refused a connection from %s: %s",
@@ -402,7 +367,7 @@ class Listener:
         self._add_drain(state.sock)
 
     # -- before authentication ---------------------------------------------------------------------
-    def _step_pre(self, state: _PreAuth, chunk: bytes | None = None) -> None:
+    def _step_pre(self, state: PreAuth, chunk: bytes | None = None) -> None:
         """Read (or take ``chunk``: what came with the connection) towards the frame in progress;
         from the socket, a frame's payload in the turn of its header (they come together)."""
         from_socket = chunk is None
@@ -433,10 +398,9 @@ class Listener:
             logger.debug("kvdd fabric: connection from %s dropped: %s", state.peer, exc)
             self._drop(state)
 
-    def _header(self, state: _PreAuth) -> None:
+    def _header(self, state: PreAuth) -> None:
         ftype, _req, length = check_header(state.buf)
-        expected = F_AUTH_HELLO if state.stage == _READING_HELLO else F_AUTH_PROOF
-        if ftype != expected:
+        if ftype != state.expected():
             raise ProtocolError(f"frame type {ftype} before authentication")
         state.ftype = ftype
         state.buf = bytearray()
@@ -444,63 +408,29 @@ class Listener:
         if length == 0:
             self._frame(state)
 
-    def _frame(self, state: _PreAuth) -> None:
+    def _frame(self, state: PreAuth) -> None:
         payload = bytes(state.buf)
         state.buf = bytearray()
         state.ftype = -1
         state.need = HDR.size
-        if state.stage == _READING_HELLO:
-            self._on_hello(state, payload)
+        session: Session | None = None
+        if state.stage == READING_HELLO:
+            data, why = answer_hello(state, payload, f"{self.ip}:{self.port}")
         else:
-            self._on_proof(state, payload)
-
-    def _on_hello(self, state: _PreAuth, hello: bytes) -> None:
-        if len(hello) != NONCE_BYTES + 1:
-            raise ProtocolError("malformed authentication hello")
+            data, why, session = answer_proof(state, payload, self.cluster_id)
+        if why is not None:
+            self._refuse(state, data, why)
+            return
         try:
-            secret = load_secret()
-        except SecretError as exc:
-            warn_limited(logger, "secret", "kvdd fabric: cannot authenticate links to %s:%d: %s",
-                         self.ip, self.port, exc)
-            self._refuse(state, auth_refusal(Status.LLM_LINK_FAILED,
-                                             "the peer has no usable fabric secret (see its log)"),
-                         str(exc))
+            if state.sock.send(data) != len(data):
+                raise ProtocolError("the peer does not read")
+        except BaseException:
+            if session is not None:
+                announce.abandon(session)
+            raise
+        if session is None:
+            self._pre.progressed(state)  # evicted after those of its source still in their hello
             return
-        peer_off = bool(hello[NONCE_BYTES])
-        if peer_off != secret.auth_off:
-            self._refuse(state, auth_refusal(Status.LLM_LINK_FAILED, mode_mismatch(peer_off)),
-                         "KVDD_FABRIC_AUTH differs")
-            return
-        state.nonce_i = hello[:NONCE_BYTES]
-        state.nonce_a = secrets.token_bytes(NONCE_BYTES)
-        state.key = secret.key
-        state.auth_off = secret.auth_off
-        challenge = state.nonce_a + bytes([int(secret.auth_off)])
-        state.t0 = transcript_of(hello, challenge)
-        data = frame(F_AUTH_CHALLENGE, 0, challenge)
-        if state.sock.send(data) != len(data):
-            raise ProtocolError("the peer does not read")
-        state.stage = _READING_PROOF
-        self._pre.progressed(state)  # evicted after those of its source still in their hello
-
-    def _on_proof(self, state: _PreAuth, proof: bytes) -> None:
-        expected = mac(state.key, "initiator", state.nonce_i, state.nonce_a, state.t0)
-        if not hmac.compare_digest(proof, expected):
-            self._refuse(state, auth_refusal(
-                Status.LLM_LINK_FAILED,
-                "authentication failed: the two sides hold different fabric secrets; set the "
-                "same KVDD_FABRIC_SECRET (or KVDD_FABRIC_SECRET_FILE) on both sides "
-                "(`kvdd fabric-secret` makes one)"), "wrong secret")
-            return
-        t1 = hashlib.sha256(state.t0 + proof).digest()
-        answer = mac(state.key, "acceptor", state.nonce_i, state.nonce_a, t1)
-        data = frame(F_AUTH_OK, 0, answer)
-        if state.sock.send(data) != len(data):
-            raise ProtocolError("the peer does not read")
-        transcript = hashlib.sha256(t1 + answer).digest()
-        session = Session(session_key(state.key, state.nonce_i, state.nonce_a, transcript),
-                          transcript, False, self.cluster_id, 0, "", state.auth_off,
-                          channel_binding(state.sock, initiator=False))
         self._pre.remove(state)
         hello = _Hello(state, session)
         for old in self._post.add(hello, hello.source):  # fair eviction (admission.py)
@@ -524,6 +454,8 @@ class Listener:
                 ftype, _req, length = check_header(state.head)
                 if ftype not in (F_HELLO_LINK, F_HELLO_UNLINK):
                     raise ProtocolError(f"frame type {ftype} instead of a hello")
+                if ftype == F_HELLO_UNLINK:  # (an unlink uses no announcement)
+                    announce.abandon(state.session)
                 self._reserve(state, length)
                 state.ftype = ftype
             while state.got < len(state.body):
@@ -545,6 +477,7 @@ class Listener:
         if not self.gate.submit(state.sock, state.session, state.ftype, state.body, state.source):
             warn_limited(logger, "busy", "kvdd fabric: too many hellos waiting on %s:%d; closing "
                          "one from %s", self.ip, self.port, state.peer)
+            announce.abandon(state.session)
             with contextlib.suppress(OSError):
                 state.sock.close()
 

@@ -6,15 +6,17 @@ because of anything a peer claims (pids, addresses, nonces: a peer can relay or 
 
 How a link gets the path
 ------------------------
-1. In the authenticated hello the initiator offers the extension (:func:`offer`: version, boot id,
-   uid: hints only, used to decline early).  An acceptor on the same boot with the same uid that can
-   use ``process_vm_*`` (:func:`availability`) answers with the abstract AF_UNIX name of its
-   :class:`~.samehost_endpoint.Endpoint` (:func:`accept`) and expects the session there
-   (:meth:`~.samehost_endpoint.Endpoint.expect`).
-2. The initiator connects to that name (:func:`prove`); on the AF_UNIX socket both sides prove
-   that they hold the session's key (HMAC-SHA256 over the session transcript with distinct role
-   labels; the acceptor finds the session by the transcript's hash, which it learned in step 1,
-   and uses it once).  Identity comes from the kernel, for *the message that carries the proof*:
+1. An acceptor that can use ``process_vm_*`` (:func:`availability`) announces, after the MAC of
+   its authentication answer, its hints (version, uid, boot id) and the abstract AF_UNIX name of
+   its :class:`~.samehost_endpoint.Endpoint` (:func:`announcement`), which expects the session from
+   then on (:func:`expect`).  An initiator on the same boot with the same uid offers the extension
+   in its link hello (:func:`offer`: the same hints, used to decline early) and, once the hello
+   left, connects to that name and sends its proof (:func:`start_proof`).  The acceptor binds the
+   session to the link it makes and lets the endpoint answer once its reply is sent
+   (:meth:`~.samehost_endpoint.Endpoint.bind`, :meth:`~.samehost_endpoint.Endpoint.decide`).
+2. On the AF_UNIX socket both sides prove that they hold the session's key (HMAC-SHA256 over the
+   session transcript with distinct role labels; the acceptor finds the session by the
+   transcript's hash, which it learned in step 1, and uses it once; :func:`finish_proof`).  Identity comes from the kernel, for *the message that carries the proof*:
    both sockets have ``SO_PASSPIDFD`` on (Linux >= 6.5), so the kernel attaches to each received
    message a pidfd (``SCM_PIDFD``) on the process that *sent* it.  Each side takes the pidfd that
    came with the peer's HMAC proof (the initiator's hello, the acceptor's reply), reads its pid
@@ -49,6 +51,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRefused",
            "LinkCallback", "TableFactory", "availability", "offer", "accept", "prove", "endpoint",
+           "announcement", "expect", "announced_name", "start_proof", "finish_proof", "same_host",
            "ptrace_scope", "boot_id", "proof_of", "session_id", "send_message", "recv_message",
            "max_slots", "M_HELLO", "M_REPLY", "M_FINAL", "M_ACK", "SETUP_TIMEOUT_S"]
 
@@ -164,13 +168,28 @@ def boot_id() -> str:
 _BOOT_ID = boot_id()
 
 
+_SCOPE_TTL_S = 1.0  # a ptrace_scope read is reused this long (a /proc/sys lookup costs ~50 µs,
+#                    and every authentication answer and link hello asks)
+_scope: tuple[float, int | None] = (-_SCOPE_TTL_S, None)
+
+
 def ptrace_scope() -> int | None:
-    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent)."""
+    """Yama's ``kernel.yama.ptrace_scope`` (None: Yama absent), read at most once a second (it
+    may change while the process runs)."""
+    global _scope
+    now = time.monotonic()
+    if now - _scope[0] < _SCOPE_TTL_S:
+        return _scope[1]
     try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read().strip())
+        fd = os.open("/proc/sys/kernel/yama/ptrace_scope", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            value: int | None = int(os.read(fd, 64).strip())
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
-        return None
+        value = None
+    _scope = (now, value)
+    return value
 
 
 _self_check: tuple[bool, str] | None = None
@@ -257,28 +276,55 @@ def offer() -> bytes:
     return _OFFER.pack(_VERSION, os.getuid(), _BOOT_ID.encode()[:36])
 
 
-def _same_host(payload: bytes) -> bool:
+def same_host(payload: bytes) -> bool:
+    """Whether ``payload`` is the hints of :func:`offer` made on this boot by this uid."""
     if len(payload) != _OFFER.size:
         return False
     version, uid, boot = _OFFER.unpack(payload)
     return bool(version == _VERSION and uid == os.getuid() and boot == _BOOT_ID.encode()[:36])
 
 
+def announcement() -> bytes:
+    """The acceptor's same-host announcement for its authentication answer (``AUTH_OK``): the
+    hints of :func:`offer` and the name of this process's endpoint, or b"" (the path is
+    unavailable here, or the endpoint already waits for ``MAX_PENDING`` sessions: TCP)."""
+    if not availability()[0]:
+        return b""
+    from .samehost_endpoint import endpoint  # (it serves the messages of this module)
+    ep = endpoint()
+    if not ep.room():
+        return b""
+    return _OFFER.pack(_VERSION, os.getuid(), _BOOT_ID.encode()[:36]) + ep.name
+
+
+def expect(session: SessionKeys) -> bool:
+    """Make the endpoint wait for the initiator of ``session`` (announced in its authentication
+    answer); False when too many wait already (its proof is then refused: TCP)."""
+    from .samehost_endpoint import endpoint
+    return endpoint().expect(session)
+
+
 def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
            on_link: LinkCallback) -> bytes:
-    """The acceptor's answer to an offer: the endpoint name, or b"" (declined: TCP).
+    """Expect ``session``, bind it and let its proof be answered at once (:func:`expect`,
+    :meth:`~.samehost_endpoint.Endpoint.bind`, :meth:`~.samehost_endpoint.Endpoint.decide`):
+    the announcement, or b"" (declined).  The link handshake makes these three steps apart
+    (announced at authentication, bound with the link reply, decided once it is sent).
 
     ``make_table()`` gives ``(fd, slots)`` of this side's lease table when the initiator has
     proven itself (the fd is closed once sent); ``on_link(link)`` runs on the endpoint's thread
     after that, before the initiator is told the proof succeeded (so the caller can attach the
     owner side of its table before the peer can use it), or ``on_link(None)`` when it never does."""
-    if not peer_offer or not availability()[0] or not _same_host(peer_offer):
+    if not peer_offer or not same_host(peer_offer):
         return b""
-    from .samehost_endpoint import endpoint  # (it serves the messages of this module)
+    reply = announcement()
+    if not reply or not expect(session):
+        return b""
+    from .samehost_endpoint import endpoint
     ep = endpoint()
-    if not ep.expect(session, make_table, on_link):
-        return b""
-    return _OFFER.pack(_VERSION, os.getuid(), _BOOT_ID.encode()[:36]) + ep.name
+    ep.bind(session, make_table, on_link)
+    ep.decide(session)
+    return reply
 
 
 # ---- messages -------------------------------------------------------------------------------------
@@ -331,79 +377,116 @@ def recv_message(sock: socket.socket, kind: bytes, size: int) -> tuple[bytes, in
 # ---- the initiator --------------------------------------------------------------------------------
 
 
+def announced_name(announced: bytes) -> bytes:
+    """The endpoint name of an acceptor's announcement (its authentication answer, or
+    :func:`accept`'s reply); raises SameHostRefused (with the reason) when it is not usable here."""
+    if len(announced) <= _OFFER.size or not same_host(announced[:_OFFER.size]):
+        raise SameHostRefused("the acceptor declined the same-host path")
+    name = announced[_OFFER.size:]
+    if not name.startswith(b"\0kvdd-sh-") or len(name) > 64:
+        raise SameHostRefused("malformed same-host endpoint name")
+    return name
+
+
+def start_proof(announced: bytes, session: SessionKeys,
+                timeout_s: float = SETUP_TIMEOUT_S) -> socket.socket:
+    """The initiator's first step: connect to the endpoint the acceptor announced and send our
+    proof of the session key (its hello).  The acceptor answers once it has both our proof and
+    its link decision; :func:`finish_proof` takes it from there.  Raises SameHostRefused."""
+    if not room():  # files of peers still closing (.samehost_close): take none more
+        raise SameHostRefused("too many files of same-host peers are still closing")
+    name = announced_name(announced)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        pass_pidfd(sock)
+        refuse_files(sock)  # no file from the acceptor before we connected to its endpoint
+        # a blocking connect bounded by SO_SNDTIMEO: the kernel waits for room in the
+        # endpoint's queue (woken by each accept) rather than failing while another uid's
+        # connects fill it (the endpoint closes those at once)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
+        try:
+            sock.connect(name)
+        except OSError as exc:
+            raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
+        sock.settimeout(timeout_s)
+        accept_files(sock)  # its reply carries its lease table
+        try:
+            send_message(sock, M_HELLO, session_id(session) + proof_of(session, b"initiator"))
+        except OSError as exc:
+            raise SameHostRefused(f"same-host proof failed: {exc}") from None
+    except BaseException:
+        close_socket(sock)  # (files the acceptor queued are closed off this thread)
+        raise
+    return sock
+
+
+def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int],
+                 attach: LinkCallback, activate: LinkCallback | None = None) -> SameHostLink:
+    """The initiator's second step, on the socket of :func:`start_proof` (closed here): the
+    acceptor's proof and lease table, then ours (``own``: ``(fd, slots)``, sent only once the
+    acceptor proved itself; the caller closes the fd), then the acceptor's acknowledgement.
+
+    ``attach(link)`` runs once the acceptor proved itself, before our table is handed over;
+    ``activate(link)`` (our reads of the acceptor) right after it is handed over, while the
+    acceptor attaches it.  Returns the proven link; raises SameHostRefused (with the reason)
+    when the path is not used."""
+    own_fd, own_slots = own
+    link: SameHostLink | None = None
+    try:
+        body, fd, sender = recv_message(sock, M_REPLY, 36)
+        try:
+            pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
+        except BaseException:
+            close_file(fd)
+            raise
+        link = SameHostLink(pid, uid, pidfd, fd, 0)
+        proof, (slots,) = body[:32], struct.unpack("<I", body[32:])
+        if not hmac.compare_digest(proof, proof_of(session, b"acceptor")):
+            raise SameHostRefused("the process at the announced endpoint does not hold the "
+                                  "session key (a relayed or spoofed endpoint)")
+        if fd < 0 or slots > max_slots():
+            raise SameHostRefused("the acceptor sent no usable lease table")
+        link.table_slots = slots
+        attach(link)
+        send_message(sock, M_FINAL, struct.pack("<I", own_slots), own_fd)
+        if activate is not None:
+            activate(link)
+        _body, extra, sender = recv_message(sock, M_ACK, 0)
+        close_file(extra)
+        same_sender(sender, pid)
+        if not link.alive():
+            raise SameHostRefused("the peer process exited during the proof")
+        return link
+    except (OSError, struct.error) as exc:
+        if link is not None:
+            link.close()
+        raise SameHostRefused(f"same-host proof failed: {exc}") from None
+    except SameHostRefused:
+        if link is not None:
+            link.close()
+        raise
+    finally:
+        close_socket(sock)  # (files the acceptor queued are closed off this thread)
+
+
 def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
           attach: LinkCallback, activate: LinkCallback | None = None,
           timeout_s: float = SETUP_TIMEOUT_S) -> SameHostLink:
-    """The initiator's side: connect to the endpoint the acceptor announced, run the proof.
-
-    ``make_table()`` gives ``(fd, slots)`` of this side's lease table (made while the acceptor
-    checks our proof, sent only once it proved itself, closed here); ``attach(link)`` runs once
-    the acceptor proved itself, before our table is handed over; ``activate(link)`` (our reads
-    of the acceptor) right after it is handed over, while the acceptor attaches it.  Returns the proven link; raises SameHostRefused (with the reason) when the path is not
-    used."""
+    """The initiator's whole proof at once (:func:`start_proof`, then ``make_table()`` (our lease
+    table, made while the acceptor checks our proof), then :func:`finish_proof`) against an
+    acceptor that answers it at once (:func:`accept`).  Returns the proven link; raises
+    SameHostRefused (with the reason) when the path is not used."""
+    sock = start_proof(reply, session, timeout_s)
     own_fd = -1
     try:
-        if not room():  # files of peers still closing (.samehost_close): take none more
-            raise SameHostRefused("too many files of same-host peers are still closing")
-        if len(reply) <= _OFFER.size or not _same_host(reply[:_OFFER.size]):
-            raise SameHostRefused("the acceptor declined the same-host path")
-        name = reply[_OFFER.size:]
-        if not name.startswith(b"\0kvdd-sh-") or len(name) > 64:
-            raise SameHostRefused("malformed same-host endpoint name")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        link: SameHostLink | None = None
         try:
-            pass_pidfd(sock)
-            refuse_files(sock)  # no file from the acceptor before it proved the key
-            # a blocking connect bounded by SO_SNDTIMEO: the kernel waits for room in the
-            # endpoint's queue (woken by each accept) rather than failing while another uid's
-            # connects fill it (the endpoint closes those at once)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
-            try:
-                sock.connect(name)
-            except OSError as exc:
-                raise SameHostRefused(f"cannot reach the same-host endpoint ({exc})") from None
-            sock.settimeout(timeout_s)
-            accept_files(sock)  # its reply carries its lease table
-            send_message(sock, M_HELLO, session_id(session) + proof_of(session, b"initiator"))
-            # our table is made while the acceptor checks our proof (it is sent only once the
-            # acceptor proved itself; caches unregistered before it is attached are revoked then)
-            own_fd, own_slots = make_table()
-            body, fd, sender = recv_message(sock, M_REPLY, 36)
-            try:
-                pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
-            except BaseException:
-                close_file(fd)
-                raise
-            link = SameHostLink(pid, uid, pidfd, fd, 0)
-            proof, (slots,) = body[:32], struct.unpack("<I", body[32:])
-            if not hmac.compare_digest(proof, proof_of(session, b"acceptor")):
-                raise SameHostRefused("the process at the announced endpoint does not hold the "
-                                      "session key (a relayed or spoofed endpoint)")
-            if fd < 0 or slots > max_slots():
-                raise SameHostRefused("the acceptor sent no usable lease table")
-            link.table_slots = slots
-            attach(link)
-            send_message(sock, M_FINAL, struct.pack("<I", own_slots), own_fd)
-            if activate is not None:
-                activate(link)
-            _body, extra, sender = recv_message(sock, M_ACK, 0)
-            close_file(extra)
-            same_sender(sender, pid)
-            if not link.alive():
-                raise SameHostRefused("the peer process exited during the proof")
-            return link
-        except (OSError, struct.error) as exc:
-            if link is not None:
-                link.close()
-            raise SameHostRefused(f"same-host proof failed: {exc}") from None
-        except SameHostRefused:
-            if link is not None:
-                link.close()
+            own = make_table()
+        except BaseException:
+            close_socket(sock)
             raise
-        finally:
-            close_socket(sock)  # (files the acceptor queued are closed off this thread)
+        own_fd = own[0]
+        return finish_proof(sock, session, own, attach, activate)
     finally:
         close_fd(own_fd)
 

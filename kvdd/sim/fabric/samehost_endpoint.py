@@ -1,27 +1,35 @@
 """The acceptor's side of the same-host proof: this process's AF_UNIX endpoint.
 
-One endpoint per process (:func:`endpoint`, abstract namespace, ``SOCK_SEQPACKET``).  The
-handshake announces each link's session to it (:meth:`Endpoint.expect`, :func:`.samehost.accept`);
-the initiator then connects and proves (:func:`.samehost.prove`).  Per connection, in this order:
+One endpoint per process (:func:`endpoint`, abstract namespace, ``SOCK_SEQPACKET``).  A session
+goes through three steps here, all from the acceptor's handshake: :meth:`Endpoint.expect` (the
+authentication answer announced the endpoint, :func:`.samehost.announcement`), :meth:`~Endpoint.bind`
+(the link's table and callbacks, while its reply is made) and :meth:`~Endpoint.decide` (the reply is
+sent, the table made: the proof may be answered), or :meth:`~Endpoint.abandon` (no link uses it).
+The initiator connects and proves (:func:`.samehost.start_proof`) as soon as it is authenticated,
+while its link hello is being served.  Per connection, in this order:
 
 1. accept; a connection of another uid (its kernel credentials, ``SO_PEERCRED``) is closed before
    any other work (no socket object, no read);
 2. the initiator's hello: the kernel's pidfd of its sender is attested (:func:`.samehost_attest.attest`,
-   same uid), the session it names is claimed (each once), its HMAC proof checked; then our proof
-   and our lease table;
-3. the initiator's table, from the same process, checked; the caller's ``on_link`` runs, then
-   the acknowledgement.
+   same uid), the session it names is claimed (each once, only an expected one), its HMAC proof
+   checked; then, once the link is decided too (whichever of the two comes second answers, on its
+   own thread: the rendezvous), our proof and our lease table;
+3. the initiator's table, from the same process, after our reply, checked; the caller's ``on_link``
+   runs, then the acknowledgement.
 
 The accept thread serves step 2 itself when the hello is already there (it never waits for it:
 the initiator sends it as soon as it is connected), so a link does not wait for a thread
 hand-off while the initiator is waiting for our reply; everything that waits for the peer runs
 on up to ``MAX_SETUPS`` proof workers, kept for ``PROOF_IDLE_S`` after their last proof.  At most
-``MAX_SETUPS`` connections are being proven at once (each message within ``SETUP_TIMEOUT_S``) and
-``MAX_PENDING`` sessions wait (each at most ``PENDING_TTL_S``).
+``MAX_SETUPS`` connections are being proven at once (a connection waits for the link decision at
+most until its session expires, then each message within ``SETUP_TIMEOUT_S``) and ``MAX_PENDING``
+sessions wait (each at most ``PENDING_TTL_S``, and only while the acceptor's handshake lasts:
+an abandoned session's connection is shut down at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
@@ -33,7 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 try:  # always built on Linux; absent elsewhere → TCP only
     from ..._native import _xproc
@@ -62,11 +70,17 @@ _ACCEPT_RETRY_S = 0.01  # after a failed accept (out of fds): the wait before th
 
 @dataclass
 class _Pending:
+    """One expected session, from the authentication answer until its proof ended."""
+
     session: SessionKeys
-    make_table: TableFactory
-    on_link: LinkCallback
     expires: float
-    table_fd: int = -1
+    make_table: TableFactory | None = None  # bound with the link reply
+    on_link: LinkCallback | None = None
+    proof: _Proof | None = None  # the connection that claimed it (each session once)
+    verified: bool = False  # that connection proved the session key
+    decided: bool = False  # the link was made and its reply sent: the proof may be answered
+    forgotten: bool = False
+    replied: threading.Event = field(default_factory=threading.Event)  # our proof and table sent
 
 
 @dataclass
@@ -77,6 +91,8 @@ class _Proof:
     pending: _Pending | None = None
     link: SameHostLink | None = None
     attached: bool = False
+    closed: bool = False  # (under ``lock``: no send or shutdown on a closed, reused fd number)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Endpoint:
@@ -103,23 +119,74 @@ class Endpoint:
         self._workers = 0
         self._idle = 0
         self._pid = os.getpid()
+        self._proving = 0  # connections holding one of the MAX_SETUPS slots
         threading.Thread(target=self._accept_loop, name="kvdd-samehost-endpoint",
                          daemon=True).start()
 
-    def expect(self, session: SessionKeys, make_table: TableFactory,
-               on_link: LinkCallback) -> bool:
-        """Wait for the initiator of ``session``; False when too many wait already."""
-        now = time.monotonic()
+    def held(self) -> dict[str, int]:
+        """Sessions expected now, of them those an initiator proved already, and connections
+        being proven (diagnostics)."""
         with self._lock:
-            stale = [k for k, p in self._pending.items() if p.expires < now]
+            return {"pending": len(self._pending), "proving": self._proving,
+                    "proven": sum(p.verified for p in self._pending.values())}
+
+    def room(self) -> bool:
+        """Whether another session may be expected now (fewer than MAX_PENDING wait)."""
+        with self._lock:
+            return len(self._pending) < MAX_PENDING
+
+    def expect(self, session: SessionKeys) -> bool:
+        """Wait for the initiator of ``session`` (announced in the authentication answer); False
+        when too many wait already, or that session is expected already."""
+        now = time.monotonic()
+        sid = session_id(session)
+        with self._lock:
+            stale = [k for k, p in self._pending.items() if p.expires < now and p.proof is None]
             dropped = [self._pending.pop(k) for k in stale]
-            ok = len(self._pending) < MAX_PENDING
+            ok = len(self._pending) < MAX_PENDING and sid not in self._pending
             if ok:
-                self._pending[session_id(session)] = _Pending(session, make_table, on_link,
-                                                               now + PENDING_TTL_S)
+                self._pending[sid] = _Pending(session, now + PENDING_TTL_S)
         for p in dropped:
-            _forget(p)
+            self._forget(p)
         return ok
+
+    def bind(self, session: SessionKeys, make_table: TableFactory,
+             on_link: LinkCallback) -> bool:
+        """The link of an expected ``session`` is being made: how to make our table and whom to
+        tell of the proven peer (:func:`.samehost.accept`); False when that session is not
+        expected (never, expired, abandoned) or bound already."""
+        with self._lock:
+            p = self._pending.get(session_id(session))
+            if p is None or p.make_table is not None or p.forgotten:
+                return False
+            p.make_table, p.on_link = make_table, on_link
+            return True
+
+    def decide(self, session: SessionKeys) -> None:
+        """The bound link was made and its reply sent: answer the proof now if it came already
+        (on the caller's thread), else as soon as it comes (on the endpoint's)."""
+        with self._lock:
+            p = self._pending.get(session_id(session))
+            if p is None or p.decided or p.make_table is None:
+                return
+            p.decided = True
+            now = p.verified
+        if now:
+            self._reply(p)
+
+    def abandon(self, session: SessionKeys) -> None:
+        """No link will use ``session`` (refused, an unlink, its connection gone): forget it, and
+        shut down a connection that claimed it (its worker ends it).  Nothing once decided."""
+        with self._lock:
+            p = self._pending.get(session_id(session))
+            if p is None or p.decided:
+                return
+            del self._pending[session_id(session)]
+            proof = p.proof
+        if proof is None:
+            self._forget(p)
+        else:
+            _shutdown(proof)
 
     def _accept_loop(self) -> None:
         """Abstract names are reachable from any uid: a connection of another uid is closed
@@ -150,6 +217,8 @@ class Endpoint:
             if not same_uid or not self._slots.acquire(blocking=False):
                 close(fd)  # another user, or too many proofs at once: that link uses TCP
                 continue
+            with self._lock:
+                self._proving += 1
             proof = _Proof(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd))
             try:
                 proof.conn.settimeout(0.0)  # only if it is there already: never wait here
@@ -210,17 +279,21 @@ class Endpoint:
             else:
                 self._end(proof, None)
 
-    def _claim(self, sid: bytes) -> _Pending | None:
+    def _claim(self, sid: bytes, proof: _Proof) -> _Pending:
+        """The expected session ``sid``, now claimed by ``proof`` (each session once)."""
         with self._lock:
-            p = self._pending.pop(sid, None)
-        if p is not None and p.expires < time.monotonic():
-            _forget(p)
-            return None
-        return p
+            p = self._pending.get(sid)
+            if p is None or p.expires < time.monotonic():
+                raise SameHostRefused("no session of this process has that transcript")
+            if p.proof is not None:
+                raise SameHostRefused("that session is being proven by another connection")
+            p.proof = proof
+            proof.pending = p
+            return p
 
     def _hello(self, proof: _Proof) -> None:
         """Step 2: the initiator's hello (BlockingIOError, nothing changed, when it has not
-        come and the socket does not wait), then our reply."""
+        come and the socket does not wait), then our reply if the link is decided already."""
         conn = proof.conn
         pass_pidfd(conn)  # (inherited from the listening socket already; harmless)
         body, fd, sender = recv_message(conn, M_HELLO, 64)
@@ -228,30 +301,53 @@ class Endpoint:
         close_file(fd)
         pid, uid, pidfd = attest(sender)  # the process that sent the initiator's proof
         proof.link = SameHostLink(pid, uid, pidfd)
-        pending = proof.pending = self._claim(body[:32])
-        if pending is None:
-            raise SameHostRefused("no session of this process has that transcript")
+        pending = self._claim(body[:32], proof)
         if not hmac.compare_digest(body[32:], proof_of(pending.session, b"initiator")):
             raise SameHostRefused("the connecting process does not hold the session key")
-        pending.table_fd, slots = pending.make_table()
         accept_files(conn)  # the initiator proved the key: its lease table may come
-        send_message(conn, M_REPLY, proof_of(pending.session, b"acceptor") +
-                     struct.pack("<I", slots), pending.table_fd)
-        close_fd(pending.table_fd)
-        pending.table_fd = -1
+        with self._lock:
+            pending.verified = True
+            now = pending.decided
+        if now:
+            self._reply(pending)
+
+    def _reply(self, pending: _Pending) -> None:
+        """Our proof and lease table to the proven initiator, once both its proof came and the
+        link was decided (exactly one of the two threads gets here, :meth:`decide`)."""
+        proof = pending.proof
+        assert proof is not None and pending.make_table is not None
+        fd = -1
+        try:
+            fd, slots = pending.make_table()
+            with proof.lock:
+                if proof.closed:
+                    return
+                send_message(proof.conn, M_REPLY, proof_of(pending.session, b"acceptor") +
+                             struct.pack("<I", slots), fd)
+            pending.replied.set()
+        except (OSError, SameHostRefused) as exc:  # its worker ends the connection
+            logger.info("kvdd same-host endpoint: could not answer a proof: %s", exc)
+            _shutdown(proof)
+        finally:
+            close_fd(fd)
 
     def _final(self, proof: _Proof) -> None:
-        """Step 3: the initiator's table, from the process attested at its hello."""
+        """Step 3: the initiator's table, from the process attested at its hello, after our
+        reply (the connection waits for the link decision until its session expires)."""
         link, pending = proof.link, proof.pending
         assert link is not None and pending is not None
+        proof.conn.settimeout(max(pending.expires - time.monotonic(), 0.0) + SETUP_TIMEOUT_S)
         body, fd, sender = recv_message(proof.conn, M_FINAL, 4)
         (slots,) = struct.unpack("<I", body)
         link.table_fd, link.table_slots = fd, slots
         same_sender(sender, link.peer_pid)
+        if not pending.replied.wait(SETUP_TIMEOUT_S):
+            raise SameHostRefused("the initiator sent its table before our proof")
         if fd < 0 or slots > max_slots():
             raise SameHostRefused("the initiator sent no usable lease table")
         if not link.alive():
             raise SameHostRefused("the peer process exited during the proof")
+        assert pending.on_link is not None
         pending.on_link(link)
         proof.attached = True
         send_message(proof.conn, M_ACK)
@@ -262,19 +358,41 @@ class Endpoint:
             logger.info("kvdd same-host endpoint: refused a connection: %s", failed)
             if proof.link is not None and not proof.attached:
                 proof.link.close()
-            if proof.pending is not None and not proof.attached:
-                _forget(proof.pending)
-        close_socket(proof.conn)  # (files the peer queued in it are closed off this thread)
+        p = proof.pending
+        if p is not None:
+            with self._lock:
+                if self._pending.get(session_id(p.session)) is p:
+                    del self._pending[session_id(p.session)]
+            if not proof.attached:
+                self._forget(p)
+        with proof.lock:
+            proof.closed = True
+            close_socket(proof.conn)  # (files the peer queued in it are closed off this thread)
+        with self._lock:
+            self._proving -= 1
         self._slots.release()
 
+    def _forget(self, p: _Pending) -> None:
+        """A session given up: its table (if made) closed, its caller told (``on_link(None)``)."""
+        with self._lock:
+            if p.forgotten:
+                return
+            p.forgotten = True
+            on_link = p.on_link
+        if on_link is None:
+            return
+        try:
+            on_link(None)
+        except Exception:
+            logger.exception("kvdd same-host: a session's give-up callback failed")
 
-def _forget(p: _Pending) -> None:
-    close_fd(p.table_fd)
-    p.table_fd = -1
-    try:
-        p.on_link(None)
-    except Exception:
-        logger.exception("kvdd same-host: a session's give-up callback failed")
+
+def _shutdown(proof: _Proof) -> None:
+    """End a connection's exchange from another thread (its worker then ends it)."""
+    with proof.lock:
+        if not proof.closed:
+            with contextlib.suppress(OSError):
+                proof.conn.shutdown(socket.SHUT_RDWR)
 
 
 _endpoint_lock = threading.Lock()

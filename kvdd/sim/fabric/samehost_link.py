@@ -1,19 +1,24 @@
 """The ``"samehost"`` handshake extension: gives a link the one-sided same-host data path.
 
-Registered with :func:`kvdd.sim.fabric.register_extension` when the fabric is imported
-(:func:`install`).  Per link, in the authenticated handshake:
+Registered with :func:`kvdd.sim.fabric.register_extension` (and as the announcer of
+:mod:`.announce`) when the fabric is imported (:func:`install`).  Per link:
 
-* initiator ``offer``: version, uid, boot id, ``SyncKvCacheWaitTime`` (hints; b"" when this process
-  cannot use the path: :func:`~.samehost.availability`);
-* acceptor ``accept`` (the initiator's entry) then ``offer`` (its reply): when the hints match, its
-  endpoint expects the session and the reply names the endpoint; the acceptor's handle (comm) gets
-  a :class:`SameHostPath` that starts serving once the initiator proved itself;
-* initiator ``accept`` (the reply): runs the proof (:func:`~.samehost.prove`) at once; its handle
+* acceptor, authentication answer: when this process can use the path, the answer announces its
+  endpoint (:func:`~.samehost.announcement`) and the endpoint expects the session;
+* initiator, authenticated: when the announcement's hints match, it connects to the endpoint and
+  sends its proof at once (:func:`~.samehost.start_proof`), makes its lease table, then sends its
+  link hello with its ``offer`` (version, uid, boot id, ``SyncKvCacheWaitTime``);
+* acceptor ``accept`` (the initiator's entry) then ``offer`` (its reply): when the hints match, the
+  endpoint's session is bound to this link; the acceptor's handle (comm) gets a
+  :class:`SameHostPath` that starts serving once the initiator proved itself; once the reply is
+  sent, the endpoint answers the proof (a rendezvous: whichever of the proof and the decision
+  comes second answers), and a link not made abandons the session;
+* initiator ``accept`` (the reply): finishes the proof (:func:`~.samehost.finish_proof`); its handle
   gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).
 
 Each side makes the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`,
 :class:`_Tables`) ahead of the proof's round trips (the acceptor from its link reply's snapshot once
-the reply is sent, the initiator while the acceptor checks its proof), hands it over once the peer
+the reply is sent, the initiator right after its proof left), hands it over once the peer
 has proven itself and attaches the proven reader then (a cache unregistered meanwhile is revoked),
 labelled by cache id, so a reader only ever uses a cache that both its own snapshot and the owner's
 table name.  Tables of readers that exited are dropped whenever a
@@ -23,6 +28,7 @@ new link is proven here.
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 import threading
 import time
@@ -32,9 +38,15 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from ..memory import Region
+from .announce import set_announcer
+from .auth import Session
 from .protocol import LinkOwner, RemoteCache, ServedCache
-from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, accept,
-                       availability, offer, prove)
+from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, announced_name,
+                       announcement,
+                       availability, endpoint, expect, finish_proof, offer, same_host,
+                       start_proof)
+from .samehost_attest import close_fd
+from .samehost_close import close_socket
 from .samehost_path import OneSidedLease, OneSidedPeer, ServedTable
 
 logger = logging.getLogger(__name__)
@@ -60,13 +72,17 @@ class SameHostPath:
         self._lock = threading.Lock()
         self._closed = False
         self._prepare: Callable[[Mapping[int, ServedCache]], None] | None = None
+        self._decide: Callable[[], None] | None = None
 
     def prepare(self, entries: Mapping[int, ServedCache]) -> None:
         """The link reply is sent (acceptor): make this side's lease table now, from the caches
-        that reply announced, instead of on the peer's proof (:class:`_Tables`)."""
-        prepare = self._prepare
+        that reply announced, instead of on the peer's proof (:class:`_Tables`), then let the
+        endpoint answer the peer's proof (now, if it came already)."""
+        prepare, decide = self._prepare, self._decide
         if prepare is not None and not self._closed:
             prepare(entries)
+        if decide is not None:  # (also when no handle of ours uses the path: hixl)
+            decide()
 
     def serve(self, table: ServedTable) -> None:
         """The table through which the peer of this link reads our caches: closed with the path
@@ -129,19 +145,32 @@ class SameHostPath:
 
 
 class _LinkState:
-    """One handshake's same-host state between this side's two extension callbacks."""
+    """One handshake's same-host state between this side's two extension callbacks; on the
+    initiator, its proof under way (the socket, its tables and its own table's fd)."""
 
-    def __init__(self, owner: LinkOwner | None, hints: bytes, peer_wait_ms: int) -> None:
+    def __init__(self, owner: LinkOwner | None, hints: bytes, peer_wait_ms: int,
+                 proof: tuple[socket.socket, _Tables, tuple[int, int]] | None = None) -> None:
         # weak: an abandoned handshake's state never keeps the instance alive (SEMANTICS.md §3.1)
         self._owner = None if owner is None else weakref.ref(owner)
         self.hints = hints
         self.peer_wait_ms = peer_wait_ms
         self.path = SameHostPath()
         self.created = time.monotonic()
+        self.proof = proof
 
     @property
     def owner(self) -> LinkOwner | None:
         return None if self._owner is None else self._owner()
+
+    def end(self, keep_tables: bool = False) -> None:
+        """Close the proof's socket and our table's fd (and the tables, unless kept)."""
+        proof, self.proof = self.proof, None
+        if proof is not None:
+            sock, tables, own = proof
+            close_socket(sock)  # (files the acceptor queued are closed off this thread)
+            close_fd(own[0])
+            if not keep_tables:
+                tables.close()
 
 
 _lock = threading.Lock()
@@ -151,13 +180,16 @@ _states: dict[tuple[bool, bytes], _LinkState] = {}
 _tables: list[ServedTable] = []  # owner tables attached to proven readers, oldest first
 
 
-def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> None:
+def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> bool:
     now = time.monotonic()
     with _lock:
-        for key in [k for k, s in _states.items() if now - s.created > _STATE_TTL_S]:
-            del _states[key]
-        if len(_states) < _MAX_STATES:
+        stale = [_states.pop(k) for k, s in list(_states.items()) if now - s.created > _STATE_TTL_S]
+        put = len(_states) < _MAX_STATES
+        if put:
             _states[(initiator, bytes(session.transcript))] = state
+    for old in stale:
+        old.end()
+    return put
 
 
 def _take(initiator: bool, session: SessionKeys) -> _LinkState | None:
@@ -265,13 +297,9 @@ def _wait_ms(owner: LinkOwner) -> bytes:
 def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     """``offer`` of the extension, both roles (see the module docstring)."""
     if session.initiator:
-        mine = offer()
-        if not mine:
-            return None
-        _put(True, session, _LinkState(owner, mine, 0))
-        return mine + _wait_ms(owner)
+        return _offer_and_prove(session, owner)
     state = _take(False, session)
-    if state is None:  # the initiator did not offer, or offered something unusable
+    if state is None or not same_host(state.hints):  # no usable offer from the initiator
         return None
     _sweep()
     tables = _Tables(owner)
@@ -284,41 +312,113 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
         else:
             _ready(link, tables.made[-1], state.peer_wait_ms, path, reads)
 
-    reply = accept(state.hints, session, tables.make, on_link)
-    if reply:
-        path._prepare = tables.prepare
-    return reply + _wait_ms(owner) if reply else None
+    if not endpoint().bind(session, tables.make, on_link):  # not announced, expired, abandoned
+        return None
+    path._prepare = tables.prepare
+    path._decide = lambda: endpoint().decide(session)
+    return offer() + _wait_ms(owner)
+
+
+def _offer_and_prove(session: SessionKeys, owner: LinkOwner) -> bytes | None:
+    """The initiator's entry (None: nothing announced, or the path is not usable: TCP); its
+    proof leaves for the announced endpoint once the hello is sent (:func:`_start`)."""
+    announced = getattr(session, "announced", b"")
+    mine = offer() if announced else b""
+    if not mine:
+        return None
+    try:
+        announced_name(announced)
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: this link uses TCP: %s", exc)
+        return None
+    if not _put(True, session, _LinkState(owner, mine, 0)):
+        return None
+    return mine + _wait_ms(owner)
+
+
+def _start(session: SessionKeys) -> None:
+    """Our hello left: our proof to the announced endpoint, then our table (made while the
+    acceptor serves the hello and checks the proof).  On failure the link uses TCP (our
+    ``accept`` finds no proof; the acceptor's session expires unclaimed)."""
+    with _lock:
+        state = _states.get((True, bytes(session.transcript)))
+    owner = None if state is None else state.owner
+    if state is None or owner is None or state.proof is not None:
+        return
+    announced = getattr(session, "announced", b"")
+    try:
+        sock = start_proof(announced, session)
+    except SameHostRefused as exc:
+        logger.info("kvdd same-host: this link uses TCP: %s", exc)
+        return
+    _sweep()
+    tables = _Tables(owner)
+    try:
+        own = tables.make()
+    except BaseException:
+        close_socket(sock)
+        tables.close()
+        raise
+    state.proof = (sock, tables, own)
 
 
 def extension_accept(session: SessionKeys, value: bytes) -> object:
     """``accept`` of the extension: the acceptor's pending path, the initiator's proven one, or
     None (TCP)."""
-    if len(value) < _WAIT.size:
-        return None
-    body, (peer_wait_ms,) = value[:-_WAIT.size], _WAIT.unpack(value[-_WAIT.size:])
-    if not session.initiator:  # acceptor: the initiator's hints; the proof comes later
+    if not session.initiator:  # acceptor: the initiator's hints; its proof is on its way
+        if len(value) < _WAIT.size:
+            return None
+        body, (peer_wait_ms,) = value[:-_WAIT.size], _WAIT.unpack(value[-_WAIT.size:])
         state = _LinkState(None, body, peer_wait_ms)
         _put(False, session, state)
         return state.path
     mine = _take(True, session)
-    if mine is None or mine.owner is None:
+    if mine is None:
         return None
+    proof = mine.proof
     owner = mine.owner
-    _sweep()
-    tables = _Tables(owner)
+    if (proof is None or owner is None or len(value) < _WAIT.size
+            or not same_host(value[:-_WAIT.size])):
+        mine.end()
+        return None
+    (peer_wait_ms,) = _WAIT.unpack(value[-_WAIT.size:])
+    sock, tables, own = proof
     path = mine.path
     try:
-        link = prove(body, session, tables.make,
-                     lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
-                     lambda link: _read(link, path, True))
+        link = finish_proof(sock, session, own,
+                            lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
+                            lambda link: _read(link, path, True))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
-        tables.close()
+        mine.end()
         return None
+    mine.end(keep_tables=True)
     if path.name != "process_vm":
         logger.info("kvdd same-host: peer pid %d proven, but its lease table is unusable: TCP",
                     link.peer_pid)
     return path
+
+
+class _Announcer:
+    """The acceptor's announcement of its endpoint in authentication answers (:mod:`.announce`),
+    and the initiator's end of a proof whose link failed."""
+
+    def announcement(self) -> bytes:
+        return announcement()
+
+    def expect(self, session: Session) -> bool:
+        return expect(session)
+
+    def abandon(self, session: Session) -> None:
+        endpoint().abandon(session)
+
+    def sent(self, session: Session) -> None:
+        _start(session)
+
+    def discard(self, session: Session) -> None:
+        state = _take(True, session)
+        if state is not None:
+            state.end()
 
 
 def install() -> None:
@@ -328,3 +428,4 @@ def install() -> None:
     if not ok:
         logger.debug("kvdd same-host path unavailable: %s", why)
     register_extension(EXTENSION, extension_offer, extension_accept)
+    set_announcer(_Announcer())

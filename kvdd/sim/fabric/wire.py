@@ -18,8 +18,9 @@ from ...status import Status
 from .protocol import KIND_BLOCKS, KIND_MIX, LinkOffer, RemoteCache, ServedCache
 
 #: Version 2: mutual authentication before anything else (version 1 had none).  Version 3: the
-#: one-round-trip LEASE_READ / LEASE_WRITE requests for small transfers.
-PROTOCOL_VERSION = 3
+#: one-round-trip LEASE_READ / LEASE_WRITE requests for small transfers.  Version 4: the
+#: acceptor's authentication answer carries an announcement after its MAC (its same-host endpoint).
+PROTOCOL_VERSION = 4
 MAGIC = b"KV"
 HDR = struct.Struct("<2sBBII")
 
