@@ -361,8 +361,10 @@ def _leaks(threads: set[threading.Thread], listeners: set[str], children: set[in
 
 #: Threads kvdd starts once per process and keeps (not a leak of one test): the timer of leases
 #: and deadlines, the finalizer of dropped instances, the same-host endpoint of the process, the
-#: fabric's pool (kvdd.sim.fabric.reactor: POOL_THREADS threads serving every link).
+#: closer and the unmapper of same-host peers' files and mappings (kvdd.sim.fabric.samehost_close),
+#: the fabric's pool (kvdd.sim.fabric.reactor: POOL_THREADS threads serving every link).
 _PROCESS_WIDE = frozenset({"kvdd-sim-watchdog", "kvdd-sim-reaper", "kvdd-samehost-endpoint",
+                           "kvdd-samehost-closer", "kvdd-samehost-unmap",
                            *(f"kvdd-sim-fabric-{i}" for i in range(4))})
 
 
