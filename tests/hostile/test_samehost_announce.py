@@ -193,7 +193,7 @@ def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
     assert ep.expect(s)  # (which also drops sessions other tests of this process left to expire)
     _BASE.update(ep.held())
-    _BASE["pending"] -= 1  # the counts without this session
+    _BASE["pending"] -= 1  # the counts without the session expected here
     calls = Calls()
     assert ep.bind(s, calls.make_table, calls.on_link)
     return ep, s, calls
