@@ -1,15 +1,23 @@
 """Test helpers shared across the suites (``tests/`` is on ``sys.path`` through its conftest):
-a served cache as the fabric sees it, and a check run in a forked child."""
+a served cache as the fabric sees it, a check run in a forked child, and an owner process whose
+cache lives in ``kvdd.empty`` memory."""
 
 from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["FakeServedCache", "in_a_forked_child", "passes_in_a_forked_child"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FakeServedCache", "in_a_forked_child", "owner_pattern", "passes_in_a_forked_child",
+           "shm_owner"]
 
 R = TypeVar("R")
 
@@ -85,3 +93,44 @@ def in_a_forked_child(fn: Callable[[], R]) -> R:
 def passes_in_a_forked_child(check: Callable[[], bool]) -> None:
     """Run ``check`` in a forked child: it must return True (False or an exception fails)."""
     assert in_a_forked_child(check), "the check returned False in the forked child"
+
+
+_SHM_OWNER = r"""
+import sys, numpy as np, kvdd
+from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
+n = int(sys.argv[1])
+a = kvdd.empty(n, np.uint8)
+a[:] = np.arange(n) % 251
+dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
+dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
+cid = dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, n)), tensor_addrs([a]))
+print(dd.listening_port, cid, flush=True)
+sys.stdin.readline()
+dd.finalize()
+"""
+
+
+def owner_pattern(n: int) -> npt.NDArray[np.uint8]:
+    """The bytes :func:`shm_owner`'s cache holds: ``np.arange(n) % 251`` as uint8."""
+    return (np.arange(n) % 251).astype(np.uint8)
+
+
+@contextmanager
+def shm_owner(n: int) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
+    """An instance (cluster 1) in another process owning one ``[1, n]`` uint8 cache in
+    ``kvdd.empty`` memory (:func:`owner_pattern`): ``(process, its port, the cache id)``.  Asked
+    to finalize on the way out; killed if it does not within 30 s (or was killed already)."""
+    p = subprocess.Popen([sys.executable, "-c", _SHM_OWNER, str(n)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdin is not None
+    try:
+        port, cid = (int(x) for x in p.stdout.readline().split())
+        yield p, port, cid
+    finally:
+        try:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            p.kill()
+            p.wait(10)

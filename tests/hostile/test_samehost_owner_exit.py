@@ -14,7 +14,6 @@ import ctypes
 import os
 import select
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -26,6 +25,7 @@ from kvdd import (Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, K
                   LlmDataDist, LlmRole, LLMTimeoutError)
 from kvdd.sim import _fastpath
 from kvdd.sim.fabric import samehost
+from shared_support import owner_pattern, shm_owner
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -33,19 +33,6 @@ pytestmark = pytest.mark.skipif(not samehost.availability()[0],
 M = 8 << 20  # bytes of the cache: two 4 MiB kernel calls of a mapped copy
 OWNER = 1
 ONE = KvCacheExtParam(tensor_num_per_layer=1)
-
-_OWNER = r"""
-import sys, numpy as np, kvdd
-from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-M = int(sys.argv[1])
-mem = kvdd.empty(M, np.uint8)
-mem[:] = np.arange(M) % 251
-dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
-dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
-cid = dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, M)), tensor_addrs([mem]))
-print(dd.listening_port, cid, flush=True)
-sys.stdin.readline()
-"""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -59,13 +46,8 @@ _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine)
 
 @pytest.fixture
 def owner() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(M)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    port, cid = map(int, proc.stdout.readline().split())
-    yield proc, port, cid
-    proc.kill()
-    proc.wait(10)
+    with shm_owner(M) as world:
+        yield world
 
 
 def _frozen_second_half() -> tuple[int, int]:
@@ -121,7 +103,7 @@ def test_an_owner_exiting_mid_copy_fails_the_copy(owner: tuple[subprocess.Popen[
         assert readable, "the copy never reached the frozen half"
         got = np.ctypeslib.as_array((ctypes.c_uint8 * (M // 2)).from_address(base))
         # the first kernel call landed: the owner's pattern, before its exit
-        assert np.array_equal(got, np.arange(M // 2) % 251)
+        assert np.array_equal(got, owner_pattern(M)[:M // 2])
         proc.kill()
         proc.wait(10)
         os.close(uffd)  # the faulting copy resumes (a zero page) and ends

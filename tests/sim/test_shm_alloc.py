@@ -5,8 +5,6 @@ from __future__ import annotations
 import fcntl
 import gc
 import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +16,7 @@ from kvdd import (OPTION_DEVICE_ID, OPTION_LISTEN_IP_INFO, Cache, CacheDesc, Cac
                   tensor_addrs)
 from kvdd import shm
 from kvdd.sim.fabric import samehost
-from shared_support import in_a_forked_child
+from shared_support import in_a_forked_child, owner_pattern, shm_owner
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), (7, np.uint8), ((2, 3, 4), np.int64),
@@ -96,58 +94,36 @@ def test_a_forked_child_shares_the_pages() -> None:
     assert (a == 42).all()
 
 
-_OWNER = r"""
-import sys, numpy as np, kvdd
-from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-n = int(sys.argv[1])
-a = kvdd.empty(n, np.uint8)
-a[:] = np.arange(n) % 253
-dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
-dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "1"})
-cid = dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, n)), tensor_addrs([a]))
-print(dd.listening_port, cid, flush=True)
-sys.stdin.readline()
-dd.finalize()
-"""
-
-
 @pytest.mark.skipif(not samehost.availability()[0], reason=samehost.availability()[1])
 def test_two_links_to_one_owner_map_the_same_bytes() -> None:
     n = 1 << 16
-    p = subprocess.Popen([sys.executable, "-c", _OWNER, str(n)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
     readers = []
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        port, cid = (int(x) for x in p.stdout.readline().split())
-        for k in (2, 3):
-            dd = LlmDataDist(k, LlmRole.DECODER, backend="sim")
-            readers.append(dd)
-            dd.initialize({OPTION_DEVICE_ID: str(k), OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
-            dd.link_llm_clusters([ClusterInfo(remote_cluster_id=1,
-                                              remote_ip_infos=(IpInfo("127.0.0.1", port),))])
-            assert dd.backend.link_data_path(1) == "process_vm"  # type: ignore[attr-defined]
-        one = KvCacheExtParam(tensor_num_per_layer=1)
-        desc = CacheDesc(1, DataType.DT_UINT8, (1, n))
-        bufs = [kvdd.empty(n, np.uint8) for _ in readers]
-        ids = [dd.register_kv_cache(desc, tensor_addrs([b])) for dd, b in zip(readers, bufs)]
-        idx = CacheIndex(1, cid, 0)
-        readers[0].pull_kv_cache(idx, Cache(ids[0]), 0, -1, one)
-        np.testing.assert_array_equal(bufs[0], np.arange(n) % 253)
-        bufs[0][:] = 7  # pushed by the first link, pulled by the second
-        readers[0].push_kv_cache(Cache(ids[0], (), desc), idx, 0, -1, one)
-        readers[1].pull_kv_cache(idx, Cache(ids[1]), 0, -1, one)
-        assert (bufs[1] == 7).all()
-        for dd in readers:
-            mover = dd.backend.entities[1].peer.one_sided()  # type: ignore[attr-defined]
-            assert mover.maps is not None and mover.maps.uses >= 1
-    finally:
-        for dd in readers:
-            dd.finalize()
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.flush()
-        p.wait(30)
+    with shm_owner(n) as (_p, port, cid):
+        try:
+            for k in (2, 3):
+                dd = LlmDataDist(k, LlmRole.DECODER, backend="sim")
+                readers.append(dd)
+                dd.initialize({OPTION_DEVICE_ID: str(k), OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
+                dd.link_llm_clusters([ClusterInfo(remote_cluster_id=1,
+                                                  remote_ip_infos=(IpInfo("127.0.0.1", port),))])
+                assert dd.backend.link_data_path(1) == "process_vm"  # type: ignore[attr-defined]
+            one = KvCacheExtParam(tensor_num_per_layer=1)
+            desc = CacheDesc(1, DataType.DT_UINT8, (1, n))
+            bufs = [kvdd.empty(n, np.uint8) for _ in readers]
+            ids = [dd.register_kv_cache(desc, tensor_addrs([b])) for dd, b in zip(readers, bufs)]
+            idx = CacheIndex(1, cid, 0)
+            readers[0].pull_kv_cache(idx, Cache(ids[0]), 0, -1, one)
+            np.testing.assert_array_equal(bufs[0], owner_pattern(n))
+            bufs[0][:] = 7  # pushed by the first link, pulled by the second
+            readers[0].push_kv_cache(Cache(ids[0], (), desc), idx, 0, -1, one)
+            readers[1].pull_kv_cache(idx, Cache(ids[1]), 0, -1, one)
+            assert (bufs[1] == 7).all()
+            for dd in readers:
+                mover = dd.backend.entities[1].peer.one_sided()  # type: ignore[attr-defined]
+                assert mover.maps is not None and mover.maps.uses >= 1
+        finally:
+            for dd in readers:
+                dd.finalize()
 
 
 def test_the_python_package_pools_are_shareable() -> None:
