@@ -191,22 +191,17 @@ class Calls:
 def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     ep = samehost.endpoint()
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
-    assert ep.expect(s)  # (which also drops sessions other tests of this process left to expire)
-    _BASE.update(ep.held())
-    _BASE["pending"] -= 1  # the counts without the session expected here
+    assert ep.expect(s)
     calls = Calls()
     assert ep.bind(s, calls.make_table, calls.on_link)
     return ep, s, calls
 
 
-_BASE: dict[str, int] = {}  # the endpoint's counts when the test began
-
-
 @pytest.fixture(autouse=True)
 def _no_sessions_left_by_others() -> None:
-    """Sessions other tests of this process left to expire (an authentication whose hello never
-    came) are dropped by the next expect() once expired, which would move this test's counts:
-    wait until none is held (at most their PENDING_TTL_S)."""
+    """Each test starts with the endpoint holding nothing (:func:`_settled` counts from zero):
+    sessions other tests of this process left to expire (an authentication whose hello never
+    came) are dropped by an expect() once expired; wait for that (at most PENDING_TTL_S)."""
     ep = samehost.endpoint()
     deadline = time.monotonic() + samehost_endpoint.PENDING_TTL_S + 5
     while True:
@@ -221,18 +216,17 @@ def _no_sessions_left_by_others() -> None:
 
 
 def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int, proven: int = 0) -> None:
-    """The endpoint holds that many more sessions, proof connections and proven sessions than
-    when the test began (:data:`_BASE`)."""
+    """The endpoint holds that many sessions, proof connections and proven sessions (each test
+    starts from none: :func:`_no_sessions_left_by_others`)."""
     want = {"pending": pending, "proving": proving, "proven": proven}
     deadline = time.monotonic() + 5
-    while {k: v - _BASE.get(k, 0) for k, v in ep.held().items()} != want:
-        assert time.monotonic() < deadline, (ep.held(), _BASE)
+    while ep.held() != want:
+        assert time.monotonic() < deadline, ep.held()
         time.sleep(0.005)
 
 
 def test_a_proof_for_a_session_never_announced_is_refused_at_once(initiator: Initiator) -> None:
     ep = samehost.endpoint()
-    _BASE.update(ep.held())
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
     initiator.prove("prove", "a", s, ep.name)
     what, ms = initiator.wait("a")
@@ -313,7 +307,6 @@ def test_a_proof_whose_link_hello_never_comes_is_closed_with_its_connection(
     hello deadline), not when the session would expire."""
     monkeypatch.setattr(listener, "HELLO_TIMEOUT_S", 0.3)
     ep = samehost.endpoint()
-    _BASE.update(ep.held())
     s, announced = _auth(initiator, "t1", acceptor)
     assert announced.endswith(ep.name)
     initiator.prove("prove", "a", s, ep.name)
@@ -335,7 +328,6 @@ def test_a_proof_of_a_refused_link_is_closed_with_the_refusal(
     """The link is refused (another transfer backend): the session it was announced to is
     abandoned with the reply, and the proof waiting for it closed, none of ours sent."""
     ep = samehost.endpoint()
-    _BASE.update(ep.held())
     s, _announced = _auth(initiator, "t", acceptor)
     initiator.prove("prove", "a", s, ep.name)
     _settled(ep, 1, 1, 1)
@@ -350,7 +342,6 @@ def test_authenticated_connections_hold_expected_sessions_only_while_they_last(
         initiator: Initiator, acceptor: int) -> None:
     """Held until the connection closes, or its hello turns out to be an unlink."""
     ep = samehost.endpoint()
-    _BASE.update(ep.held())
     for i in range(8):
         _auth(initiator, f"c{i}", acceptor)
     _settled(ep, 8, 0)
