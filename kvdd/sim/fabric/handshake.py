@@ -457,6 +457,13 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
                 w = Writer().pack("I", Status.LLM_FAILED).text(
                     f"the peer's cache table is too large to link (over {MAX_HELLO} bytes)")
                 status = Status.LLM_FAILED
+        prepare = getattr(path, "prepare", None)
+        if status == S_OK and mine is not None and prepare is not None:
+            # the same-host path: our lease table, then our answer to the initiator's proof
+            # (now, if it came already), ahead of the reply, so that the initiator finds it
+            # when the reply comes; should the reply not go out, the initiator never takes it
+            # (its link failed) and the session ends with the proof's connection
+            prepare(mine[1])
         conn.settimeout(REPLY_TIMEOUT_S)
         try:
             conn.sendall(frame(F_LINK_REPLY, 0, bytes(w.buf)))
@@ -481,9 +488,6 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
     except OSError as exc:  # closed before it started (unlinked or replaced meanwhile): ended
         logger.debug("kvdd fabric: a link ended before it started: %s", exc)
         chan.kill()
-    prepare = getattr(path, "prepare", None)
-    if prepare is not None:  # (the same-host path: our lease table, ahead of the peer's proof)
-        prepare(chan.served)
     return True
 
 
