@@ -50,35 +50,46 @@ cdef extern from *:
     int kvdd_wipeonfork(void *p, size_t n) nogil
 
 # "Made in this process?" for PeerMaps.bases at every copy, without a system call: one private
-# page marked MADV_WIPEONFORK holds the pid of the process that last made a PeerMaps here.  The
-# kernel zeroes it in every child that does not share our memory, however the child was made:
-# fork() (os.fork), glibc's _Fork() and a raw clone(), which run no pthread_atfork handler (a
-# pid kept by such a handler stayed the parent's in a _Fork child, whose next copy then went
-# through the parent's mappings, absent there: SIGSEGV, or the child's own memory since).
-# A child's first PeerMaps writes its own pid; the parent's PeerMaps never match it again.
+# page marked MADV_WIPEONFORK holds this process's mark, a random nonzero word.  The kernel
+# zeroes it in every child that does not share our memory, however the child was made: fork()
+# (os.fork), glibc's _Fork() and a raw clone(), which run no pthread_atfork handler (a pid kept
+# by such a handler stayed the parent's in a _Fork child, whose next copy then went through the
+# parent's mappings, absent there: SIGSEGV, or the child's own memory since).  A child's first
+# PeerMaps draws a new mark; the parent's PeerMaps never match it.  A mark, not the pid: a
+# grandchild can get the pid of the process that mapped (it exited, the pid was reused), and
+# its copies and unmaps through the PeerMaps it inherited then reached its own memory there.
 cdef uint64_t *_here = NULL
 
 
-cdef void _here_init():
+cdef uint64_t _fresh_mark() except 0:
+    cdef uint64_t mark = 0
+    while mark == 0:
+        mark = int.from_bytes(_os.urandom(8), "little")
+    return mark
+
+
+cdef int _here_init() except -1:
     global _here
     cdef void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     if p == MAP_FAILED:
         raise ImportError("kvdd._native._xproc: cannot map one page")
     if kvdd_wipeonfork(p, 4096) != 0:  # (Linux < 4.14: getpid() at every copy instead)
         munmap(p, 4096)
-        return
+        return 0
     _here = <uint64_t *>p
-    _here[0] = <uint64_t>getpid()
+    _here[0] = _fresh_mark()
+    return 0
 
 
 _here_init()
 
 
-cdef inline bint _made_here(pid_t pid) noexcept nogil:
-    """Whether this process is the one whose pid the PeerMaps recorded (``pid``) at its making."""
+cdef inline bint _made_here(uint64_t mark) noexcept nogil:
+    """Whether this process is the one whose mark a PeerMaps recorded (``mark``) at its making
+    (without MADV_WIPEONFORK: its pid)."""
     if _here != NULL:
-        return _here[0] == <uint64_t>pid
-    return getpid() == pid
+        return _here[0] == mark
+    return <uint64_t>getpid() == mark
 
 
 #: ``statfs.f_type`` of tmpfs / shmem (where ``memfd_create`` files live without MFD_HUGETLB).
@@ -193,7 +204,7 @@ cdef class PeerMaps:
     """
 
     cdef Py_ssize_t slots
-    cdef pid_t pid           # the process whose address space holds the mappings
+    cdef uint64_t mark       # the process whose address space holds the mappings (_made_here)
     cdef list _maps          # [(addr, size)]
     cdef dict _placed        # slot -> list of (addr, avail) per tensor index (0: not placed)
     cdef readonly bint closed
@@ -206,9 +217,12 @@ cdef class PeerMaps:
         if slots < 0 or slots > _MAX_SLOTS:
             raise ValueError(f"PeerMaps: {slots} slots")
         self.slots = slots
-        self.pid = getpid()
-        if _here != NULL and _here[0] != <uint64_t>self.pid:  # the first one in a child
-            _here[0] = <uint64_t>self.pid
+        if _here == NULL:
+            self.mark = <uint64_t>getpid()
+        else:
+            if _here[0] == 0:  # the first one in a child (the kernel wiped the page)
+                _here[0] = _fresh_mark()
+            self.mark = _here[0]
         self._maps = []
         self._placed = {}
         self.closed = False
@@ -229,7 +243,7 @@ cdef class PeerMaps:
         self._placed = {}
         # a forked child holds none of the mappings (MADV_DONTFORK) and counts none of them
         # (_forget_parents_maps): the range is not its to unmap, the counts not its to lower
-        if getpid() != self.pid:
+        if not _made_here(self.mark):
             return
         cdef void *p
         cdef size_t n
@@ -251,7 +265,7 @@ cdef class PeerMaps:
         index.  The fd stays the caller's (close it: the mapping keeps the memory).
         ValueError: refused."""
         global _total_maps, _total_bytes
-        if self.closed or getpid() != self.pid:
+        if self.closed or not _made_here(self.mark):
             raise ValueError("PeerMaps is closed (or was made by the parent of this process)")
         cdef long size = shm_check(fd, ino)
         if <uint64_t>size > limit:
@@ -346,7 +360,7 @@ cdef class PeerMaps:
         """The mapped address of each tensor (``tensors[k]`` when given, else ``first + k``) of
         ``slot``; False when any is not placed, or its mapping holds fewer than ``rn`` bytes
         from the tensor's offset (the copy then goes through ``/proc/<pid>/mem``)."""
-        if self.closed or not self.enabled or rn < 0 or not _made_here(self.pid):
+        if self.closed or not self.enabled or rn < 0 or not _made_here(self.mark):
             return False
         placed = self._placed.get(slot)
         if placed is None:

@@ -410,7 +410,9 @@ cdef class FastTransfers:
             if rc is None:
                 return self._no()
             rn = rc.num_tensors
-            stride = rc.stride_nbytes
+            # a peer's hello gives S as 64 bits unsigned: past int64 the Python path decides
+            if not _int(rc.stride_nbytes, 0, I64_MAX, &stride):
+                return self._no()
             rT = rc.tensor_nbytes
             if nbytes < 0:  # 15
                 nbytes = p.S
@@ -565,7 +567,8 @@ cdef class FastTransfers:
             # every planned layer passes (kvdd.sim.pushes._layers_passing): layer 0's e-h ...
             if bd >= rc.batch_size or sbi >= q.B or not self._push_layers_pass(local, rc, &q):  # e, h, ...
                 return self._no()
-            stride = rc.stride_nbytes
+            if not _int(rc.stride_nbytes, 0, I64_MAX, &stride):  # (as in pull_kv_cache)
+                return self._no()
             rT = rc.tensor_nbytes
             if q.S > rT or (stride > 0 and bd > (rT - q.S) // stride):  # kvdd rule 1: bd x R.S + L.S <= R.T
                 return self._no()

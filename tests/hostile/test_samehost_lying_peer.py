@@ -266,3 +266,18 @@ def test_a_tensor_count_lie_is_not_served_one_sided(world: World, op: str) -> No
         assert (st, taken) == (Status.LLM_SUCCESS, 0)
         if op.startswith("pull"):
             assert got == b"\x0a" * N
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_stride_past_int64_goes_to_the_python_path(world: World, op: str) -> None:
+    """The hello's row stride is 64 bits unsigned: a peer that claims 2**63 or 2**64-1 bytes gets
+    the Python path's answer (the compiled path declines what it cannot hold in int64, never
+    raises), with the same bytes in both processes; our guards and FIXED page intact."""
+    for stride in (1 << 63, (1 << 64) - 1):
+        world.lie(stride_nbytes=stride)
+        try:
+            st, _, got, _ = _both_paths(world, op, 0)
+        finally:
+            world.lie()
+        assert st == Status.LLM_SUCCESS, hex(stride)
+        assert got == (b"\x0a" if op.startswith("pull") else b"\x33") * N

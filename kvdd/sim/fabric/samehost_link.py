@@ -143,6 +143,23 @@ class SameHostPath:
         if served is not None:  # revoke the peer's access and wait for its copies (bounded)
             served.close()
 
+    def abandon(self) -> bool:
+        """The proof failed after the tables were exchanged (the link uses TCP): our reads stop
+        (the reader closes now, its mappings on the unmapper thread, not whenever the collector
+        frees it), the peer's access to our table is revoked without waiting here (the link call
+        returns; an unregister still waits for a copy of its, bounded, once); True when a table
+        was served (it stays attached until its reader exits)."""
+        with self._lock:
+            self._closed = True
+            reader, self._reader = self._reader, None
+            served, self._served = self._served, None
+            self.name = "tcp"
+        if reader is not None:
+            reader.close()
+        if served is not None:
+            served.revoke()
+        return served is not None
+
 
 class _LinkState:
     """One handshake's same-host state between this side's two extension callbacks; on the
@@ -390,7 +407,7 @@ def extension_accept(session: SessionKeys, value: bytes) -> object:
                             lambda link: _read(link, path, True))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
-        mine.end()
+        mine.end(keep_tables=path.abandon())
         return None
     mine.end(keep_tables=True)
     if path.name != "process_vm":

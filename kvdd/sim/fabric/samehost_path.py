@@ -233,6 +233,12 @@ class ServedTable:
                                "ms; closing its one-sided access", self.reader_pid, wait_ms)
             self.table.revoke(-1, STATE_CLOSED)
 
+    def revoke(self) -> None:
+        """No new copy on any slot, without waiting for running ones: the table stays attached,
+        so the unregister of a cache still waits for a copy counted on it (bounded, once), and
+        is closed when its reader exits (``_sweep`` of :mod:`.samehost_link`)."""
+        self.table.revoke(-1, STATE_CLOSED)
+
     def close(self, state: int = STATE_CLOSED) -> None:
         """No new copy on any slot (the reader falls back to TCP), wait for running ones
         (bounded), detach from the entries, drop the reader's pidfd."""
