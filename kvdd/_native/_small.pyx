@@ -87,8 +87,8 @@ cdef class FrameReader:
     """
 
     cdef readonly object sock
-    cdef bytearray _buf
-    cdef char* _p
+    cdef char* _p  # size bytes of our own (PyMem_Malloc, not zeroed: its pages are touched only
+                   # as frames arrive, and only the bytes received are ever read)
     cdef Py_ssize_t _pos, _end, _cap
     cdef int64_t _limit[256]
     cdef uint8_t _m0, _m1, _version
@@ -103,9 +103,13 @@ cdef class FrameReader:
         if len(magic) != 2 or not 0 <= version <= 255 or size < _HSIZE + 4:
             raise ValueError("bad frame reader configuration")
         self.sock = sock
-        self._buf = bytearray(size)  # never resized: _p stays valid
-        self._p = self._buf
-        self._cap = size
+        if self._p == NULL:  # (never resized: _p stays valid)
+            self._p = <char*>PyMem_Malloc(<size_t>size)
+            if self._p == NULL:
+                raise MemoryError()
+            self._cap = size
+        elif size != self._cap:
+            raise ValueError("a frame reader keeps its buffer size")
         self._pos = self._end = 0
         for i in range(256):
             self._limit[i] = -1
@@ -120,6 +124,9 @@ cdef class FrameReader:
         self.error = error
         self._busy = False
         self.interrupted = False
+
+    def __dealloc__(self):
+        PyMem_Free(self._p)
 
     cdef int _enter(self) except -1:
         if self._busy:

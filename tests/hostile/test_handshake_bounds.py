@@ -40,6 +40,7 @@ from kvdd.sim.fabric import handshake, wire
 from kvdd.sim.fabric.auth import NONCE_BYTES, Secret, mac
 from kvdd.sim.fabric.handshake import (InProcessConnection, RemoteConnection, auth_refusal, linger,
                                        transcript_of)
+from kvdd.sim.fabric.channel import GoneOwner
 from kvdd.sim.fabric.protocol import LinkOwner, LinkResult
 from kvdd.types import RegisterCfg
 
@@ -89,8 +90,9 @@ def _frames(s: socket.socket, timeout: float = 1.0) -> list[tuple[int, bytes]]:
 
 
 def _stub_owner(cluster_id: int = 5) -> LinkOwner:
-    """Enough of a LinkOwner for a handshake that fails during authentication."""
-    return cast(LinkOwner, types.SimpleNamespace(cluster_id=cluster_id))
+    """Enough of a LinkOwner for a handshake that fails during authentication (its link hello,
+    encoded while the acceptor checks the proof: no caches)."""
+    return cast(LinkOwner, GoneOwner(cluster_id))
 
 
 @pytest.fixture

@@ -131,6 +131,24 @@ class _Failed(Exception):
         self.detail = detail
 
 
+class _Hello:
+    """Our link hello but its extensions (which depend on the session): the offer, the flags and
+    our cache table, then the table's extra fields."""
+
+    def __init__(self, local: LinkOwner, force_link: bool) -> None:
+        self.comm = local.transfer_backend == "comm"
+        snap, self.entries = local.snapshot_for_link() if self.comm else ({}, {})
+        w = Writer()
+        encode_offer(w, LinkOffer.of(local))
+        w.pack("B", int(force_link))
+        w.text(BOOT_ID)
+        encode_snapshot(w, self.entries)
+        self.head = bytes(w.buf)
+        w = Writer()
+        encode_table_extras(w, self.entries, snap)
+        self.tail = bytes(w.buf)
+
+
 class RemoteConnection:
     """A TCP connection to a peer in another process (or host), before / during a handshake.
 
@@ -181,8 +199,10 @@ class RemoteConnection:
         except (OSError, ProtocolError, struct.error) as exc:
             raise _Failed(Status.LLM_LINK_FAILED, f"the handshake failed: {exc}") from None
 
-    def _authenticate(self, local: LinkOwner) -> Session:
-        """Mutual challenge-response (initiator side); the session on success."""
+    def _authenticate(self, local: LinkOwner,
+                      meanwhile: Callable[[], None] | None = None) -> Session:
+        """Mutual challenge-response (initiator side); the session on success.  ``meanwhile``
+        runs while the acceptor checks our proof (work of ours that needs no answer)."""
         try:
             secret = load_secret()
         except SecretError as exc:
@@ -201,6 +221,8 @@ class RemoteConnection:
         t0 = transcript_of(hello, challenge)
         proof = mac(secret.key, "initiator", nonce_i, nonce_a, t0)
         self._send(frame(F_AUTH_PROOF, 0, proof))
+        if meanwhile is not None:
+            meanwhile()
         ftype, payload = self._recv()
         if ftype == F_AUTH_REFUSED:
             raise _Failed(*decode_refusal(payload))
@@ -227,23 +249,20 @@ class RemoteConnection:
             return LinkResult(exc.status, exc.detail)
 
     def _link(self, local: LinkOwner, force_link: bool) -> LinkResult:
-        session = self._authenticate(local)
+        made: list[_Hello] = []  # our table is encoded while the acceptor checks our proof
+        session = self._authenticate(local, lambda: made.append(_Hello(local, force_link)))
         try:
-            return self._link_hello(local, force_link, session)
+            return self._link_hello(local, made[0] if made else _Hello(local, force_link), session)
         finally:  # what an extension started for this link and did not finish ends with it
             announce.discard(session)
 
-    def _link_hello(self, local: LinkOwner, force_link: bool, session: Session) -> LinkResult:
+    def _link_hello(self, local: LinkOwner, hello: _Hello, session: Session) -> LinkResult:
         """The link hello and its reply, on an authenticated connection."""
-        comm = local.transfer_backend == "comm"
-        snap, entries = local.snapshot_for_link() if comm else ({}, {})
+        comm, entries = hello.comm, hello.entries
         w = Writer()
-        encode_offer(w, LinkOffer.of(local))
-        w.pack("B", int(force_link))
-        w.text(BOOT_ID)
-        encode_snapshot(w, entries)
+        w.buf += hello.head
         encode_extensions(w, offer_extensions(session, local))
-        encode_table_extras(w, entries, snap)
+        w.buf += hello.tail
         if len(w.buf) > MAX_HELLO:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")

@@ -248,8 +248,11 @@ def availability() -> tuple[bool, str]:
         return False, (f"Yama ptrace_scope={scope} forbids process_vm_readv between unrelated "
                        "processes (kvdd does not grant ptrace with PR_SET_PTRACER): same-host "
                        "links use TCP")
-    return True, (f"one-sided copies through /proc/<pid>/mem (kvdd.empty memory: mapped) between "
-                  f"processes of uid {os.getuid()} on this boot, identity by SCM_PIDFD of the proof")
+    return True, _AVAILABLE % os.getuid()
+
+
+_AVAILABLE = ("one-sided copies through /proc/<pid>/mem (kvdd.empty memory: mapped) between "
+              "processes of uid %d on this boot, identity by SCM_PIDFD of the proof")
 
 
 class LinkCallback(Protocol):
@@ -269,19 +272,27 @@ class TableFactory(Protocol):
 _OFFER = struct.Struct("<BI36s")  # version, uid, boot id
 
 
+_hints: tuple[int, bytes] = (-1, b"")  # (uid, the hints of that uid): made once per uid
+
+
+def _our_hints() -> bytes:
+    global _hints
+    uid = os.getuid()
+    if _hints[0] != uid:
+        _hints = (uid, _OFFER.pack(_VERSION, uid, _BOOT_ID.encode()[:36]))
+    return _hints[1]
+
+
 def offer() -> bytes:
     """The initiator's extension payload (b"" when the path is unavailable: do not offer)."""
     if not availability()[0]:
         return b""
-    return _OFFER.pack(_VERSION, os.getuid(), _BOOT_ID.encode()[:36])
+    return _our_hints()
 
 
 def same_host(payload: bytes) -> bool:
     """Whether ``payload`` is the hints of :func:`offer` made on this boot by this uid."""
-    if len(payload) != _OFFER.size:
-        return False
-    version, uid, boot = _OFFER.unpack(payload)
-    return bool(version == _VERSION and uid == os.getuid() and boot == _BOOT_ID.encode()[:36])
+    return len(payload) == _OFFER.size and payload == _our_hints()
 
 
 def announcement() -> bytes:
@@ -294,7 +305,7 @@ def announcement() -> bytes:
     ep = endpoint()
     if not ep.room():
         return b""
-    return _OFFER.pack(_VERSION, os.getuid(), _BOOT_ID.encode()[:36]) + ep.name
+    return _our_hints() + ep.name
 
 
 def expect(session: SessionKeys) -> bool:

@@ -95,6 +95,10 @@ def pass_pidfd(sock: socket.socket) -> None:
 # room for every fd one message can carry (SCM_MAX_FD, 253) + one SCM_PIDFD: a file that did
 # not fit would be released by the kernel on this thread (a lingering socket's close waits)
 _ANC = socket.CMSG_SPACE(4 * 253) + socket.CMSG_SPACE(4) + 64
+# (plain ints: the socket module's flag enums cost microseconds per operation, on every link)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
 
 
 def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
@@ -103,16 +107,16 @@ def recv_msg(sock: socket.socket, max_msg: int) -> tuple[bytes, list[int], int]:
     Raises SameHostRefused (every fd received closed) on truncation (MSG_TRUNC / MSG_CTRUNC)."""
     # close-on-exec: the peer's lease table is held for the link's life, and a program this
     # process runs meanwhile must not inherit it
-    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC, socket.MSG_CMSG_CLOEXEC)
+    data, anc, flags, _addr = sock.recvmsg(max_msg, _ANC, _CLOEXEC)
     fds: list[int] = []
     pidfd = -1
-    bad = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+    bad = bool(flags & _TRUNCATED)
     for level, kind, payload in anc:
-        if level != socket.SOL_SOCKET:
+        if level != _SOL_SOCKET:
             continue
         got = [int.from_bytes(payload[i:i + 4], "little", signed=True)
                for i in range(0, len(payload) - len(payload) % 4, 4)]
-        if kind == socket.SCM_RIGHTS:
+        if kind == _SCM_RIGHTS:
             fds.extend(got)
         elif kind == SCM_PIDFD and got:
             if pidfd >= 0 or len(got) != 1 or got[0] < 0:  # < 0: the kernel's error (sender gone)

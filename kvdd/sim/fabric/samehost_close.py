@@ -278,9 +278,15 @@ def files_refusable() -> bool:
     return _refusable
 
 
+_generic_abi: bool | None = None  # SO_PASSPIDFD's number is known here (asked once)
+
+
 def _passrights(sock: socket.socket, value: int) -> bool:
-    from .samehost_attest import SO_PASSPIDFD  # (it imports this module)
-    if SO_PASSPIDFD is None:  # another architecture's numbers
+    global _generic_abi
+    if _generic_abi is None:
+        from .samehost_attest import SO_PASSPIDFD  # (it imports this module)
+        _generic_abi = SO_PASSPIDFD is not None
+    if not _generic_abi:  # another architecture's numbers
         return False
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, value)
