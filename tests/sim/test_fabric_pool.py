@@ -187,3 +187,17 @@ def test_a_half_sent_payload_costs_what_arrived() -> None:
         assert chan.dead.is_set()
     finally:
         _close(half + live)
+
+
+def test_a_connection_closed_before_it_started_fails_to_start_with_oserror() -> None:
+    """An unlink can close the acceptor's connection before its handshake worker starts it (the
+    link's reply and same-host answer are out by then): start() says so with OSError, which the
+    worker handles by ending the connection, instead of a ValueError from the poller."""
+    a, b = socket.socketpair()
+    with b:
+        chan = Channel(a, MinimalOwner(), "closed-first")
+        a.close()
+        with pytest.raises(OSError, match="closed before it started"):
+            chan.start()
+        chan.kill()
+        assert chan.dead.is_set()

@@ -39,6 +39,7 @@ in their own modules.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -152,15 +153,22 @@ class Channel(Calls, Sender, Watch):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Serve the connection (reads on the pool from now on).  OSError when it was closed
+        before it started (the peer's unlink can come before the acceptor's worker gets here)."""
+        if self.sock.fileno() < 0:
+            raise OSError(errno.EBADF, "the connection was closed before it started")
         self.sock.settimeout(None)
         with contextlib.suppress(OSError):  # (not TCP: a socket pair in tests)
             # both ends: a small frame (a reply, a READ's DONE after its DATA) never waits for
             # the ACK of what went before it (Nagle), which the peer may delay
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        fd = self.sock.fileno()
+        if fd < 0:  # (closed by another thread meanwhile)
+            raise OSError(errno.EBADF, "the connection was closed before it started")
         add_endpoint(self.owner, self)
         self._pid = os.getpid()
-        self._fd = self.sock.fileno()
-        self._reactor.add(self._fd, self)
+        self._fd = fd
+        self._reactor.add(fd, self)
         with self._lock:
             self._started = True
             self._running.set()

@@ -319,6 +319,8 @@ class Endpoint:
         fd = -1
         try:
             fd, slots = pending.make_table()
+            if fd < 0:  # closed meanwhile (the session was given up on another thread)
+                raise SameHostRefused("the link's lease table was closed before our answer")
             with proof.lock:
                 if proof.closed:
                     return
