@@ -11,6 +11,7 @@ Deadlines: a copy never starts past the reader's deadline, one that ends past it
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import mmap
@@ -31,6 +32,7 @@ from kvdd import Status
 from kvdd._native import _xproc
 from kvdd._native._copy import Region
 from kvdd.sim.fabric import auth, samehost, samehost_path, wire
+from kvdd.sim.fabric.auth import Session
 from kvdd.sim.fabric.samehost_path import STATE_CLOSED, ServedTable, new_table_fd
 from shared_support import FakeServedCache as _Entry
 
@@ -399,3 +401,16 @@ def test_reused_pid_of_the_listen_caller_is_never_touched() -> None:
     assert attested == m == "1"  # the sender of the proof, not the victim
     assert bytes.fromhex(victim) == b"V" * 64  # (the write, if any, went to M's own memory)
     assert int(status) in (Status.LLM_SUCCESS, Status.LLM_FAILED, Status.LLM_TIMEOUT)
+
+
+def test_a_linked_session_keeps_every_field_but_the_three_the_hello_names() -> None:
+    """``Session.linked`` (the link's cluster ids and the peer's boot id) is
+    :func:`dataclasses.replace` of exactly those three fields: the key, transcript, role,
+    channel and announcement stay what authentication proved."""
+    s = Session(b"k" * 32, b"t" * 32, True, 1, 2, "boot", True, b"chan", b"ann")
+    got = s.linked(7, 8, "peer-boot")
+    assert got == dataclasses.replace(s, local_cluster_id=7, peer_cluster_id=8,
+                                      peer_boot_id="peer-boot")
+    assert [f.name for f in dataclasses.fields(Session)] == [
+        "key", "transcript", "initiator", "local_cluster_id", "peer_cluster_id", "peer_boot_id",
+        "auth_off", "channel", "announced"]  # a new field must be carried by linked() too

@@ -115,6 +115,9 @@ class SameHostLink:
     #: The peer's ``/proc/<pid>/mem`` (:func:`open_memory`), or -1: the reader's copies go
     #: through it, so they reach the attested address space and no other.
     mem_fd: int = -1
+    #: The initiator's proof socket, shut and refusing files, closed with the link (its close
+    #: goes to the closer thread, which need not be woken on the link's path).
+    proof_sock: socket.socket | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _closed: bool = False
 
@@ -141,6 +144,14 @@ class SameHostLink:
                     raise SameHostRefused(f"cannot open the peer's memory ({exc})") from None
             return self.mem_fd
 
+    def keep_socket(self, sock: socket.socket) -> bool:
+        """Hold the finished proof's socket until :meth:`close` (False: closed already)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self.proof_sock = sock
+            return True
+
     def close(self) -> None:
         """Close the pidfd, the memory and the table fd (mappings made from it stay valid)."""
         with self._lock:
@@ -152,6 +163,9 @@ class SameHostLink:
                     os.close(fd)
             close_file(self.table_fd)  # the peer's file: never waits (.samehost_close)
             self.pidfd = self.table_fd = self.mem_fd = -1
+            sock, self.proof_sock = self.proof_sock, None
+        if sock is not None:
+            close_socket(sock)  # (files the peer queued in it are closed off this thread)
 
 
 # ---- can this process use the path at all ---------------------------------------------------------
@@ -434,7 +448,8 @@ def start_proof(announced: bytes, session: SessionKeys,
 
 def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int],
                  attach: LinkCallback, activate: LinkCallback | None = None) -> SameHostLink:
-    """The initiator's second step, on the socket of :func:`start_proof` (closed here): the
+    """The initiator's second step, on the socket of :func:`start_proof` (closed here, or by
+    the link it proved: :meth:`SameHostLink.keep_socket`): the
     acceptor's proof and lease table, then ours (``own``: ``(fd, slots)``, sent only once the
     acceptor proved itself; the caller closes the fd), then the acceptor's acknowledgement.
 
@@ -444,6 +459,7 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
     when the path is not used."""
     own_fd, own_slots = own
     link: SameHostLink | None = None
+    kept = False
     try:
         body, fd, sender = recv_message(sock, M_REPLY, 36)
         try:
@@ -468,6 +484,11 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
         same_sender(sender, pid)
         if not link.alive():
             raise SameHostRefused("the peer process exited during the proof")
+        # the exchange is over: no file or byte more can be queued, and the socket is closed
+        # with the link, off this call's path
+        refuse_files(sock)
+        sock.shutdown(socket.SHUT_RDWR)
+        kept = link.keep_socket(sock)
         return link
     except (OSError, struct.error) as exc:
         if link is not None:
@@ -478,7 +499,8 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
             link.close()
         raise
     finally:
-        close_socket(sock)  # (files the acceptor queued are closed off this thread)
+        if not kept:
+            close_socket(sock)  # (files the acceptor queued are closed off this thread)
 
 
 def prove(reply: bytes, session: SessionKeys, make_table: TableFactory,
