@@ -132,6 +132,13 @@ class SameHostPath:
         assert self._reader is not None and isinstance(lease, OneSidedLease)
         return self._reader.move(lease, tensors, src, src_off, dst_off, length, True)
 
+    def revoke_served(self) -> None:
+        """No new copy of the peer's on our caches (the close that follows waits for running
+        ones): finalize revokes every link's table before it closes the first."""
+        served = self._served
+        if served is not None:
+            served.revoke()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
