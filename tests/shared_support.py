@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ class FakeServedCache:
     addrs: tuple[int, ...] = ()
     T: int = 0  # bytes per tensor
     registered: bool = True
-    drains: list[Callable[[], None]] = field(default_factory=list)
+    drains: list[Callable[[], object]] = field(default_factory=list)
     acquired: int = 0
     releases: int = 0
 
@@ -45,19 +46,21 @@ class FakeServedCache:
     def release(self) -> None:
         self.releases += 1
 
-    def add_drain(self, fn: Callable[[], None]) -> bool:
+    def add_drain(self, fn: Callable[[], object]) -> bool:
         if not self.registered:
             return False
         self.drains.append(fn)
         return True
 
-    def remove_drain(self, fn: Callable[[], None]) -> None:
+    def remove_drain(self, fn: Callable[[], object]) -> None:
         self.drains.remove(fn)
 
     def unregister(self) -> None:
         self.registered = False
-        for fn in list(self.drains):
-            fn()
+        waits = [w for w in (fn() for fn in list(self.drains)) if callable(w)]
+        start = time.monotonic()
+        for w in waits:
+            w(start)
 
 
 def in_a_forked_child(fn: Callable[[], R]) -> R:

@@ -31,7 +31,7 @@ from .checks import (
     require_initialized,
 )
 from .caches import CacheTable
-from .entries import CacheEntry, Entity
+from .entries import CacheEntry, Entity, retire_all
 from .fabric import LinkOffer, PeerHandle, RemoteCache
 from .options import (
     cache_engine_options,
@@ -217,13 +217,19 @@ class SimBackend:
 
     def _finalize_wait(self, entities: list[Entity], caches: list[CacheEntry],
                        channels: list[fabric.Channel]) -> None:
-        for entity in entities:
-            with entity.lock:  # wait for an in-flight transfer over this link
-                entity.peer.close()
-        for entry in caches:
-            # waits for local and remote leases; a remote lease ends when its reader releases it,
-            # when the reader's connection closes, or at the latest when it expires
-            entry.retire()
+        for entity in entities:  # no new one-sided copy of any peer's starts on our caches
+            fabric.revoke_served(entity.peer)
+
+        def close_links(start: float) -> None:
+            with fabric.drain_window(start):  # the closes wait for running ones from one start
+                for entity in entities:
+                    with entity.lock:  # wait for an in-flight transfer over this link
+                        entity.peer.close()
+
+        # every cache's drains revoke first, then the links close, then the waits, all from one
+        # start; waits for local and remote leases too: a remote lease ends when its reader
+        # releases it, when the reader's connection closes, or at the latest when it expires
+        retire_all(caches, between=close_links)
         # the peers keep stale entities (§3.3); over them our caches are now not found (GOODBYE)
         fabric.close_channels(channels)
 
@@ -422,11 +428,17 @@ class SimBackend:
             return self._rejected(exc), []
         status: int = S_OK
         rets: list[int] = []
-        for cluster in clusters:
-            st = self._unlink_one(cluster, timeout_ms, force)
-            rets.append(st)
-            if st != S_OK:
-                status = st
+        with self._lock:  # no new one-sided copy of the named peers' starts on our caches, so
+            named = [self.entities.get(c.remote_cluster_id) for c in clusters]
+        for entity in named:  # that their closes wait for running ones from one start
+            if entity is not None:
+                fabric.revoke_served(entity.peer)
+        with fabric.drain_window():
+            for cluster in clusters:
+                st = self._unlink_one(cluster, timeout_ms, force)
+                rets.append(st)
+                if st != S_OK:
+                    status = st
         return status, rets
 
     def _unlink_one(self, cluster: ClusterInfo, timeout_ms: int, force: bool) -> int:

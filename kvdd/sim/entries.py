@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from .fabric import KIND_BLOCKS, KIND_MIX, PeerHandle, RemoteCache
 from .memory import Region, RegionTable
 
-__all__ = ["CacheEntry", "Entity"]
+__all__ = ["CacheEntry", "Entity", "retire_all"]
 
 _NO_REGIONS = RegionTable(())  # what an unregistered entry keeps: no regions, no leases
 _NO_REGIONS.close(threading.Event())
@@ -69,7 +69,7 @@ class CacheEntry:
         self.owners = owners
         self._lock = threading.Lock()  # registered and the drains
         self.registered = True
-        self._drains: list[Callable[[], None]] = []  # one-sided readers' lease tables (fabric)
+        self._drains: list[Callable[[], object]] = []  # one-sided readers' lease tables (fabric)
         self._drains_done: threading.Event | None = None  # set once retire() ran the drains
 
     @property
@@ -92,16 +92,19 @@ class CacheEntry:
         """End a lease taken by :meth:`acquire` (wakes an unregister waiting for the last one)."""
         self.table.release()
 
-    def add_drain(self, fn: Callable[[], None]) -> bool:
+    def add_drain(self, fn: Callable[[], object]) -> bool:
         """Run ``fn`` when this cache is unregistered, after new leases are refused (one-sided
-        same-host readers: revoke and wait for their copies); False once unregistered."""
+        same-host readers: revoke); when ``fn`` returns a callable, ``wait(start)``, it is called
+        once every drain of the unregister ran, with the ``time.monotonic()`` of that moment, and
+        waits (for those readers' copies, bounded from ``start``: one unregister waits one bound
+        however many tables revoke); False once unregistered."""
         with self._lock:
             if not self.registered:
                 return False
             self._drains.append(fn)
             return True
 
-    def remove_drain(self, fn: Callable[[], None]) -> None:
+    def remove_drain(self, fn: Callable[[], object]) -> None:
         with self._lock:
             if fn in self._drains:
                 self._drains.remove(fn)
@@ -111,30 +114,74 @@ class CacheEntry:
         number of callers may wait (a second unregister of the id waits as the first does).
 
         Returns False when ``timeout`` (seconds) passed with leases still held."""
+        return retire_all([self], timeout)
+
+    def _revoke(self) -> tuple[threading.Event, threading.Event, list[Callable[[], object]] | None]:
+        """Refuse new leases; ``(leases drained, drains done, drains to run)``: the drains only
+        for the first caller (None for later ones, which wait for the first's)."""
         with self._lock:
             self.registered = False
             drained = self.table.close(threading.Event())
-            drains_done = self._drains_done
-            first = drains_done is None
-            if drains_done is None:
-                drains_done = self._drains_done = threading.Event()
+            first = self._drains_done is None
+            drains_done = self._drains_done = self._drains_done or threading.Event()
             drains, self._drains = self._drains, []
-        if first:
-            try:
-                for fn in drains:  # one-sided copies and idle remote leases: no new copy (bounded)
-                    fn()
-            finally:
-                drains_done.set()
-        # every caller waits for the first one's drains (a same-host reader's copy they revoke may
-        # still read the memory), then for the leases
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not drains_done.wait(timeout):
-            return False
-        if not drained.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
-            return False
-        self.regions = []
-        self.table = _NO_REGIONS
-        return True
+        return drained, drains_done, (drains if first else None)
+
+
+def retire_all(entries: Sequence[CacheEntry], timeout: float | None = None,
+               between: Callable[[float], object] | None = None) -> bool:
+    """Retire ``entries`` (:meth:`CacheEntry.retire`) together: every drain of every entry runs
+    first (no new copy of a one-sided reader starts on any of them), then their waits, all from
+    one start, so the whole call waits for readers at most one bound, not one per entry or table.
+
+    Parameters
+    ----------
+    entries : sequence of CacheEntry
+        The caches (unregister: one; finalize: all).
+    timeout : float or None
+        Seconds to wait for leases and for another caller's drains (None: until they end).
+    between : callable or None
+        Called with the common start once every drain revoked, before the waits (finalize
+        closes its links there, their tables revoked before this call: one start for all).
+
+    Returns
+    -------
+    bool
+        False when ``timeout`` passed with leases held or another caller's drains running.
+    """
+    states = [e._revoke() for e in entries]
+    waits: list[Callable[[float], object]] = []
+    try:
+        for _drained, _done, drains in states:
+            for fn in drains or ():  # one-sided copies and idle remote leases: no new copy
+                w = fn()
+                if callable(w):
+                    waits.append(w)
+        start = time.monotonic()
+        if between is not None:
+            between(start)
+        for w in waits:  # (each bounded from the common start)
+            w(start)
+    finally:
+        for _drained, done, drains in states:
+            if drains is not None:
+                done.set()
+    # every caller waits for the first one's drains (a same-host reader's copy they revoke may
+    # still read the memory), then for the leases
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ok = True
+    for entry, (drained, drains_done, _drains) in zip(entries, states):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not drains_done.wait(left):
+            ok = False
+            continue
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not drained.wait(left):
+            ok = False
+            continue
+        entry.regions = []
+        entry.table = _NO_REGIONS
+    return ok
 
 
 @dataclass

@@ -320,8 +320,8 @@ def test_spoofed_endpoint_reads_and_writes_nothing_in_a_third_process(
 def test_relinking_keeps_descriptors_bounded(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """Linking and unlinking again and again: this process keeps at most a bounded number of
     owner tables (and pidfds) per reader process; the newest link is still one-sided."""
-    from kvdd.sim.fabric import samehost_link
-    monkeypatch.setattr(samehost_link, "MAX_TABLES_PER_READER", 3)
+    from kvdd.sim.fabric import samehost_tables
+    monkeypatch.setattr(samehost_tables, "MAX_TABLES_PER_READER", 3)
     d, p, dh, ph = _setup(world)
     port = p.listen_port or 0
     fds0 = len(os.listdir("/proc/self/fd"))

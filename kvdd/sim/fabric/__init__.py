@@ -100,9 +100,21 @@ __all__ = [
     "ENV_AUTH",
     "ENV_SECRET",
     "ENV_SECRET_FILE",
+    "drain_window",
+    "revoke_served",
 ]
 
 from .samehost import ENV_XPROC  # noqa: E402  (``auto`` (default) or ``tcp``)
 from .samehost_link import install as _install_samehost  # noqa: E402
+from .samehost_path import drain_window  # noqa: E402
+
+
+def revoke_served(peer: PeerHandle) -> None:
+    """Stop ``peer``'s one-sided copies of our caches from starting, without waiting (a link
+    without that path: nothing); its ``close`` waits for running ones."""
+    revoke = getattr(peer, "revoke_served", None)
+    if revoke is not None:
+        revoke()
+
 
 _install_samehost()  # the "samehost" extension: one-sided same-host links

@@ -409,6 +409,13 @@ class RemotePeer:
             return TIMEOUT
         return int(status)
 
+    def revoke_served(self) -> None:
+        """Stop the peer's one-sided copies of our caches from starting (none run once
+        :meth:`close` returns): finalize does it for every link before the first close."""
+        revoke = getattr(self._path, "revoke_served", None)
+        if revoke is not None:
+            revoke()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

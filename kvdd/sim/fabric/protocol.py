@@ -71,13 +71,14 @@ class ServedCache(Protocol):
 
     def release(self) -> None: ...
 
-    def add_drain(self, fn: Callable[[], None]) -> bool:
+    def add_drain(self, fn: Callable[[], object]) -> bool:
         """Run ``fn`` on unregister after new leases are refused and before waiting for held
-        ones (the same-host one-sided path revokes and waits for its copies there); False (not
-        added) once unregistered."""
+        ones (the same-host one-sided path revokes its slots there); a callable ``fn`` returns,
+        ``wait(start)``, runs once every drain ran, bounded from that common ``start`` (the
+        one-sided path waits for its copies there); False (not added) once unregistered."""
         ...
 
-    def remove_drain(self, fn: Callable[[], None]) -> None: ...
+    def remove_drain(self, fn: Callable[[], object]) -> None: ...
 
 
 #: What a link exposes of one side: the peer-facing snapshot and the live entries behind it.

@@ -21,8 +21,7 @@ Each side makes the lease table of the caches it serves (:class:`~.samehost_path
 the reply is sent, the initiator right after its proof left), hands it over once the peer
 has proven itself and attaches the proven reader then (a cache unregistered meanwhile is revoked),
 labelled by cache id, so a reader only ever uses a cache that both its own snapshot and the owner's
-table name.  Tables of readers that exited are dropped whenever a
-new link is proven here.
+table name.  The tables kept, bounded per reader, are in :mod:`.samehost_tables`.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, an
 from .samehost_attest import close_fd
 from .samehost_close import close_socket
 from .samehost_path import OneSidedLease, OneSidedPeer, ServedTable
+from .samehost_tables import live_tables, serve, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ __all__ = ["SameHostPath", "install", "extension_offer", "extension_accept", "li
 _WAIT = struct.Struct("<I")  # SyncKvCacheWaitTime (ms) of the side that sends the entry
 _STATE_TTL_S = 30.0
 _MAX_STATES = 1024
-MAX_TABLES_PER_READER = 64  # owner tables kept for one reader process (older links use TCP)
 
 
 class SameHostPath:
@@ -132,6 +131,13 @@ class SameHostPath:
         assert self._reader is not None and isinstance(lease, OneSidedLease)
         return self._reader.move(lease, tensors, src, src_off, dst_off, length, True)
 
+    def revoke_served(self) -> None:
+        """No new copy of the peer's on our caches (the close that follows waits for running
+        ones): finalize revokes every link's table before it closes the first."""
+        served = self._served
+        if served is not None:
+            served.revoke()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -194,7 +200,6 @@ _lock = threading.Lock()
 # by session transcript: the initiator's owner (offer -> accept), the acceptor's path (accept ->
 # offer); entries of handshakes that never got to the second callback expire
 _states: dict[tuple[bool, bytes], _LinkState] = {}
-_tables: list[ServedTable] = []  # owner tables attached to proven readers, oldest first
 
 
 def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> bool:
@@ -212,29 +217,6 @@ def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> bool:
 def _take(initiator: bool, session: SessionKeys) -> _LinkState | None:
     with _lock:
         return _states.pop((initiator, bytes(session.transcript)), None)
-
-
-def live_tables() -> int:
-    """Owner tables held now (they go when their reader process exits)."""
-    with _lock:
-        return len(_tables)
-
-
-def _sweep() -> None:
-    """Drop the tables (and pidfds) of readers that exited, and the oldest of a reader that has
-    more than MAX_TABLES_PER_READER (their links fall back to TCP): bounded fds and memory."""
-    with _lock:
-        gone = [t for t in _tables if t.closed or t.reader_gone]
-        per: dict[int, int] = {}
-        for t in reversed(_tables):
-            if t not in gone:
-                per[t.reader_pid] = per.get(t.reader_pid, 0) + 1
-                if per[t.reader_pid] > MAX_TABLES_PER_READER:
-                    gone.append(t)
-        for t in gone:
-            _tables.remove(t)
-    for t in gone:
-        t.close()
 
 
 class _Tables:
@@ -278,12 +260,10 @@ class _Tables:
 def _serve_table(link: SameHostLink, table: ServedTable, peer_wait_ms: int,
                  path: SameHostPath) -> None:
     """The peer is proven: attach our table to the reader (it holds its own duplicate of the
-    pidfd); unregister waits for the peer's copies from now on."""
-    table.attach(link, peer_wait_ms)
-    with _lock:
-        _tables.append(table)
-    path.serve(table)
-    _sweep()
+    pidfd); unregister waits for the peer's copies from now on.  Never waits for a copy of
+    another link's (:mod:`.samehost_tables`: eviction revokes)."""
+    if serve(table, link, peer_wait_ms):  # (False: too many evicted tables of this reader)
+        path.serve(table)
 
 
 def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
@@ -318,7 +298,7 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     state = _take(False, session)
     if state is None or not same_host(state.hints):  # no usable offer from the initiator
         return None
-    _sweep()
+    sweep()
     tables = _Tables(owner)
     reads = owner.transfer_backend == "comm"  # hixl: only the initiator has an entity
     path = state.path
@@ -368,7 +348,7 @@ def _start(session: SessionKeys) -> None:
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         return
-    _sweep()
+    sweep()
     tables = _Tables(owner)
     try:
         own = tables.make()

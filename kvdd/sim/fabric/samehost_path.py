@@ -28,7 +28,10 @@ per cache the owner serves over the link, slot ``i`` = the ``i``-th cache of the
   every system call, so only a reader stopped inside one system call (or between that check and
   the call) for longer than the cap can still move bytes (at most ``PVM_CHUNK``) after the
   owner's wait ended: see docs/security.md.  All accesses are sequentially consistent, so a
-  reader that the owner's wait did not count must see the owner's state word.
+  reader that the owner's wait did not count must see the owner's state word.  An unregister
+  revokes the cache's slot in every table first and then waits for all of them from that one
+  start (:meth:`ServedTable.revoke_slot`), a finalize its links' tables likewise
+  (:func:`drain_window`): one call waits one cap, however many links count.
 
 The table is untrusted input for both sides: a peer may scribble anything into it.  Indices are
 checked against the slot count each side mapped; values are only compared with zero; nothing read
@@ -44,7 +47,8 @@ from collections import Counter
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,7 +71,8 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = ["ServedTable", "OneSidedPeer", "OneSidedLease", "STATE_UNREGISTERED", "MAX_LEASE_MS",
-           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd"]
+           "STATE_FINALIZED", "STATE_CLOSED", "new_table_fd", "seal_table_fd", "check_table_fd",
+           "drain_window"]
 
 
 #: State words (0: open).  Slot: the cache was unregistered.  Link: the owner finalized / closed.
@@ -78,6 +83,24 @@ STATE_ABORT = 4  # (_xproc.LEASE_ABORT) a copy still running stops at its next s
 DRAIN_PATIENCE_MS = 1000  # how long an unregister waits for a copy before aborting it
 DRAIN_GRACE_MS = LEASE_GRACE_MS  # beyond the cap, as on the TCP path
 PVM_CHUNK = 4 << 20  # bytes per system call: bounds how late a reader notices its deadline
+
+
+_window = threading.local()  # .start: the common start of this thread's table closes
+
+
+@contextmanager
+def drain_window(start: float | None = None) -> Iterator[None]:
+    """The tables this thread closes inside (:meth:`ServedTable.close`) wait for their readers
+    from one start (``start``, or taken here): enter it once every one of them is revoked
+    (finalize revokes the tables of all its links first), so closing k tables waits one cap."""
+    outer = getattr(_window, "start", None)
+    if outer is None:
+        _window.start = time.monotonic() if start is None else start
+    try:
+        yield
+    finally:
+        if outer is None:
+            _window.start = None
 
 
 def seal_table_fd(fd: int) -> None:
@@ -146,9 +169,10 @@ class ServedTable:
         self._wait_ms = 0
         self.reader_limit_ms = 0  # the reader's own time limit as honoured (<= MAX_LEASE_MS)
         self._waited_out = False  # the reader died or a wait hit the cap: never wait again
-        self._hooks: list[tuple[ServedCache, Callable[[], None]]] = []
+        self._hooks: list[tuple[ServedCache, Callable[[], object]]] = []
         self._closing = False
         self._closed = False
+        self.revoked = False  # revoke() ran: no new copy on any slot
 
     def announce(self) -> None:
         """Announce the served tensors that live in shareable memory (:func:`kvdd.empty`) in the
@@ -195,25 +219,35 @@ class ServedTable:
         with self._lock:
             return self._pidfd >= 0 and not self._closed and not _xproc.pidfd_alive(self._pidfd)
 
-    def _hook(self, slot: int) -> Callable[[], None]:
-        return lambda: self.drain(slot)
+    def _hook(self, slot: int) -> Callable[[], Callable[[float], None]]:
+        return lambda: self.revoke_slot(slot)
+
+    def revoke_slot(self, slot: int) -> Callable[[float], None]:
+        """Unregister of ``entries[slot]``, first step: no new copy starts on it.  Returns the
+        second step, ``wait(start)``: wait until no copy runs, bounded from ``start`` (a
+        ``time.monotonic()`` taken after every table of the unregister was revoked, so that one
+        unregister waits one cap whatever the number of tables: ``CacheEntry.retire``)."""
+        self.table.revoke(slot, STATE_UNREGISTERED)
+        return lambda start: self._wait(slot, start)
 
     def drain(self, slot: int) -> None:
         """Unregister of ``entries[slot]``: no new copy; wait until none runs (bounded)."""
-        self.table.revoke(slot, STATE_UNREGISTERED)
-        self._wait(slot)
+        self.revoke_slot(slot)(time.monotonic())
 
-    def _wait(self, slot: int | None) -> None:
+    def _wait(self, slot: int | None, start: float | None = None) -> None:
         with self._lock:
             pidfd, wait_ms = self._pidfd, self._wait_ms
             if pidfd < 0 or self._waited_out:  # no reader counts here (any more)
                 return
             self._waiting += 1
+        result = 0
         try:
-            # a copy still counted after DRAIN_PATIENCE_MS is aborted at its next system call;
-            # a living reader still counted then is waited for (§10 rule 5) up to the cap
-            t0 = time.monotonic()
-            result = self.table.wait_idle(slot, min(wait_ms, DRAIN_PATIENCE_MS), pidfd)
+            # a copy still counted DRAIN_PATIENCE_MS after ``start`` is aborted at its next
+            # system call; a living reader still counted then is waited for (§10 rule 5) up to
+            # the cap, from ``start`` too
+            t0 = time.monotonic() if start is None else start
+            patience = min(wait_ms, DRAIN_PATIENCE_MS) - int((time.monotonic() - t0) * 1000)
+            result = self.table.wait_idle(slot, max(patience, 0), pidfd)
             if result == 2:
                 self.table.revoke(-1 if slot is None else slot, STATE_ABORT)
                 left = wait_ms - int((time.monotonic() - t0) * 1000)
@@ -236,18 +270,52 @@ class ServedTable:
     def revoke(self) -> None:
         """No new copy on any slot, without waiting for running ones: the table stays attached,
         so the unregister of a cache still waits for a copy counted on it (bounded, once), and
-        is closed when its reader exits (``_sweep`` of :mod:`.samehost_link`)."""
+        is closed without a wait once idle or its reader exited (:mod:`.samehost_tables`)."""
+        self.revoked = True
         self.table.revoke(-1, STATE_CLOSED)
 
-    def close(self, state: int = STATE_CLOSED) -> None:
+    def close_if_idle(self) -> bool:
+        """Revoke, then close without waiting if no copy of the reader's can run or start any
+        more: no count left on any slot (a count that comes later never starts a copy: a
+        reader's enter adds its count and only then reads the state words, all sequentially
+        consistent, so it sees the revocation stored before our look and undoes its count), or
+        the reader exited, or a wait on this table already ended for good.  False (and nothing
+        more done) while a count is left."""
+        self.revoke()
+        with self._lock:
+            if self._closing:
+                return True
+            pidfd = -1 if self._waited_out else self._pidfd
+            if pidfd >= 0:
+                self._waiting += 1
+        result = 0
+        try:
+            if pidfd >= 0:
+                result = self.table.wait_idle(None, 0, pidfd)  # a look, no wait
+        finally:
+            if pidfd >= 0:
+                with self._lock:
+                    self._waiting -= 1
+                    if self._closed and self._waiting == 0 and self._pidfd >= 0:
+                        os.close(self._pidfd)
+                        self._pidfd = -1
+        if result == 2:
+            return False
+        self.close(wait=False)
+        return True
+
+    def close(self, state: int = STATE_CLOSED, wait: bool = True,
+              start: float | None = None) -> None:
         """No new copy on any slot (the reader falls back to TCP), wait for running ones
-        (bounded), detach from the entries, drop the reader's pidfd."""
+        (bounded, from ``start`` when given; ``wait=False`` only when none can run: an idle or
+        never attached table), detach from the entries, drop the reader's pidfd."""
         self.table.revoke(-1, state)
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        self._wait(None)
+        if wait:
+            self._wait(None, getattr(_window, "start", None) if start is None else start)
         for entry, hook in self._hooks:
             entry.remove_drain(hook)
         self._hooks.clear()
