@@ -13,7 +13,7 @@ import threading
 import time
 
 from kvdd.sim.fabric import wire
-from kvdd.sim.fabric.channel import Channel
+from kvdd.sim.fabric.channel import Channel, GoneOwner
 from kvdd.sim.fabric.reactor import POOL_THREADS, REACTOR
 
 import pytest
@@ -195,7 +195,7 @@ def test_a_connection_closed_before_it_started_fails_to_start_with_oserror() -> 
     worker handles by ending the connection, instead of a ValueError from the poller."""
     a, b = socket.socketpair()
     with b:
-        chan = Channel(a, MinimalOwner(), "closed-first")
+        chan = Channel(a, GoneOwner(1), "closed-first")
         a.close()
         with pytest.raises(OSError, match="closed before it started"):
             chan.start()
