@@ -23,7 +23,7 @@ from .auth import Session
 logger = logging.getLogger(__name__)
 
 __all__ = ["Announcer", "MAX_ANNOUNCEMENT", "set_announcer", "announcement", "expect", "abandon",
-           "sent", "discard"]
+           "sent", "discard", "closed"]
 
 MAX_ANNOUNCEMENT = 192  # bytes after the 32-byte MAC (an authentication frame is at most 256)
 
@@ -40,6 +40,8 @@ class Announcer(Protocol):
     def sent(self, session: Session) -> None: ...  # initiator: its link hello left
 
     def discard(self, session: Session) -> None: ...  # initiator: the handshake ended early
+
+    def closed(self, owner_id: int) -> None: ...  # acceptor: a listener of that instance closed
 
 
 _announcer: Announcer | None = None
@@ -102,5 +104,16 @@ def discard(session: Session) -> None:
     if a is not None and session.announced:
         try:
             a.discard(session)
+        except Exception:
+            logger.exception("kvdd fabric: the announcer failed")
+
+
+def closed(owner_id: int) -> None:
+    """A listener of the instance ``owner_id`` (its ``id()``) closed: what the announcer keeps for
+    that instance's next links goes."""
+    a = _announcer
+    if a is not None:
+        try:
+            a.closed(owner_id)
         except Exception:
             logger.exception("kvdd fabric: the announcer failed")

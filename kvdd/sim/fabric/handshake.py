@@ -508,6 +508,12 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
     except OSError as exc:  # closed before it started (unlinked or replaced meanwhile): ended
         logger.debug("kvdd fabric: a link ended before it started: %s", exc)
         chan.kill()
+    after = getattr(path, "after_reply", None)
+    if after is not None:  # (the same-host path: the next link's table, made now)
+        try:
+            after()
+        except Exception:  # a bug: the next link makes its own
+            logger.exception("kvdd fabric: preparing the next same-host link failed")
     return True
 
 

@@ -111,6 +111,7 @@ class Listener:
         self.ip = norm_ip(ip)
         self.port: int = sock.getsockname()[1]
         self._owner = weakref.ref(owner)  # never keeps the instance alive (SEMANTICS.md §3.1)
+        self._owner_id = id(owner)
         self.cluster_id = owner.cluster_id
         self._closed = False
         self.accepted = 0  # connections accepted (diagnostics)
@@ -217,6 +218,7 @@ class Listener:
             self._wake_r.close()
             self._wake_w.close()
             self.gate.close()
+            announce.closed(self._owner_id)  # (what was kept for its next links)
 
     def _current(self, key: selectors.SelectorKey) -> bool:
         """Whether ``key`` (an event of this turn) is still its connection's registration: an

@@ -46,6 +46,7 @@ from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, an
                        start_proof)
 from .samehost_attest import close_fd
 from .samehost_close import close_socket
+from . import samehost_spare as spare
 from .samehost_path import OneSidedLease, OneSidedPeer, ServedTable
 from .samehost_tables import live_tables, serve, sweep
 
@@ -72,6 +73,7 @@ class SameHostPath:
         self._closed = False
         self._prepare: Callable[[Mapping[int, ServedCache]], None] | None = None
         self._decide: Callable[[], None] | None = None
+        self._after: Callable[[], None] | None = None
 
     def prepare(self, entries: Mapping[int, ServedCache]) -> None:
         """The link reply is sent (acceptor): make this side's lease table now, from the caches
@@ -82,6 +84,13 @@ class SameHostPath:
             prepare(entries)
         if decide is not None:  # (also when no handle of ours uses the path: hixl)
             decide()
+
+    def after_reply(self) -> None:
+        """The link is made and its reply out (acceptor): the table of the next link is made
+        now, off that link's path (:mod:`.samehost_spare`)."""
+        after = self._after
+        if after is not None and not self._closed:
+            after()
 
     def serve(self, table: ServedTable) -> None:
         """The table through which the peer of this link reads our caches: closed with the path
@@ -236,7 +245,8 @@ class _Tables:
     def prepare(self, entries: Mapping[int, ServedCache]) -> None:
         with self._lock:
             if not self._closed and not self.made:
-                self._ahead = ServedTable(entries if self.owner.initialized else {})
+                ahead = spare.take(self.owner, entries) if self.owner.initialized else None
+                self._ahead = ahead or ServedTable(entries if self.owner.initialized else {})
                 self.made.append(self._ahead)
                 self._ahead.announce()  # the shareable memory's records, off the proof's path
 
@@ -313,6 +323,7 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
         return None
     path._prepare = tables.prepare
     path._decide = lambda: endpoint().decide(session)
+    path._after = lambda: spare.make(owner)
     return offer() + _wait_ms(owner)
 
 
@@ -416,6 +427,9 @@ class _Announcer:
         state = _take(True, session)
         if state is not None:
             state.end()
+
+    def closed(self, owner_id: int) -> None:
+        spare.drop(owner_id)
 
 
 def install() -> None:
