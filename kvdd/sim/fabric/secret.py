@@ -258,7 +258,7 @@ def _user_file(path: Path) -> bytes:
     return _read_checked(path)
 
 
-def _sig(path: Path) -> tuple[int, ...] | None:
+def _sig(path: Path | str) -> tuple[int, ...] | None:
     """What changes when a file or directory is replaced, rewritten, chmod-ed or chown-ed
     (``lstat``: one system call, never following a link); None when it cannot be seen."""
     try:
@@ -271,21 +271,24 @@ def _sig(path: Path) -> tuple[int, ...] | None:
 
 # the last secret read from a file: (what identified it, the secret); re-read when any of it changes
 _cached: tuple[tuple[object, ...], Secret] | None = None
-# the automatic file's path for (XDG_RUNTIME_DIR, HOME, lstat of the runtime directory)
-_cached_path: tuple[tuple[object, ...], Path] | None = None
+# the automatic file's path (and it and its directory as text) for (XDG_RUNTIME_DIR, HOME, lstat
+# of the runtime directory)
+_cached_path: tuple[tuple[object, ...], Path, str, str] | None = None
 
 
-def _automatic_path() -> Path:
+def _automatic_path() -> tuple[Path, str, str]:
+    """The automatic file's path, the same as text and its directory as text (each link's
+    authentication asks: the text saves the path arithmetic)."""
     global _cached_path
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     key = (runtime, os.environ.get("HOME", ""),
-           _sig(Path(runtime)) if runtime and os.path.isabs(runtime) else None)
+           _sig(runtime) if runtime and os.path.isabs(runtime) else None)
     got = _cached_path
     if got is not None and got[0] == key:
-        return got[1]
+        return got[1], got[2], got[3]
     path = default_secret_path()
-    _cached_path = (key, path)
-    return path
+    _cached_path = (key, path, str(path), str(path.parent))
+    return path, str(path), str(path.parent)
 
 
 def load_secret(create: bool = True) -> Secret:
@@ -336,8 +339,8 @@ def load_secret(create: bool = True) -> Secret:
         secret = Secret(_file_key(data, f"secret file {path}"), f"file {path}")
         _cached = (key, secret)
         return secret
-    path = _automatic_path()
-    key = ("auto", str(path), _sig(path.parent), _sig(path))
+    path, text, parent = _automatic_path()
+    key = ("auto", text, _sig(parent), _sig(text))
     got = _cached
     if got is not None and got[0] == key and key[2] is not None and key[3] is not None:
         return got[1]
@@ -350,7 +353,7 @@ def load_secret(create: bool = True) -> Secret:
                           f"set {ENV_SECRET} or {ENV_SECRET_FILE}") from None
     secret = Secret(_file_key(data, f"secret file {path}"), f"file {path} (per-user, automatic)")
     if key[2] is None or key[3] is None:  # created now: identified as it is after creation
-        key = ("auto", str(path), _sig(path.parent), _sig(path))
+        key = ("auto", text, _sig(parent), _sig(text))
     _cached = (key, secret)
     return secret
 
