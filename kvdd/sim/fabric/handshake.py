@@ -266,7 +266,8 @@ class RemoteConnection:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")
         self._send(frame(F_HELLO_LINK, 0, bytes(w.buf)))
-        announce.sent(session)  # (the same-host proof leaves while the peer serves our hello)
+        # (the same-host proof leaves while the peer serves our hello, bounded by our deadline)
+        announce.sent(session, self.deadline)
         ftype, reply = self._recv()
         if ftype != F_LINK_REPLY:
             raise ProtocolError("unexpected reply")

@@ -40,8 +40,8 @@ from ..memory import Region
 from .announce import set_announcer
 from .auth import Session
 from .protocol import LinkOwner, RemoteCache, ServedCache
-from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, announced_name,
-                       announcement,
+from .samehost import (EXTENSION, SETUP_TIMEOUT_S, SameHostLink, SameHostRefused, SessionKeys,
+                       announced_name, announcement,
                        availability, endpoint, expect, finish_proof, offer, same_host,
                        start_proof)
 from .samehost_attest import close_fd
@@ -180,6 +180,7 @@ class _LinkState:
         self.path = SameHostPath()
         self.created = time.monotonic()
         self.proof = proof
+        self.deadline: float | None = None  # the initiator's link call ends by then
 
     @property
     def owner(self) -> LinkOwner | None:
@@ -333,18 +334,23 @@ def _offer_and_prove(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     return mine + _wait_ms(owner)
 
 
-def _start(session: SessionKeys) -> None:
+def _start(session: SessionKeys, deadline: float) -> None:
     """Our hello left: our proof to the announced endpoint, then our table (made while the
-    acceptor serves the hello and checks the proof).  On failure the link uses TCP (our
-    ``accept`` finds no proof; the acceptor's session expires unclaimed)."""
+    acceptor serves the hello and checks the proof), every wait of the proof bounded by the
+    link call's ``deadline``.  On failure the link uses TCP (our ``accept`` finds no proof; the
+    acceptor's session expires unclaimed)."""
     with _lock:
         state = _states.get((True, bytes(session.transcript)))
     owner = None if state is None else state.owner
     if state is None or owner is None or state.proof is not None:
         return
     announced = getattr(session, "announced", b"")
+    state.deadline = deadline
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return
     try:
-        sock = start_proof(announced, session)
+        sock = start_proof(announced, session, min(left, SETUP_TIMEOUT_S))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         return
@@ -384,7 +390,7 @@ def extension_accept(session: SessionKeys, value: bytes) -> object:
     try:
         link = finish_proof(sock, session, own,
                             lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
-                            lambda link: _read(link, path, True))
+                            lambda link: _read(link, path, True), mine.deadline)
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         mine.end(keep_tables=path.abandon())
@@ -409,8 +415,8 @@ class _Announcer:
     def abandon(self, session: Session) -> None:
         endpoint().abandon(session)
 
-    def sent(self, session: Session) -> None:
-        _start(session)
+    def sent(self, session: Session, deadline: float) -> None:
+        _start(session, deadline)
 
     def discard(self, session: Session) -> None:
         state = _take(True, session)
