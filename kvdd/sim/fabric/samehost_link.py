@@ -337,7 +337,8 @@ def _offer_and_prove(session: SessionKeys, owner: LinkOwner) -> bytes | None:
 def _start(session: SessionKeys, deadline: float) -> None:
     """Our hello left: our proof to the announced endpoint, then our table (made while the
     acceptor serves the hello and checks the proof), every wait of the proof bounded by the
-    link call's ``deadline``.  On failure the link uses TCP (our ``accept`` finds no proof; the
+    link call's ``deadline`` (the connect, which precedes our wait for the reply, by half the
+    time left).  On failure the link uses TCP (our ``accept`` finds no proof; the
     acceptor's session expires unclaimed)."""
     with _lock:
         state = _states.get((True, bytes(session.transcript)))
@@ -349,8 +350,9 @@ def _start(session: SessionKeys, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0:
         return
-    try:
-        sock = start_proof(announced, session, min(left, SETUP_TIMEOUT_S))
+    try:  # (half of what is left at most: the link's reply, over TCP, must still have time
+        #     when the endpoint's queue is full and its connect waits for room to the end)
+        sock = start_proof(announced, session, min(left / 2, SETUP_TIMEOUT_S))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         return
