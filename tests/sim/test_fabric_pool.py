@@ -11,8 +11,14 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
+from kvdd.status import S_OK
 from kvdd.sim.fabric import wire
+from kvdd.sim.fabric.auth import Session
+from kvdd.sim.fabric.handshake import serve_link
+from kvdd.sim.fabric.protocol import LinkOffer, PeerHandle, RemoteCache, ServedCache
+from kvdd.sim.fabric.wire import Writer, encode_extensions, encode_offer, encode_snapshot
 from kvdd.sim.fabric.channel import Channel, GoneOwner
 from kvdd.sim.fabric.reactor import POOL_THREADS, REACTOR
 
@@ -201,3 +207,39 @@ def test_a_connection_closed_before_it_started_fails_to_start_with_oserror() -> 
             chan.start()
         chan.kill()
         assert chan.dead.is_set()
+
+
+class _UnlinkedAtOnce(MinimalOwner):
+    """Makes the entity, then (as our unlink, finalize or a replacing link on another thread
+    would) closes it before the handshake worker sends the reply."""
+
+    def snapshot_for_link(self) -> tuple[dict[int, RemoteCache], dict[int, ServedCache]]:
+        return {}, {}
+
+    def serve_link(self, peer: LinkOffer, force_link: bool, make_handle: Callable[[], PeerHandle]
+                   ) -> tuple[int, str, tuple[dict[int, RemoteCache], dict[int, ServedCache]]]:
+        make_handle().close()
+        return S_OK, "", ({}, {})
+
+    def peer_unlinked(self, peer_cluster_id: int) -> int:
+        return S_OK
+
+
+def test_a_link_closed_before_its_reply_ends_without_an_error() -> None:
+    """Our side may close a link (unlink, finalize, a replacing link) right after the engine made
+    it, while the handshake worker has still to send the reply: the connection is closed under
+    the worker, which ends the link as one whose reply could not be sent (no OSError out of
+    serve_link, so no "handshake ended" warning and no half-done accounting)."""
+    a, b = socket.socketpair()
+    with b:
+        w = Writer()
+        encode_offer(w, LinkOffer(3, "comm", None, 1000))
+        w.pack("B", 0)
+        w.text("")
+        encode_snapshot(w, {})
+        encode_extensions(w, {})
+        session = Session(bytes(32), bytes(32), False, 7, 3, "", False, b"", b"")
+        finished: list[socket.socket] = []
+        assert not serve_link(_UnlinkedAtOnce(), a, memoryview(bytes(w.buf)), session,
+                              finish=finished.append)
+        assert finished == [a] and a.fileno() < 0

@@ -37,7 +37,7 @@ class Announcer(Protocol):
 
     def abandon(self, session: Session) -> None: ...  # acceptor: no link will use it
 
-    def sent(self, session: Session) -> None: ...  # initiator: its link hello left
+    def sent(self, session: Session, deadline: float) -> None: ...  # initiator: its hello left
 
     def discard(self, session: Session) -> None: ...  # initiator: the handshake ended early
 
@@ -88,12 +88,13 @@ def abandon(session: Session) -> None:
             logger.exception("kvdd fabric: the announcer failed")
 
 
-def sent(session: Session) -> None:
-    """The initiator's link hello on ``session`` left."""
+def sent(session: Session, deadline: float) -> None:
+    """The initiator's link hello on ``session`` left; its link call ends by ``deadline``
+    (``time.monotonic()``), and so does whatever the announcement started for it."""
     a = _announcer
     if a is not None and session.announced:
         try:
-            a.sent(session)
+            a.sent(session, deadline)
         except Exception:
             logger.exception("kvdd fabric: the announcer failed")
 

@@ -266,7 +266,8 @@ class RemoteConnection:
             return LinkResult(Status.LLM_FAILED, "the local cache table is too large to link "
                               f"(the hello would exceed {MAX_HELLO} bytes)")
         self._send(frame(F_HELLO_LINK, 0, bytes(w.buf)))
-        announce.sent(session)  # (the same-host proof leaves while the peer serves our hello)
+        # (the same-host proof leaves while the peer serves our hello, bounded by our deadline)
+        announce.sent(session, self.deadline)
         ftype, reply = self._recv()
         if ftype != F_LINK_REPLY:
             raise ProtocolError("unexpected reply")
@@ -484,8 +485,8 @@ def _serve_link(owner: LinkOwner, conn: socket.socket, offer: LinkOffer, force_l
                 prepare(mine[1])
             except Exception:  # a bug: the link is made all the same, over TCP
                 logger.exception("kvdd fabric: the same-host answer of a link failed")
-        conn.settimeout(REPLY_TIMEOUT_S)
-        try:
+        try:  # (closed under us when our side closed the link it just made: not sent either)
+            conn.settimeout(REPLY_TIMEOUT_S)
             conn.sendall(frame(F_LINK_REPLY, 0, bytes(w.buf)))
         except OSError:
             status = Status.LLM_FAILED

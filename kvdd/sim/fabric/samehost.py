@@ -446,8 +446,20 @@ def start_proof(announced: bytes, session: SessionKeys,
     return sock
 
 
+def _within(sock: socket.socket, deadline: float | None) -> None:
+    """Bound the socket's next wait by ``deadline`` (``time.monotonic()``; None: no more than
+    the timeout it has); past it, SameHostRefused (the link goes on over TCP)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise SameHostRefused("the link's timeout passed during the same-host proof")
+    sock.settimeout(min(left, SETUP_TIMEOUT_S))
+
+
 def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int],
-                 attach: LinkCallback, activate: LinkCallback | None = None) -> SameHostLink:
+                 attach: LinkCallback, activate: LinkCallback | None = None,
+                 deadline: float | None = None) -> SameHostLink:
     """The initiator's second step, on the socket of :func:`start_proof` (closed here, or by
     the link it proved: :meth:`SameHostLink.keep_socket`): the
     acceptor's proof and lease table, then ours (``own``: ``(fd, slots)``, sent only once the
@@ -455,12 +467,14 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
 
     ``attach(link)`` runs once the acceptor proved itself, before our table is handed over;
     ``activate(link)`` (our reads of the acceptor) right after it is handed over, while the
-    acceptor attaches it.  Returns the proven link; raises SameHostRefused (with the reason)
-    when the path is not used."""
+    acceptor attaches it.  Each wait for the acceptor ends by ``deadline`` (the link call's, in
+    ``time.monotonic()``) too.  Returns the proven link; raises SameHostRefused (with the
+    reason) when the path is not used."""
     own_fd, own_slots = own
     link: SameHostLink | None = None
     kept = False
     try:
+        _within(sock, deadline)
         body, fd, sender = recv_message(sock, M_REPLY, 36)
         try:
             pid, uid, pidfd = attest(sender)  # the process that sent the acceptor's proof
@@ -479,6 +493,7 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
         send_message(sock, M_FINAL, struct.pack("<I", own_slots), own_fd)
         if activate is not None:
             activate(link)
+        _within(sock, deadline)
         _body, extra, sender = recv_message(sock, M_ACK, 0)
         close_file(extra)
         same_sender(sender, pid)

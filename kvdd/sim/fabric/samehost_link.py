@@ -40,8 +40,8 @@ from ..memory import Region
 from .announce import set_announcer
 from .auth import Session
 from .protocol import LinkOwner, RemoteCache, ServedCache
-from .samehost import (EXTENSION, SameHostLink, SameHostRefused, SessionKeys, announced_name,
-                       announcement,
+from .samehost import (EXTENSION, SETUP_TIMEOUT_S, SameHostLink, SameHostRefused, SessionKeys,
+                       announced_name, announcement,
                        availability, endpoint, expect, finish_proof, offer, same_host,
                        start_proof)
 from .samehost_attest import close_fd
@@ -189,6 +189,7 @@ class _LinkState:
         self.path = SameHostPath()
         self.created = time.monotonic()
         self.proof = proof
+        self.deadline: float | None = None  # the initiator's link call ends by then
 
     @property
     def owner(self) -> LinkOwner | None:
@@ -344,18 +345,25 @@ def _offer_and_prove(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     return mine + _wait_ms(owner)
 
 
-def _start(session: SessionKeys) -> None:
+def _start(session: SessionKeys, deadline: float) -> None:
     """Our hello left: our proof to the announced endpoint, then our table (made while the
-    acceptor serves the hello and checks the proof).  On failure the link uses TCP (our
-    ``accept`` finds no proof; the acceptor's session expires unclaimed)."""
+    acceptor serves the hello and checks the proof), every wait of the proof bounded by the
+    link call's ``deadline`` (the connect, which precedes our wait for the reply, by half the
+    time left).  On failure the link uses TCP (our ``accept`` finds no proof; the
+    acceptor's session expires unclaimed)."""
     with _lock:
         state = _states.get((True, bytes(session.transcript)))
     owner = None if state is None else state.owner
     if state is None or owner is None or state.proof is not None:
         return
     announced = getattr(session, "announced", b"")
-    try:
-        sock = start_proof(announced, session)
+    state.deadline = deadline
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return
+    try:  # (half of what is left at most: the link's reply, over TCP, must still have time
+        #     when the endpoint's queue is full and its connect waits for room to the end)
+        sock = start_proof(announced, session, min(left / 2, SETUP_TIMEOUT_S))
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         return
@@ -395,7 +403,7 @@ def extension_accept(session: SessionKeys, value: bytes) -> object:
     try:
         link = finish_proof(sock, session, own,
                             lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
-                            lambda link: _read(link, path, True))
+                            lambda link: _read(link, path, True), mine.deadline)
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         mine.end(keep_tables=path.abandon())
@@ -420,8 +428,8 @@ class _Announcer:
     def abandon(self, session: Session) -> None:
         endpoint().abandon(session)
 
-    def sent(self, session: Session) -> None:
-        _start(session)
+    def sent(self, session: Session, deadline: float) -> None:
+        _start(session, deadline)
 
     def discard(self, session: Session) -> None:
         state = _take(True, session)
