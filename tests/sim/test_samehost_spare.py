@@ -5,6 +5,7 @@ the instance's listener closes, never made for an instance that is not initializ
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from kvdd.sim.fabric import samehost_spare as spare
 pytest.importorskip("kvdd._native._xproc")
 
 _DESC = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
+Acceptor = tuple[LlmDataDist, SimBackend, np.ndarray]
 
 
 def _fds() -> int:
@@ -23,7 +25,7 @@ def _fds() -> int:
 
 
 @pytest.fixture
-def acceptor() -> tuple[LlmDataDist, SimBackend, np.ndarray]:
+def acceptor() -> Iterator[Acceptor]:
     mem = np.zeros(4 * 4096, np.uint8)
     dd = LlmDataDist(7, LlmRole.PROMPT, backend="sim")
     dd.initialize({"llm.ListenIpInfo": "127.0.0.1:0", "llm.DeviceId": "0"})
@@ -36,7 +38,7 @@ def acceptor() -> tuple[LlmDataDist, SimBackend, np.ndarray]:
     spare.drop(id(backend))
 
 
-def test_a_table_made_ahead_is_taken_by_a_link_serving_exactly_its_caches(acceptor) -> None:
+def test_a_table_made_ahead_is_taken_by_a_link_serving_exactly_its_caches(acceptor: Acceptor) -> None:
     _dd, owner, _mem = acceptor
     before = _fds()
     spare.make(owner)
@@ -50,7 +52,7 @@ def test_a_table_made_ahead_is_taken_by_a_link_serving_exactly_its_caches(accept
     assert _fds() == before
 
 
-def test_a_stale_table_is_closed_and_not_taken(acceptor) -> None:
+def test_a_stale_table_is_closed_and_not_taken(acceptor: Acceptor) -> None:
     dd, owner, mem = acceptor
     before = _fds()
     spare.make(owner)
@@ -64,7 +66,7 @@ def test_a_stale_table_is_closed_and_not_taken(acceptor) -> None:
     assert table is None and _fds() == before
 
 
-def test_the_listener_closing_drops_it_and_nothing_is_made_for_a_finalized_instance(acceptor) -> None:
+def test_the_listener_closing_drops_it_and_nothing_is_made_for_a_finalized_instance(acceptor: Acceptor) -> None:
     dd, owner, _mem = acceptor
     before = _fds()
     spare.make(owner)
