@@ -414,3 +414,30 @@ def test_a_linked_session_keeps_every_field_but_the_three_the_hello_names() -> N
     assert [f.name for f in dataclasses.fields(Session)] == [
         "key", "transcript", "initiator", "local_cluster_id", "peer_cluster_id", "peer_boot_id",
         "auth_off", "channel", "announced"]  # a new field must be carried by linked() too
+
+
+def test_a_proof_whose_callback_fails_frees_its_worker_and_slot(caplog: pytest.LogCaptureFixture) -> None:
+    """An unexpected error in the caller's ``on_link`` (a bug) is logged and ends that proof
+    alone: its slot is freed and the endpoint serves the next proof (before, the worker thread
+    died holding its slot and its count; 16 such proofs turned the path off for the process)."""
+    from kvdd.sim.fabric.samehost_endpoint import endpoint
+
+    def boom(link: samehost.SameHostLink | None) -> None:
+        if link is not None:
+            link.close()
+            raise RuntimeError("a bug in on_link")
+
+    s = _Session(initiator=False)
+    reply = samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), boom)
+    m = _spawn(_FAKE_INITIATOR, s, reply[len(samehost.offer()):].hex())
+    try:
+        assert m.stdout is not None
+        m.stdout.readline()
+    finally:
+        m.wait(10)
+    deadline = time.monotonic() + 5
+    while endpoint().held()["proving"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert endpoint().held()["proving"] == 0
+    assert "a proof failed" in caplog.text and "a bug in on_link" in caplog.text
+    test_acceptor_attests_the_sender_of_the_proof_not_the_connect_caller()  # the next one is served

@@ -228,6 +228,9 @@ class Endpoint:
                 self._hand_over(proof, False)
             except (OSError, SameHostRefused, struct.error) as exc:
                 self._end(proof, exc)
+            except Exception as exc:  # a bug: log it; the accept loop goes on
+                logger.exception("kvdd same-host endpoint: a proof failed")
+                self._end(proof, exc)
             else:
                 self._hand_over(proof, True)
 
@@ -275,6 +278,9 @@ class Endpoint:
                     self._hello(proof)
                 self._final(proof)
             except (OSError, SameHostRefused, struct.error) as exc:
+                self._end(proof, exc)
+            except Exception as exc:  # a bug: log it; the slot and the worker go on (TCP link)
+                logger.exception("kvdd same-host endpoint: a proof failed")
                 self._end(proof, exc)
             else:
                 self._end(proof, None)
