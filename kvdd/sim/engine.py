@@ -202,6 +202,9 @@ class SimBackend:
                 return
             self.initialized = False
             self._stop_listening()
+            # what was kept for this instance's next links, also when no listener closes now
+            # (a link's worker may have made it after SetRole stopped the listener)
+            fabric.announce.closed(id(self))
             # hixl: also the connections of re-pointed entities (§3.5), and entities being closed
             # by another thread, each closed once
             entities = list({id(e): e for e in (*self.entities.values(), *self.closing.values(),

@@ -75,3 +75,17 @@ def test_the_listener_closing_drops_it_and_nothing_is_made_for_a_finalized_insta
     assert spare.held() == 0
     spare.make(owner)  # not initialized any more
     assert spare.held() == 0 and _fds() <= before
+
+
+def test_finalize_drops_a_table_made_after_the_listener_stopped(acceptor: Acceptor) -> None:
+    # a handshake worker makes the next link's table after its reply; the listener may have
+    # stopped by then (SetRole without a listen port: the instance stays initialized), so the
+    # listener's end cannot drop it: finalize must
+    dd, owner, _mem = acceptor
+    before = _fds()
+    dd.set_role(LlmRole.DECODER, {})  # stops listening (drops what was kept)
+    assert owner.listener is None and spare.held() == 0
+    spare.make(owner)  # (the worker of a link served before, finishing late)
+    assert spare.held() == 1
+    dd.finalize()
+    assert spare.held() == 0 and _fds() <= before
