@@ -12,11 +12,14 @@ slots are revoked then for caches unregistered meanwhile, as for any table
 
 Bound: at most one table made ahead per serving instance (its memfd, mapping and records memfd),
 closed when the instance's listener closes (:func:`drop`, finalize) or when a link finds it stale.
+A forked child forgets the parent's (its mapping is the parent's table too: closing it there
+would revoke it in the parent).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -83,3 +86,12 @@ def drop(owner_id: int) -> None:
         got = _ahead.pop(owner_id, None)
     if got is not None:
         got[1].close()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _ahead.clear()  # the parent's: never closed (revoked) from here, the memfd is shared
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -17,12 +17,15 @@ until its link's data path closes it, or its reader process exits.  Per reader p
 
 So one reader process holds at most ``MAX_TABLES_PER_READER + MAX_EVICTED_PER_READER`` tables
 here, each with its memory (64 bytes per cache served, plus a header), a pidfd and at most one
-memory-announcement memfd.  Sweeps run whenever a link is proven here.
+memory-announcement memfd.  Sweeps run whenever a link is proven here.  A forked child forgets
+the parent's tables (their mappings are the parent's tables too: an eviction or close there
+would revoke them in the parent).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 
@@ -101,3 +104,13 @@ def sweep() -> None:
                     _tables.remove(t)
                 elif t in _evicted:
                     _evicted.remove(t)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _tables.clear()  # the parent's: never evicted or closed (revoked) from here
+    _evicted.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
