@@ -7,10 +7,14 @@
 //   probe hook      the exception hook's cluster ids are ordinary ids unless the test suite arms it
 //   probe hook-armed  ... and with KVDD_TESTDOUBLE_THROW_HOOK=1 they throw
 //   probe where     the path of the libllm_datadist.so this process loaded
+//   probe sigpipe PORT CACHE_ID  pushes 32 MiB rows to a peer process the test kills meanwhile,
+//                   SIGPIPE at its default action (as a C++ program's is): every push returns
 //
 // Prints one line per check; exit status 0 when all passed, 1 otherwise.
 #include <dlfcn.h>
 
+#include <csignal>
+#include <cstdlib>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -287,6 +291,56 @@ int Where() {
   return 0;
 }
 
+int Sigpipe(int port, int64_t peer_cache) {
+  std::signal(SIGPIPE, SIG_DFL);
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  Expect(decoder.Initialize({{OPTION_DEVICE_ID, "1"}}) == LLM_SUCCESS, "decoder Initialize");
+  const int64_t n = 32 << 20;
+  void *buf = nullptr;
+  Expect(aclrtMalloc(&buf, n, ACL_MEM_MALLOC_HUGE_ONLY) == ACL_SUCCESS, "aclrtMalloc");
+  CacheDesc desc{};
+  desc.num_tensors = 1;
+  desc.data_type = DT_UINT8;
+  desc.shape = {1, n};
+  desc.placement = CachePlacement::kDevice;
+  int64_t id = -1;
+  Expect(decoder.RegisterKvCache(desc, {reinterpret_cast<uint64_t>(buf)}, RegisterCfg{}, id) ==
+             LLM_SUCCESS, "register");
+  ClusterInfo peer{};
+  peer.remote_cluster_id = 1;
+  peer.remote_role_type = 1;
+  IpInfo local{};
+  local.ip = "127.0.0.1";
+  IpInfo remote{};
+  remote.ip = "127.0.0.1";
+  remote.port = static_cast<uint16_t>(port);
+  peer.local_ip_infos.push_back(local);
+  peer.remote_ip_infos.push_back(remote);
+  std::vector<Status> rets;
+  Expect(decoder.LinkLlmClusters({peer}, rets, 5000) == LLM_SUCCESS, "link");
+  Cache cache{};
+  cache.cache_id = id;
+  cache.cache_desc = desc;
+  cache.tensor_addrs = {reinterpret_cast<uintptr_t>(buf)};
+  CacheIndex index{};
+  index.cluster_id = 1;
+  index.cache_id = peer_cache;
+  KvCacheExtParam ext{};
+  ext.tensor_num_per_layer = 1;
+  Expect(decoder.PushKvCache(cache, index, 0, -1, ext) == LLM_SUCCESS, "a push while the peer lives");
+  std::printf("pushing\n");
+  std::fflush(stdout);
+  int failed = 0;
+  for (int i = 0; i < 400 && failed < 20; ++i) {  // the test kills the peer meanwhile
+    failed += decoder.PushKvCache(cache, index, 0, -1, ext) != LLM_SUCCESS;
+  }
+  Expect(failed > 0, "pushes to the dead peer return a status");
+  decoder.Finalize();
+  Expect(aclrtFree(buf) == ACL_SUCCESS, "aclrtFree");
+  std::printf("survived\n");
+  return g_failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -298,6 +352,7 @@ int main(int argc, char **argv) {
   if (mode == "hook") return Hook(false);
   if (mode == "hook-armed") return Hook(true);
   if (mode == "where") return Where();
-  std::fprintf(stderr, "usage: probe pull|strict|acl|broken|hook|hook-armed|where\n");
+  if (mode == "sigpipe" && argc > 3) return Sigpipe(std::atoi(argv[2]), std::atoll(argv[3]));
+  std::fprintf(stderr, "usage: probe pull|strict|acl|broken|hook|hook-armed|where|sigpipe PORT ID\n");
   return 2;
 }

@@ -12,6 +12,8 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -213,3 +215,49 @@ def test_acl_through_ctypes(acl: ctypes.CDLL) -> None:
     assert acl.aclrtMemcpy(ctypes.addressof(back), 8, dev, 16, 2) == 100000  # destMax
     assert b"destMax" in (acl.aclGetRecentErrMsg() or b"")
     assert acl.aclrtFree(dev) == 0
+
+
+# ---- a C++ program whose peer dies: SIGPIPE at its default action ---------------------------------
+
+_SIGPIPE_PEER = """
+import sys, time
+import numpy as np
+from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole
+dd = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
+dd.initialize({"llm.ListenIpInfo": "127.0.0.1:0", "llm.DeviceId": "0"})
+mem = np.zeros(32 << 20, np.uint8)
+cid = dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, 32 << 20)), [int(mem.ctypes.data)])
+print(dd.listen_port, cid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.usefixtures("_needs_shared_libpython")
+def test_cpp_program_survives_a_peer_that_dies_during_its_pushes(probe: Path, root: Path) -> None:
+    """The embedded interpreter leaves SIGPIPE at its default action (the C++ program keeps its
+    handlers): a push's send to a peer that died raised it on the sending thread, which killed the
+    program (exit 141 when it was the calling thread, the pool's otherwise) before its call could
+    return a status.  The bridge blocks SIGPIPE on its threads; the sends fail with EPIPE."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVDD_"))}
+    environ["KVDD_SIM_XPROC"] = "tcp"  # the sends go over the socket
+    peer = subprocess.Popen([sys.executable, "-c", _SIGPIPE_PEER], stdout=subprocess.PIPE,
+                            text=True, env=environ)
+    try:
+        assert peer.stdout is not None
+        port, cache_id = peer.stdout.readline().split()
+        environ.update(LD_LIBRARY_PATH=str(root / "lib64"), ASCEND_HOME_PATH=str(root))
+        prog = subprocess.Popen([str(probe), "sigpipe", port, cache_id], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=environ)
+        assert prog.stdout is not None
+        assert prog.stdout.readline().startswith("ok decoder Initialize")
+        for line in iter(prog.stdout.readline, ""):
+            if line.startswith("pushing"):
+                break
+        time.sleep(0.05)  # in the middle of a push
+        peer.kill()
+        out, err = prog.communicate(timeout=120)
+        assert prog.returncode == 0, (prog.returncode, out, err[-2000:])
+        assert "survived" in out and "FAIL" not in out
+    finally:
+        peer.kill()
+        peer.wait()

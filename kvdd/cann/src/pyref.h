@@ -10,6 +10,10 @@
 #endif
 #include <Python.h>
 
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+
 #include <cstdint>
 #include <mutex>
 #include <new>
@@ -33,14 +37,40 @@ using llm_datadist::IpInfo;
 
 
 // Holds the GIL for its lifetime.  Declare it before any Ref so that it is released last.
+//
+// It also blocks SIGPIPE on the calling thread meanwhile: the embedded interpreter installs no
+// signal handler (the C++ program keeps its own), so SIGPIPE keeps its default action, and a
+// send of the simulator's to a peer that died would kill the program (EPIPE raises it on the
+// sending thread).  Blocked, the send fails with EPIPE, which the fabric reports as a status; a
+// SIGPIPE left pending by the call is taken off before the program's mask is restored.  The
+// simulator's own threads, started during calls, inherit the blocked mask.
 class Gil {
  public:
-  Gil() : state_(PyGILState_Ensure()) {}
-  ~Gil() { PyGILState_Release(state_); }
+  Gil() {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe, &saved_);
+    state_ = PyGILState_Ensure();
+  }
+  ~Gil() {
+    PyGILState_Release(state_);
+    if (sigismember(&saved_, SIGPIPE) == 0) {  // (a nested Gil leaves it to the outer one)
+      sigset_t pipe, pending;
+      sigemptyset(&pipe);
+      sigaddset(&pipe, SIGPIPE);
+      if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1) {
+        const struct timespec now = {0, 0};
+        (void)sigtimedwait(&pipe, nullptr, &now);
+      }
+      pthread_sigmask(SIG_SETMASK, &saved_, nullptr);
+    }
+  }
   Gil(const Gil &) = delete;
   Gil &operator=(const Gil &) = delete;
 
  private:
+  sigset_t saved_;
   PyGILState_STATE state_;
 };
 
