@@ -29,7 +29,7 @@ import pytest
 
 import kvdd
 from kvdd import OPTION_LISTEN_IP_INFO, LlmDataDist, LlmRole, Status
-from kvdd.sim.fabric import listener, samehost, samehost_endpoint, wire
+from kvdd.sim.fabric import listener, samehost, samehost_endpoint, samehost_link, wire
 from kvdd.sim.fabric.auth import NONCE_BYTES, answer_transcript, load_secret, mac
 from kvdd.sim.fabric.handshake import connect, transcript_of
 
@@ -326,15 +326,18 @@ def test_a_proof_whose_link_hello_never_comes_is_closed_with_its_connection(
 def test_a_proof_of_a_refused_link_is_closed_with_the_refusal(
         initiator: Initiator, acceptor: int) -> None:
     """The link is refused (another transfer backend): the session it was announced to is
-    abandoned with the reply, and the proof waiting for it closed, none of ours sent."""
+    abandoned with the reply, and the proof waiting for it closed, none of ours sent; the link's
+    same-host state goes with it (kept, 1024 refused hellos turned the path off for 30 s)."""
     ep = samehost.endpoint()
     s, _announced = _auth(initiator, "t", acceptor)
     initiator.prove("prove", "a", s, ep.name)
     _settled(ep, 1, 1, 1)
+    states = samehost_link.held_states()
     assert initiator.ask("hello", "t", "hixl", "91") == ["REPLY", str(int(Status.LLM_LINK_FAILED))]
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
     _settled(ep, 0, 0)
+    assert samehost_link.held_states() == states
     initiator.ask("closetcp", "t")
 
 

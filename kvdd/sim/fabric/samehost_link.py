@@ -224,6 +224,12 @@ def _put(initiator: bool, session: SessionKeys, state: _LinkState) -> bool:
     return put
 
 
+def held_states() -> int:
+    """Link states kept between a side's two extension callbacks now (diagnostics, tests)."""
+    with _lock:
+        return len(_states)
+
+
 def _take(initiator: bool, session: SessionKeys) -> _LinkState | None:
     with _lock:
         return _states.pop((initiator, bytes(session.transcript)), None)
@@ -427,6 +433,9 @@ class _Announcer:
 
     def abandon(self, session: Session) -> None:
         endpoint().abandon(session)
+        state = _take(False, session)  # (a link made took it already: a refused one's goes now)
+        if state is not None:
+            state.end()
 
     def sent(self, session: Session, deadline: float) -> None:
         _start(session, deadline)
