@@ -233,7 +233,8 @@ time.sleep(120)
 
 
 @pytest.mark.usefixtures("_needs_shared_libpython")
-def test_cpp_program_survives_a_peer_that_dies_during_its_pushes(probe: Path, root: Path) -> None:
+def test_cpp_program_survives_a_peer_that_dies_during_its_pushes(probe: Path, root: Path,
+                                                                 tmp_path: Path) -> None:
     """The embedded interpreter leaves SIGPIPE at its default action (the C++ program keeps its
     handlers): a push's send to a peer that died raised it on the sending thread, which killed the
     program (exit 141 when it was the calling thread, the pool's otherwise) before its call could
@@ -241,7 +242,7 @@ def test_cpp_program_survives_a_peer_that_dies_during_its_pushes(probe: Path, ro
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVDD_"))}
     environ["KVDD_SIM_XPROC"] = "tcp"  # the sends go over the socket
     peer = subprocess.Popen([sys.executable, "-c", _SIGPIPE_PEER], stdout=subprocess.PIPE,
-                            text=True, env=environ)
+                            text=True, env=environ, cwd=tmp_path)  # (not the clone: installed kvdd)
     try:
         assert peer.stdout is not None
         port, cache_id = peer.stdout.readline().split()
