@@ -50,13 +50,13 @@ def _in_child(work: object) -> int:
 
 
 def test_a_child_leaves_the_parents_table_made_ahead_open(owner: SimBackend) -> None:
-    spare.make(owner)
+    spare.make(owner, owner.snapshot_for_link()[1])
     table = spare._ahead[id(owner)][1]
     assert table.table.header()[2] == 0
 
     def child() -> None:  # the instance's id reused there: its link finds the table stale
         assert spare.take(owner, {}) is None and spare.held() == 0
-        spare.make(owner)
+        spare.make(owner, owner.snapshot_for_link()[1])
         spare.drop(id(owner))
 
     assert _in_child(child) == 0

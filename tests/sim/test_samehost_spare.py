@@ -41,8 +41,8 @@ def acceptor() -> Iterator[Acceptor]:
 def test_a_table_made_ahead_is_taken_by_a_link_serving_exactly_its_caches(acceptor: Acceptor) -> None:
     _dd, owner, _mem = acceptor
     before = _fds()
-    spare.make(owner)
-    spare.make(owner)  # one at most
+    spare.make(owner, owner.snapshot_for_link()[1])
+    spare.make(owner, owner.snapshot_for_link()[1])  # one at most
     assert spare.held() == 1 and _fds() == before + 1  # its memfd (no shareable memory: no records)
     _views, entries = owner.snapshot_for_link()
     table = spare.take(owner, entries)
@@ -55,13 +55,13 @@ def test_a_table_made_ahead_is_taken_by_a_link_serving_exactly_its_caches(accept
 def test_a_stale_table_is_closed_and_not_taken(acceptor: Acceptor) -> None:
     dd, owner, mem = acceptor
     before = _fds()
-    spare.make(owner)
+    spare.make(owner, owner.snapshot_for_link()[1])
     dd.register_kv_cache(_DESC, [int(mem.ctypes.data) + 2 * 4096])  # one cache more since
     _views, entries = owner.snapshot_for_link()
     assert len(entries) == 3
     assert spare.take(owner, entries) is None
     assert spare.held() == 0 and _fds() == before  # closed
-    spare.make(owner)
+    spare.make(owner, owner.snapshot_for_link()[1])
     table = spare.take(owner, dict(reversed(list(entries.items()))))  # the same caches, reordered
     assert table is None and _fds() == before
 
@@ -69,11 +69,11 @@ def test_a_stale_table_is_closed_and_not_taken(acceptor: Acceptor) -> None:
 def test_the_listener_closing_drops_it_and_nothing_is_made_for_a_finalized_instance(acceptor: Acceptor) -> None:
     dd, owner, _mem = acceptor
     before = _fds()
-    spare.make(owner)
+    spare.make(owner, owner.snapshot_for_link()[1])
     assert spare.held() == 1
     dd.finalize()  # closes the listener, which drops what was kept for the instance's next links
     assert spare.held() == 0
-    spare.make(owner)  # not initialized any more
+    spare.make(owner, owner.snapshot_for_link()[1])  # not initialized any more
     assert spare.held() == 0 and _fds() <= before
 
 
@@ -85,7 +85,7 @@ def test_finalize_drops_a_table_made_after_the_listener_stopped(acceptor: Accept
     before = _fds()
     dd.set_role(LlmRole.DECODER, {})  # stops listening (drops what was kept)
     assert owner.listener is None and spare.held() == 0
-    spare.make(owner)  # (the worker of a link served before, finishing late)
+    spare.make(owner, owner.snapshot_for_link()[1])  # (the worker of a link served before, finishing late)
     assert spare.held() == 1
     dd.finalize()
     assert spare.held() == 0 and _fds() <= before

@@ -73,13 +73,15 @@ class SameHostPath:
         self._closed = False
         self._prepare: Callable[[Mapping[int, ServedCache]], None] | None = None
         self._decide: Callable[[], None] | None = None
-        self._after: Callable[[], None] | None = None
+        self._after: Callable[[Mapping[int, ServedCache]], None] | None = None
+        self._entries: Mapping[int, ServedCache] = {}  # the caches the link reply announced
 
     def prepare(self, entries: Mapping[int, ServedCache]) -> None:
         """The link reply is sent (acceptor): make this side's lease table now, from the caches
         that reply announced, instead of on the peer's proof (:class:`_Tables`), then let the
         endpoint answer the peer's proof (now, if it came already)."""
         prepare, decide = self._prepare, self._decide
+        self._entries = entries
         if prepare is not None and not self._closed:
             prepare(entries)
         if decide is not None:  # (also when no handle of ours uses the path: hixl)
@@ -90,7 +92,7 @@ class SameHostPath:
         now, off that link's path (:mod:`.samehost_spare`)."""
         after = self._after
         if after is not None and not self._closed:
-            after()
+            after(self._entries)
 
     def serve(self, table: ServedTable) -> None:
         """The table through which the peer of this link reads our caches: closed with the path
@@ -330,7 +332,7 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
         return None
     path._prepare = tables.prepare
     path._decide = lambda: endpoint().decide(session)
-    path._after = lambda: spare.make(owner)
+    path._after = lambda entries: spare.make(owner, entries)
     return offer() + _wait_ms(owner)
 
 

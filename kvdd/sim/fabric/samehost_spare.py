@@ -4,8 +4,8 @@ Every link the acceptor serves over the same-host path needs a lease table of th
 reply announces (:class:`~.samehost_path.ServedTable`: a sealed memfd, its mapping, the records of
 the shareable memory), made on the handshake worker's thread just before the reply, while the
 initiator waits.  After a link's reply is out (and while the initiator proves itself), the worker
-makes one table for the owner's *next* link from the caches served then; that link takes it when
-it serves exactly those caches (the same entries, in the same order), else it is closed and a table
+makes one table for the owner's *next* link from the caches that link serves; the next link takes
+it when it serves exactly those caches (the same entries, in the same order), else it is closed and a table
 is made as before.  A table made ahead is never attached to a reader until a link takes it: its
 slots are revoked then for caches unregistered meanwhile, as for any table
 (:meth:`~.samehost_path.ServedTable.attach`).
@@ -42,9 +42,10 @@ def held() -> int:
         return len(_ahead)
 
 
-def make(owner: LinkOwner) -> None:
-    """Make the table of ``owner``'s next link now, unless one is waiting already (off a link's
-    path: after its reply).  Nothing for an instance that is not initialized."""
+def make(owner: LinkOwner, entries: Mapping[int, ServedCache]) -> None:
+    """Make the table of ``owner``'s next link now, for the caches ``entries`` (those the link
+    just made serves: the next one most likely serves the same), unless one is waiting already
+    (off a link's path: after its reply).  Nothing for an instance that is not initialized."""
     key = id(owner)
     with _lock:
         got = _ahead.get(key)
@@ -52,7 +53,6 @@ def make(owner: LinkOwner) -> None:
             return
     if not owner.initialized:
         return
-    _views, entries = owner.snapshot_for_link()
     table = ServedTable(entries)
     table.announce()
     with _lock:
