@@ -149,12 +149,17 @@ class SameHostPath:
         if served is not None:
             served.revoke()
 
-    def close(self) -> None:
+    def _detach(self) -> tuple[OneSidedPeer | None, ServedTable | None]:
+        """Close the path (TCP from now on) and hand back its reader and served table."""
         with self._lock:
             self._closed = True
             reader, self._reader = self._reader, None
             served, self._served = self._served, None
             self.name = "tcp"
+        return reader, served
+
+    def close(self) -> None:
+        reader, served = self._detach()
         if reader is not None:
             reader.close()
         if served is not None:  # revoke the peer's access and wait for its copies (bounded)
@@ -166,11 +171,7 @@ class SameHostPath:
         frees it), the peer's access to our table is revoked without waiting here (the link call
         returns; an unregister still waits for a copy of its, bounded, once); True when a table
         was served (it stays attached until its reader exits)."""
-        with self._lock:
-            self._closed = True
-            reader, self._reader = self._reader, None
-            served, self._served = self._served, None
-            self.name = "tcp"
+        reader, served = self._detach()
         if reader is not None:
             reader.close()
         if served is not None:
