@@ -78,6 +78,15 @@ def acceptor(request: pytest.FixtureRequest) -> Iterator[tuple[int, int, str]]:
         proc.wait(30)
 
 
+
+def _pulls_the_owners_pattern(me: LlmDataDist, cid: int) -> None:
+    """A pull of the owner's 4096-byte cache (cluster 1) brings its pattern, byte for byte."""
+    buf = np.zeros(4096, np.uint8)
+    desc = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
+    mine = Cache(me.register_kv_cache(desc, tensor_addrs([buf])), (), desc)
+    me.pull_kv_cache(CacheIndex(1, cid, 0), mine)
+    assert bytes(buf) == bytes((np.arange(4096) % 251).astype(np.uint8))
+
 def test_a_late_proof_does_not_hold_the_link_past_its_timeout(
         acceptor: tuple[int, int, str]) -> None:
     port, cid, mode = acceptor
@@ -91,11 +100,7 @@ def test_a_late_proof_does_not_hold_the_link_past_its_timeout(
         assert took < TIMEOUT_MS / 1000 + 0.1, f"{mode}: the link call took {took:.2f} s"
         assert [int(s) for s in got] == [0]  # made, over TCP
         assert me.backend.link_data_path(1) == "tcp"  # type: ignore[attr-defined]
-        buf = np.zeros(4096, np.uint8)
-        desc = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
-        mine = Cache(me.register_kv_cache(desc, tensor_addrs([buf])), (), desc)
-        me.pull_kv_cache(CacheIndex(1, cid, 0), mine)
-        assert bytes(buf) == bytes((np.arange(4096) % 251).astype(np.uint8))
+        _pulls_the_owners_pattern(me, cid)
     finally:
         me.finalize()
 
@@ -147,11 +152,7 @@ def test_a_full_endpoint_queue_leaves_the_link_its_tcp_reply() -> None:
         took = time.monotonic() - t0
         assert [int(x) for x in got] == [0] and took < 1.1, f"{got} after {took:.2f} s"
         assert me.backend.link_data_path(1) == "tcp"  # type: ignore[attr-defined]
-        buf = np.zeros(4096, np.uint8)
-        desc = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
-        mine = Cache(me.register_kv_cache(desc, tensor_addrs([buf])), (), desc)
-        me.pull_kv_cache(CacheIndex(1, cid, 0), mine)
-        assert bytes(buf) == bytes((np.arange(4096) % 251).astype(np.uint8))
+        _pulls_the_owners_pattern(me, cid)
     finally:
         for s in queued:
             s.close()
