@@ -108,10 +108,21 @@ class FuseFile:
         self._thread.start()
         self.conn = os.minor(os.stat(self.dir).st_dev)  # /sys/fs/fuse/connections/<n>
         try:
+            self._control()
             self.fd = os.open(os.path.join(self.dir, "f"), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             self.close()
             raise
+
+    def _control(self) -> None:
+        """The connection's abort file (the only way to fail a FLUSH nobody answers, so that the
+        file can be closed): the fuse control file system is mounted if it is not; OSError when
+        neither is possible (nothing was opened yet: the mount goes without a FLUSH)."""
+        abort = f"/sys/fs/fuse/connections/{self.conn}/abort"
+        if not os.path.exists(abort):
+            self._libc.mount(b"fusectl", b"/sys/fs/fuse/connections", b"fusectl", 0, None)
+        if not os.path.exists(abort):
+            raise OSError(errno.ENOENT, "no fuse control file system (fusectl) to abort a connection")
 
     def _reply(self, unique: int, body: bytes = b"", error: int = 0) -> None:
         try:
