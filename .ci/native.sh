@@ -116,9 +116,9 @@ KVDD_BACKEND=native KVDD_PEER=process KVDD_TESTDOUBLE_PORT_HOOK=0 KVDD_CANN_STRI
   run_pytest "$PY" -m pytest -q -p no:cacheprovider -c "$SRC/pyproject.toml" --rootdir "$SRC" \
   -rs "${extra[@]}" "$SRC/tests/conformance"
 
-step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc kvdd._native._runs kvdd._native._small kvdd.sim._fastpath"
+step "mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc kvdd._native._runs kvdd._native._small kvdd._native._gather kvdd.sim._fastpath"
 "$PY" -m mypy.stubtest kvdd._native._datadist kvdd._native._copy kvdd._native._xproc kvdd._native._runs \
-  kvdd._native._small kvdd.sim._fastpath
+  kvdd._native._small kvdd._native._gather kvdd.sim._fastpath
 
 step "C++ examples (examples/cpp) against the simulated root, both transfer backends"
 bash "$SRC/examples/cpp/run_pairs.sh" "$WORK/examples-cpp"

@@ -114,10 +114,10 @@ def test_a_sending_task_stops_after_its_share_of_steps(frames: str) -> None:
     sends = 0
     real = chan._send_some
 
-    def counting() -> int:
+    def counting(share: int) -> tuple[int, bool]:
         nonlocal sends
         sends += 1
-        return real()
+        return real(share)
 
     chan._send_some = counting  # type: ignore[method-assign]
     made = 0

@@ -22,7 +22,7 @@ from kvdd.sim.fabric import serving, wire
 from kvdd.sim.fabric.channel import Channel
 from kvdd.sim.fabric.reactor import REACTOR
 from kvdd.sim.fabric.rx import Rx
-from kvdd.sim.fabric.serving import GATHER_BUFFERS, GATHER_BYTES, RunPlan
+from kvdd.sim.fabric.serving import GATHER_BUFFERS, GATHER_BYTES, RunPlan, as_lists
 from kvdd.sim.fabric.streams import Cursor, Layout
 from kvdd.sim.memory import Region
 
@@ -73,7 +73,7 @@ def test_a_reads_long_runs_are_gathered_into_few_system_calls() -> None:
     off = np.sort(rng.choice(np.arange(0, t_bytes - (4 << 20), 64 * KiB), 301, replace=False))
     tensors = [1, 0]
     plan = RunPlan([_region(a) for a in src], np.array(tensors, np.int64), off, length)
-    got, frames, payload = _walk(plan.send_steps(7))
+    got, frames, payload = _walk(as_lists(plan.send_steps(7)))
     assert payload == _stream(src, tensors, off, length)
     assert frames == [plan.total]  # below MAX_DATA: one frame
     sizes = [sum(len(b) for b in bufs) - (wire.HDR.size if i == 0 else 0)
@@ -96,7 +96,7 @@ def test_gathered_lists_hold_at_most_gather_buffers(monkeypatch: pytest.MonkeyPa
     length = np.full(700, 1 * KiB, np.int64)
     off = np.arange(700, dtype=np.int64) * KiB
     plan = RunPlan([_region(src[0])], np.zeros(1, np.int64), off, length)
-    got, frames, payload = _walk(plan.send_steps(7))
+    got, frames, payload = _walk(as_lists(plan.send_steps(7)))
     assert payload == _stream(src, [0], off, length)
     assert frames == [100_003] * 7 + [700 * KiB - 7 * 100_003]
     assert max(len(bufs) for bufs in got) <= GATHER_BUFFERS
@@ -114,7 +114,7 @@ def test_a_staged_piece_ends_its_list() -> None:
     tensors = [2, 0, 1, 2]
     plan = RunPlan([_region(a) for a in src], np.array(tensors, np.int64), off, length)
     assert not plan.small
-    got, frames, payload = _walk(plan.send_steps(7))
+    got, frames, payload = _walk(as_lists(plan.send_steps(7)))
     assert payload == _stream(src, tensors, off, length)
     assert frames == [plan.total]
     # per tensor: [100 staged] [70 KiB, 3 staged] [1 MiB] [1 MiB] [5000 staged]

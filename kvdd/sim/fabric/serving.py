@@ -6,7 +6,8 @@ tensor k outer, run j inner.  The owner checks every run against the cache (SEMA
 byte moved), then walks the stream piece by piece: consecutive short runs are gathered into (or
 scattered from) one staging buffer of at most ``STAGE_CHUNK`` bytes by the copy kernels; long runs
 (>= ``STAGE_RUN_BYTES``) are sent from / received into the tensor's memory directly, many runs
-gathered per system call (``GATHER_BYTES``) in DATA frames of up to ``MAX_DATA`` bytes.  Memory per
+gathered per system call (``GATHER_BYTES``) in DATA frames of up to ``MAX_DATA`` bytes; a READ
+whose runs are all long (blocks) is sent by compiled code, :class:`~kvdd._native._gather.GatherSender`.  Memory per
 request is O(STAGE_CHUNK + J) and CPU per request is proportional to its bytes plus
 K x (pieces per tensor), whatever the peer asks.
 """
@@ -17,7 +18,7 @@ import socket
 import struct
 import time
 from array import array
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -27,18 +28,20 @@ from .. import faults
 from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
+from ..._native._gather import GatherSender
 from .streams import region_view, sendmsg_all
 from .wire import (F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
                    PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
                    frame)
 
-__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "serve_read", "serve_read_steps", "serve_write",
-           "serve_write_steps", "MAX_DISCARD"]
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "Step", "as_lists", "serve_read", "serve_read_steps",
+           "serve_write", "serve_write_steps", "MAX_DISCARD"]
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 
 PLAN_SHARE = 64  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
 T = TypeVar("T")
+Step = list[memoryview] | GatherSender  # what one step of a READ's answer sends (an empty list: none)
 _Cut = list[Any]  # RunPlan._cut's state: [stream bytes not in a frame, frame bytes left, gathered, list]
 
 GATHER_BYTES = 1 << 20  # bytes of the tensors one step of a READ's answer gathers (one sendmsg)
@@ -88,7 +91,6 @@ class RunPlan:
         self._seg_b = array("q")
         self._seg_staged = bytearray()
         self._each_run = False  # every run long: each one a segment (no arrays of them)
-        self._equal = False  # and all of one length
         self._stage = np.empty(0, dtype=np.uint8)
         self._stage_region = Region(int(self._stage.ctypes.data), 0, self._stage)
 
@@ -120,7 +122,6 @@ class RunPlan:
             is_long = length >= STAGE_RUN_BYTES
             if is_long.all():  # every run long (blocks): each its own segment, nothing to plan
                 self._each_run = True
-                self._equal = bool((length == length[0]).all())
                 longs: list[int] = []
                 j = n
             else:
@@ -179,15 +180,16 @@ class RunPlan:
 
     def send(self, sock: socket.socket, req: int) -> None:
         """The stream as DATA frames, sent (blocking): :meth:`send_steps`."""
-        for bufs in self.send_steps(req):
-            if bufs:  # (an empty list is a planning step)
-                sendmsg_all(sock, bufs)
+        for bufs in as_lists(self.send_steps(req)):
+            sendmsg_all(sock, bufs)
 
-    def send_steps(self, req: int) -> Iterator[list[memoryview]]:
+    def send_steps(self, req: int) -> Iterator[Step]:
         """The stream as DATA frames of MAX_DATA bytes (the last shorter), zero-copy for long
         runs: the buffers of each system call in turn, each gathering up to GATHER_BYTES of the
         tensors in at most GATHER_BUFFERS buffers (each list sent whole before the next is asked
-        for: the staging buffer is reused, so a staged piece ends its list)."""
+        for: the staging buffer is reused, so a staged piece ends its list).  When every run is
+        long (blocks), the whole stream is one :class:`~kvdd._native._gather.GatherSender`,
+        which makes the same lists in C and sends them itself."""
         if self.small:
             views = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, self.total))]
             pairs = [(o, n) for o, n in zip(self.off.tolist(), self.length.tolist()) if n]
@@ -199,12 +201,12 @@ class RunPlan:
         if not self.total:  # no byte to send: no tensor to walk (there may be a million)
             return
         yield from self._plan_steps([])
+        if self._each_run:
+            yield self.gather_sender(req)
+            return
         st: _Cut = [self.total, 0, 0, []]
         for k in self.tensors.tolist():
             region = self.regions[k]
-            if self._each_run:
-                yield from self._block_steps(req, region, st)
-                continue
             for view, a, b, staged in self._pieces(region):
                 if staged:
                     self._stage_copy(region, a, b, True)
@@ -215,31 +217,13 @@ class RunPlan:
         if st[3]:
             yield st[3]
 
-    def _block_steps(self, req: int, region: Region, st: _Cut) -> Iterator[list[memoryview]]:
-        """:meth:`send_steps` of one tensor when every run is long (blocks): the same lists, made
-        with the views of GATHER_BUFFERS runs at a time (the first list goes before the other
-        views are made); runs that go whole into the open list, leaving it open (as many as fit,
-        when every run has one length), are added together."""
-        mv = region_view(region)
-        off, length = self._runs_off, self._runs_len
-        for start in range(0, len(off), GATHER_BUFFERS):
-            views = [mv[o:o + n] for o, n in zip(off[start:start + GATHER_BUFFERS],
-                                                 length[start:start + GATHER_BUFFERS])]
-            i, count = 0, len(views)
-            while i < count:
-                _stream, frame_left, gathered, bufs = st
-                n = len(views[i])
-                fit = min((frame_left - 1) // n, (GATHER_BYTES - gathered - 1) // n,
-                          GATHER_BUFFERS - 2 - len(bufs))
-                if fit > 0:  # no header before them, and neither they nor the list end with them
-                    m = min(fit, count - i) if self._equal else 1
-                    bufs.extend(views[i:i + m])
-                    st[1] = frame_left - m * n
-                    st[2] = gathered + m * n
-                    i += m
-                else:
-                    yield from self._cut(req, views[i], st)
-                    i += 1
+    def gather_sender(self, req: int) -> GatherSender:
+        """The stream when every run is long, as compiled lists of the rule of :meth:`_cut`."""
+        regions = [self.regions[k] for k in self.tensors.tolist()]
+        return GatherSender([r.addr for r in regions], [r.nbytes for r in regions],
+                            self._runs_off, self._runs_len,
+                            HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, 0), MAX_DATA,
+                            GATHER_BYTES, GATHER_BUFFERS, regions)
 
     def _cut(self, req: int, view: memoryview, st: _Cut) -> Iterator[list[memoryview]]:
         """One piece into the lists (``st``: the stream's bytes not yet in a frame, the current
@@ -365,13 +349,22 @@ def serve_write_steps(leases: RunChecker, owner: LinkOwner, rx: Rx, req: int,
 def serve_read(leases: RunChecker, owner: LinkOwner, sock: socket.socket, req: int,
                payload: bytes | bytearray) -> None:
     """:func:`serve_read_steps`, sent (blocking; call with the connection's send lock held)."""
-    for bufs in serve_read_steps(leases, owner, req, payload):
-        if bufs:  # (an empty list is a planning step)
-            sendmsg_all(sock, bufs)
+    for bufs in as_lists(serve_read_steps(leases, owner, req, payload)):
+        sendmsg_all(sock, bufs)
+
+
+def as_lists(steps: Iterable[Step]) -> Iterator[list[memoryview]]:
+    """The lists of buffers of a READ's steps, a :class:`GatherSender`'s made in Python, planning
+    steps (empty lists) left out: for a blocking sender, and tests."""
+    for step in steps:
+        if isinstance(step, GatherSender):
+            yield from step.lists()
+        elif step:
+            yield step
 
 
 def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,
-                     payload: bytes | bytearray) -> Generator[list[memoryview], None, None]:
+                     payload: bytes | bytearray) -> Generator[Step, None, None]:
     """A READ: its DATA frames and DONE, or DONE with the refusal, as the buffers of each system
     call in turn (each list sent whole before the next is asked for; the lease is held until
     the last is).  The sender holds the connection's send lock meanwhile."""

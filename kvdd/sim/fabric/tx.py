@@ -29,7 +29,8 @@ from collections.abc import Generator, Mapping
 from .leases import LeaseTable
 from .protocol import LinkOwner, ServedCache
 from .reactor import OUT, Reactor
-from .serving import serve_read_steps
+from ..._native._gather import GatherSender
+from .serving import Step, serve_read_steps
 from .small import serve_small_read
 from .streams import advance
 from .watchdog import WATCHDOG
@@ -97,8 +98,8 @@ class Sender:
         self._tx_sched = False  # a sending task is queued, running or waiting (_tx_wait)
         self._tx_wait = 0
         self._tx_holding = False  # the sending task holds send_lock (between its tasks too)
-        self._tx_gen: Generator[list[memoryview], None, None] | None = None  # the job being sent
-        self._tx_bufs: list[memoryview] = []  # what is left of its current system call
+        self._tx_gen: Generator[Step, None, None] | None = None  # the job being sent
+        self._tx_bufs: Step = []  # what is left of its current system call, or its compiled sender
         self._tx_last = False  # the job being sent is the close: nothing is sent after it
         self._tx_over = False  # nothing more is sent (closed, failed, dead)
 
@@ -269,8 +270,9 @@ class Sender:
         share = TX_SHARE
         while True:
             if self._tx_bufs:  # tiny frames (a READ of many tensors) count per system call
-                share -= max(self._send_some(), TX_CALL)
-                if self._tx_bufs:  # the socket is full: go on when it takes bytes again
+                sent, full = self._send_some(share)
+                share -= max(sent, TX_CALL)
+                if full:  # the socket is full: go on when it takes bytes again
                     with self._lock:
                         self._tx_wait = _WAIT_OUT
                     self._reactor.arm(self._fd, self, OUT)
@@ -308,9 +310,15 @@ class Sender:
                     return
                 self._tx_begin(*job)
 
-    def _send_some(self) -> int:
-        """Send what the socket takes of ``_tx_bufs`` now: the bytes sent."""
+    def _send_some(self, share: int) -> tuple[int, bool]:
+        """Send what the socket takes of ``_tx_bufs`` now (a compiled sender: at most about
+        ``share`` bytes): the bytes sent, and whether the socket is full."""
         bufs = self._tx_bufs
+        if isinstance(bufs, GatherSender):
+            sent = bufs.send(self.sock, share)
+            if bufs.done:
+                self._tx_bufs = []
+            return sent, bufs.blocked
         total = 0
         while bufs:
             try:
@@ -319,7 +327,7 @@ class Sender:
                 break
             total += sent
             advance(bufs, sent)
-        return total
+        return total, bool(bufs)
 
     def _tx_begin(self, ftype: int, req: int, payload: bytes | bytearray | int) -> None:
         """Start sending one job (its first buffers, or the generator of them)."""

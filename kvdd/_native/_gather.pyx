@@ -1,0 +1,345 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: embedsignature=True, embedsignature.format=python, autotestdict=False, auto_pickle=False
+"""The TCP fabric's owner side of a READ of long runs (blocks) in C: gathering ``sendmsg`` calls.
+
+A READ whose runs are all long (``kvdd.sim.fabric.serving.RunPlan``, every run at least
+``STAGE_RUN_BYTES``: paged caches' blocks) is answered by a :class:`GatherSender`: the DATA
+frames of its byte stream (tensor k outer, run j inner; frames of at most ``max_data`` bytes,
+each behind its 12-byte header) sent straight from the tensors' memory, each system call gathering
+the header and runs of one *list* (the rule of ``RunPlan._cut``: a list ends once it holds
+``gather_bytes`` bytes of the tensors, or ``buffers - 1`` buffers after a run's piece; a run is
+cut where a frame or a list ends).  :meth:`GatherSender.send` sends lists without blocking, with
+the GIL released, until the socket is full, the stream is sent or the caller's budget of bytes
+is spent, and resumes exactly where the socket stopped taking bytes (inside a header or a run);
+:meth:`GatherSender.lists` gives the same lists as Python buffers (a blocking driver, tests).
+
+Every run is checked against every region at construction (ValueError): nothing outside the
+regions is ever read.  The regions' memory is kept alive by ``keep`` (the caller's lease holds
+the registration meanwhile, as for the Python path's memoryviews).
+"""
+
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.errno cimport EAGAIN, EBADF, EINTR, errno
+from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.string cimport memcpy
+
+import os
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals() except -1
+    object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
+
+cdef extern from "sys/uio.h" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+
+cdef extern from "sys/socket.h" nogil:
+    struct msghdr:
+        void* msg_name
+        unsigned int msg_namelen
+        iovec* msg_iov
+        size_t msg_iovlen
+        void* msg_control
+        size_t msg_controllen
+        int msg_flags
+    ssize_t c_sendmsg "sendmsg"(int fd, const msghdr* msg, int flags)
+    enum:
+        MSG_DONTWAIT
+        MSG_NOSIGNAL
+
+__all__ = ["GatherSender", "MAX_BUFFERS"]
+
+cdef enum:
+    _HSIZE = 12  # magic (2), version, type, request id (u32), payload length (u32); little-endian
+    _MAX_BUFFERS = 1024  # IOV_MAX on Linux
+    _PyBUF_READ = 0x100
+
+MAX_BUFFERS = _MAX_BUFFERS  # the most buffers a list may hold
+
+
+cdef struct Walk:
+    Py_ssize_t k  # the stream's tensor of the next byte
+    Py_ssize_t j  # its run
+    int64_t pos  # bytes of run j before the next byte
+    int64_t stream  # bytes of the stream not yet in a frame
+    int64_t frame_left  # bytes of the current frame not yet walked
+    int hdr_left  # bytes of the current frame's header not yet walked (its end)
+    char hdr[_HSIZE]  # that header
+
+
+cdef inline void _put32(char* p, uint32_t v) noexcept nogil:
+    cdef uint8_t* b = <uint8_t*>p
+    b[0] = v & 0xFF
+    b[1] = (v >> 8) & 0xFF
+    b[2] = (v >> 16) & 0xFF
+    b[3] = (v >> 24) & 0xFF
+
+
+cdef class GatherSender:
+    """The DATA frames of runs ``(off[j], length[j])`` of the memory at ``addrs[k]`` (k outer,
+    j inner), sent by gathering ``sendmsg`` calls (not thread-safe: one sender at a time).
+
+    Parameters
+    ----------
+    addrs : sequence of int
+        The address of each of the stream's tensors, in stream order (a tensor may repeat).
+    nbytes : sequence of int
+        The bytes of each (every run must lie inside each: ValueError otherwise).
+    off, length : sequence of int
+        The runs, bytes (the same for every tensor; a run of length 0 sends nothing).
+    header : bytes
+        A DATA frame's 12-byte header; its last 4 bytes (the payload length, little-endian)
+        are written per frame.
+    max_data : int
+        Bytes of the stream per DATA frame (the last shorter), 1 to 2^32 - 1.
+    gather_bytes : int
+        Bytes of the tensors that end a list, at least 1.
+    buffers : int
+        Buffers a list holds at most (headers included), 2 to :data:`MAX_BUFFERS`.
+    keep : object
+        Kept alive as long as the sender (what keeps the memory registered).
+    """
+
+    cdef int64_t* _addr
+    cdef int64_t* _off
+    cdef int64_t* _len
+    cdef Py_ssize_t _nk, _nj
+    cdef int64_t _max_data, _gather
+    cdef int _buffers
+    cdef Walk _w
+    cdef iovec* _iov
+    cdef char* _hdrs  # a copy of each list's headers (buffers x 12 bytes)
+    cdef object _keep
+    cdef bint _busy
+    cdef readonly int64_t total
+    cdef readonly bint blocked  # the last send stopped because the socket was full
+
+    def __cinit__(self):
+        self._addr = self._off = self._len = NULL
+        self._iov = NULL
+        self._hdrs = NULL
+
+    def __init__(self, addrs, nbytes, off, length, bytes header, int64_t max_data,
+                 int64_t gather_bytes, int buffers, keep=None):
+        cdef Py_ssize_t i, nk = len(addrs), nj = len(off)
+        cdef int64_t o, n, lo = 0, hi = 0, size, per_k = 0
+        if len(nbytes) != nk or len(length) != nj:
+            raise ValueError("addrs and nbytes, off and length must have one length")
+        if len(header) != _HSIZE:
+            raise ValueError(f"a DATA header has {_HSIZE} bytes")
+        if not 0 < max_data <= 0xFFFFFFFF or gather_bytes < 1 or not 2 <= buffers <= _MAX_BUFFERS:
+            raise ValueError("max_data, gather_bytes or buffers out of range")
+        self._addr = <int64_t*>PyMem_Malloc((nk + 1) * sizeof(int64_t))
+        self._off = <int64_t*>PyMem_Malloc((nj + 1) * sizeof(int64_t))
+        self._len = <int64_t*>PyMem_Malloc((nj + 1) * sizeof(int64_t))
+        self._iov = <iovec*>PyMem_Malloc(buffers * sizeof(iovec))
+        self._hdrs = <char*>PyMem_Malloc(buffers * _HSIZE)
+        if not (self._addr and self._off and self._len and self._iov and self._hdrs):
+            raise MemoryError()
+        for i in range(nj):
+            o = off[i]
+            n = length[i]
+            if o < 0 or n < 0 or o > (<int64_t>0x7FFFFFFFFFFFFFFF) - n:
+                raise ValueError(f"run {i} ({o}, {n}) is not a range of bytes")
+            self._off[i] = o
+            self._len[i] = n
+            if n:
+                hi = max(hi, o + n)
+                if per_k > (<int64_t>0x7FFFFFFFFFFFFFFF) - n:
+                    raise ValueError("the stream is longer than 2^63 - 1 bytes")
+                per_k += n
+        for i in range(nk):
+            size = nbytes[i]
+            if hi > size:
+                raise ValueError(f"a run ends at byte {hi}, past the {size} bytes of tensor {i}")
+            self._addr[i] = addrs[i]
+        if nk and per_k > (<int64_t>0x7FFFFFFFFFFFFFFF) // nk:
+            raise ValueError("the stream is longer than 2^63 - 1 bytes")
+        self._nk = nk
+        self._nj = nj
+        self._max_data = max_data
+        self._gather = gather_bytes
+        self._buffers = buffers
+        self._keep = keep
+        self.total = per_k * nk
+        self._w.k = 0 if nj else nk  # (no run: nothing to walk)
+        self._w.j = 0
+        self._w.pos = 0
+        self._w.stream = self.total
+        self._w.frame_left = 0
+        self._w.hdr_left = 0
+        memcpy(self._w.hdr, <const char*>header, _HSIZE)
+
+    def __dealloc__(self):
+        PyMem_Free(self._addr)
+        PyMem_Free(self._off)
+        PyMem_Free(self._len)
+        PyMem_Free(self._iov)
+        PyMem_Free(self._hdrs)
+
+    @property
+    def done(self):
+        """Every byte of the stream was sent (or walked, by :meth:`lists`)."""
+        return self._done(&self._w)
+
+    @property
+    def left(self):
+        """Bytes not yet sent, headers included."""
+        cdef int64_t frames = (self._w.stream + self._max_data - 1) // self._max_data
+        return self._w.stream + frames * _HSIZE + self._w.frame_left + self._w.hdr_left
+
+    cdef inline bint _done(self, const Walk* w) noexcept nogil:
+        return w.stream == 0 and w.frame_left == 0 and w.hdr_left == 0
+
+    cdef inline void _next_run(self, Walk* w) noexcept nogil:
+        w.pos = 0
+        w.j += 1
+        if w.j == self._nj:
+            w.j = 0
+            w.k += 1
+
+    cdef inline void _new_frame(self, Walk* w) noexcept nogil:
+        w.frame_left = w.stream if w.stream < self._max_data else self._max_data
+        w.stream -= w.frame_left
+        _put32(w.hdr + 8, <uint32_t>w.frame_left)
+        w.hdr_left = _HSIZE
+
+    cdef int _fill(self, Walk* w) noexcept nogil:
+        """The next list into ``_iov`` from ``w`` (advanced past it): its buffer count."""
+        cdef int count = 0
+        cdef int64_t gathered = 0, n, take
+        cdef char* h
+        while True:
+            if w.hdr_left:  # (whole, or its rest after a send that stopped inside it)
+                h = self._hdrs + count * _HSIZE
+                memcpy(h, w.hdr, _HSIZE)
+                self._iov[count].iov_base = h + _HSIZE - w.hdr_left
+                self._iov[count].iov_len = <size_t>w.hdr_left
+                count += 1
+                w.hdr_left = 0
+            if w.k >= self._nk or self._done(w):
+                break
+            n = self._len[w.j]
+            if w.pos >= n:  # (a run of length 0)
+                self._next_run(w)
+                continue
+            if w.frame_left == 0:
+                self._new_frame(w)
+                continue
+            take = n - w.pos
+            if take > w.frame_left:
+                take = w.frame_left
+            if take > self._gather - gathered:
+                take = self._gather - gathered
+            self._iov[count].iov_base = <void*><size_t>(self._addr[w.k] + self._off[w.j] + w.pos)
+            self._iov[count].iov_len = <size_t>take
+            count += 1
+            w.pos += take
+            w.frame_left -= take
+            gathered += take
+            if w.pos == n:
+                self._next_run(w)
+            if gathered >= self._gather or count >= self._buffers - 1:
+                break
+        return count
+
+    cdef void _advance(self, Walk* w, int64_t sent) noexcept nogil:
+        """``w`` moved past ``sent`` bytes of the wire (headers included), as :meth:`_fill` walks."""
+        cdef int64_t n, take
+        while sent > 0:
+            if w.hdr_left:
+                take = w.hdr_left if w.hdr_left < sent else sent
+                w.hdr_left -= <int>take
+                sent -= take
+                continue
+            if w.k >= self._nk:  # (never: a send takes at most what was listed)
+                break
+            n = self._len[w.j]
+            if w.pos >= n:
+                self._next_run(w)
+                continue
+            if w.frame_left == 0:
+                self._new_frame(w)
+                continue
+            take = n - w.pos
+            if take > w.frame_left:
+                take = w.frame_left
+            if take > sent:
+                take = sent
+            w.pos += take
+            w.frame_left -= take
+            sent -= take
+            if w.pos == n:
+                self._next_run(w)
+
+    def send(self, sock, int64_t budget):
+        """Send lists on ``sock`` (non-blocking, GIL released, ``MSG_NOSIGNAL``) until the stream
+        is sent (:attr:`done`), the socket is full (:attr:`blocked`) or ``budget`` bytes were
+        sent.  Returns the bytes sent; OSError when the connection fails."""
+        cdef int fd, err = 0
+        cdef int count
+        cdef int64_t sent = 0
+        cdef ssize_t r
+        cdef Walk w
+        cdef msghdr msg
+        if self._busy:
+            raise RuntimeError("another thread is sending this stream")
+        self._busy = True
+        self.blocked = False
+        try:
+            fd = sock.fileno()
+            if fd < 0:
+                raise OSError(EBADF, os.strerror(EBADF))
+            msg.msg_name = NULL
+            msg.msg_namelen = 0
+            msg.msg_control = NULL
+            msg.msg_controllen = 0
+            msg.msg_flags = 0
+            msg.msg_iov = self._iov
+            while True:
+                with nogil:
+                    while not self._done(&self._w) and sent < budget:
+                        w = self._w
+                        count = self._fill(&w)
+                        msg.msg_iovlen = <size_t>count
+                        r = c_sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+                        if r < 0:
+                            err = errno
+                            break
+                        self._advance(&self._w, r)
+                        sent += r
+                if err == EINTR:
+                    err = 0
+                    PyErr_CheckSignals()  # (a handler's exception propagates)
+                    continue
+                break
+            if err == EAGAIN:  # (EWOULDBLOCK on Linux)
+                self.blocked = True
+            elif err:
+                raise OSError(err, os.strerror(err))
+            return sent
+        finally:
+            self._busy = False
+
+    def lists(self):
+        """The remaining lists as Python buffers (headers copied, runs as read-only views of the
+        tensors' memory; each list should be used whole before the next is asked for)."""
+        cdef int count, i
+        cdef Walk w
+        cdef list out
+        while not self._done(&self._w):
+            w = self._w
+            count = self._fill(&w)
+            out = []
+            for i in range(count):
+                if <char*>self._iov[i].iov_base >= self._hdrs and \
+                        <char*>self._iov[i].iov_base < self._hdrs + self._buffers * _HSIZE:
+                    out.append(memoryview(PyBytes_FromStringAndSize(
+                        <char*>self._iov[i].iov_base, <Py_ssize_t>self._iov[i].iov_len)))
+                else:
+                    out.append(PyMemoryView_FromMemory(<char*>self._iov[i].iov_base,
+                                                       <Py_ssize_t>self._iov[i].iov_len, _PyBUF_READ))
+            self._w = w
+            yield out

@@ -1,0 +1,165 @@
+"""The compiled sender of a READ of long runs (:class:`kvdd._native._gather.GatherSender`).
+
+It sends the DATA frames of runs straight from the tensors' memory without blocking and resumes
+exactly where the socket stopped taking bytes, inside a header or a run; it refuses runs outside
+its tensors before sending anything.  (That its lists are those of the piece-by-piece rule is
+tested in test_fabric_blocks.py and test_fabric_gather.py, through ``as_lists``.)
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdd._native._gather import GatherSender
+from kvdd.sim.fabric import wire
+
+KiB = 1 << 10
+HEADER = wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_DATA, 7, 0)
+
+
+def _wire(src: list[np.ndarray], off: list[int], length: list[int], max_data: int) -> bytes:
+    """The DATA frames of the stream (tensor outer, run inner), written out plainly."""
+    stream = b"".join(s[o:o + n].tobytes() for s in src for o, n in zip(off, length))
+    out = []
+    for pos in range(0, len(stream), max_data):
+        part = stream[pos:pos + max_data]
+        out.append(wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_DATA, 7, len(part)) + part)
+    return b"".join(out)
+
+
+def _sender(src: list[np.ndarray], off: list[int], length: list[int], max_data: int,
+            gather: int = 64 * KiB, buffers: int = 64) -> GatherSender:
+    return GatherSender([int(s.ctypes.data) for s in src], [s.nbytes for s in src], off, length,
+                        HEADER, max_data, gather, buffers, src)
+
+
+@pytest.mark.parametrize("max_data, buffers", [(21, 1024), (1_000, 64), (100_003, 64)])
+def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffers: int) -> None:
+    """A connection of a few KiB, drained each time the socket is full: sends stop at
+    arbitrary bytes (inside headers, with frames of 21 bytes, and inside runs), each resumes
+    there, and the peer receives the frames of the stream exactly."""
+    rng = np.random.default_rng(max_data)
+    src = [rng.integers(0, 256, 200 * KiB, dtype=np.uint8) for _ in range(2)]
+    off = [0, 150 * KiB, 3, 100 * KiB, 77]
+    length = [5 * KiB, 50 * KiB, 0, 1, 33 * KiB]
+    expected = _wire([src[1], src[0], src[1]], off, length, max_data)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    got = bytearray()
+    gs = _sender([src[1], src[0], src[1]], off, length, max_data, buffers=buffers)
+    assert gs.total == 3 * sum(length) and gs.left == len(expected)
+    frame = wire.HDR.size + max_data
+    stops = {"header": 0, "run": 0}
+    try:
+        while not gs.done:
+            before = gs.left
+            sent = gs.send(a, 1 << 40)
+            assert gs.left == before - sent
+            if not gs.done:
+                assert gs.blocked
+                at = (len(expected) - gs.left) % frame
+                if at:
+                    stops["header" if at < wire.HDR.size else "run"] += 1
+                select.select([b], [], [], 0.01)
+                while True:  # what has arrived
+                    try:
+                        got.extend(b.recv(1 << 20, socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        break
+        while len(got) < len(expected):
+            got.extend(b.recv(1 << 20))
+        assert bytes(got) == expected
+        assert gs.left == 0 and gs.send(a, 1 << 40) == 0  # (nothing more)
+        assert stops["header" if max_data == 21 else "run"] > 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_budget_ends_a_send_between_system_calls() -> None:
+    """A budget of one byte: one list (one system call) per send, the socket never full."""
+    src = [np.arange(256 * KiB, dtype=np.uint8)]
+    a, b = socket.socketpair()
+    try:
+        gs = _sender(src, [0, 100 * KiB], [64 * KiB, 64 * KiB], 1 << 20, gather=48 * KiB)
+        assert gs.send(a, 1) == wire.HDR.size + 48 * KiB
+        assert not gs.blocked and not gs.done
+        assert gs.send(a, 1) == 48 * KiB  # the rest of run 0 and 32 KiB of run 1
+        assert gs.send(a, 1) == 32 * KiB and gs.done
+        data = b.recv(wire.HDR.size + 128 * KiB, socket.MSG_WAITALL)[wire.HDR.size:]
+        assert data == src[0][:64 * KiB].tobytes() + src[0][100 * KiB:164 * KiB].tobytes()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_socket_nobody_reads_leaves_the_stream_blocked() -> None:
+    src = [np.zeros(8 << 20, dtype=np.uint8)]
+    a, b = socket.socketpair()
+    try:
+        gs = _sender(src, [0], [8 << 20], 1 << 30)
+        sent = gs.send(a, 1 << 40)
+        assert gs.blocked and not gs.done and 0 < sent < 8 << 20
+        assert gs.left == wire.HDR.size + (8 << 20) - sent
+        assert gs.send(a, 1 << 40) == 0 and gs.blocked  # still full
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_closed_connection_raises() -> None:
+    src = [np.zeros(64 * KiB, dtype=np.uint8)]
+    a, b = socket.socketpair()
+    b.close()
+    try:
+        with pytest.raises(BrokenPipeError):  # (EPIPE, not SIGPIPE: MSG_NOSIGNAL)
+            _sender(src, [0], [64 * KiB], 1 << 20).send(a, 1 << 40)
+    finally:
+        a.close()
+    with pytest.raises(OSError):  # a closed socket object: EBADF, before any system call
+        _sender(src, [0], [64 * KiB], 1 << 20).send(a, 1 << 40)
+
+
+def test_a_closed_connection_does_not_raise_sigpipe(tmp_path: Path) -> None:
+    """In a process that does not ignore SIGPIPE (a C++ program embedding Python), a send to a
+    connection the peer closed is an error, not the signal's default action (exit)."""
+    code = textwrap.dedent("""
+        import signal, socket
+        import numpy as np
+        from kvdd._native._gather import GatherSender
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        src = np.zeros(65536, dtype=np.uint8)
+        a, b = socket.socketpair()
+        b.close()
+        try:
+            GatherSender([src.ctypes.data], [src.nbytes], [0], [65536], bytes(12), 1 << 20,
+                         1 << 20, 64, src).send(a, 1 << 40)
+        except BrokenPipeError:
+            print("refused")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "refused"), out.stderr
+
+
+def test_runs_outside_a_tensor_are_refused() -> None:
+    """A run ending exactly at a tensor's last byte is taken; one byte further, a negative
+    offset or length, or an end past 2^63 is refused before anything is sent."""
+    src = [np.zeros(64 * KiB, dtype=np.uint8), np.zeros(32 * KiB, dtype=np.uint8)]
+    _sender(src, [0, 16 * KiB], [32 * KiB, 16 * KiB], 1 << 20)  # ends at the smaller one's end
+    for off, length in (([16 * KiB], [16 * KiB + 1]), ([-1], [10]), ([0], [-1]),
+                        ([1], [(1 << 63) - 1])):
+        with pytest.raises(ValueError):
+            _sender(src, off, length, 1 << 20)
+    with pytest.raises(ValueError):  # a frame longer than a header can say
+        _sender(src, [0], [1], 1 << 32)
+    with pytest.raises(ValueError):
+        GatherSender([0], [1], [0], [1], HEADER[:11], 1 << 20, 1, 2)
