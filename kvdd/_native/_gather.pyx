@@ -124,7 +124,9 @@ cdef class GatherSender:
     def __init__(self, addrs, nbytes, off, length, bytes header, int64_t max_data,
                  int64_t gather_bytes, int buffers, keep=None):
         cdef Py_ssize_t i, nk = len(addrs), nj = len(off)
-        cdef int64_t o, n, lo = 0, hi = 0, size, per_k = 0
+        cdef int64_t o, n, hi = 0, size, per_k = 0
+        if self._iov != NULL:
+            raise RuntimeError("a GatherSender is initialized once")
         if len(nbytes) != nk or len(length) != nj:
             raise ValueError("addrs and nbytes, off and length must have one length")
         if len(header) != _HSIZE:
@@ -330,16 +332,23 @@ cdef class GatherSender:
         cdef Walk w
         cdef list out
         while not self._done(&self._w):
-            w = self._w
-            count = self._fill(&w)
-            out = []
-            for i in range(count):
-                if <char*>self._iov[i].iov_base >= self._hdrs and \
-                        <char*>self._iov[i].iov_base < self._hdrs + self._buffers * _HSIZE:
-                    out.append(memoryview(PyBytes_FromStringAndSize(
-                        <char*>self._iov[i].iov_base, <Py_ssize_t>self._iov[i].iov_len)))
-                else:
-                    out.append(PyMemoryView_FromMemory(<char*>self._iov[i].iov_base,
-                                                       <Py_ssize_t>self._iov[i].iov_len, _PyBUF_READ))
-            self._w = w
+            if self._busy:
+                raise RuntimeError("another thread is sending this stream")
+            self._busy = True
+            try:
+                w = self._w
+                count = self._fill(&w)
+                out = []
+                for i in range(count):
+                    if <char*>self._iov[i].iov_base >= self._hdrs and \
+                            <char*>self._iov[i].iov_base < self._hdrs + self._buffers * _HSIZE:
+                        out.append(memoryview(PyBytes_FromStringAndSize(
+                            <char*>self._iov[i].iov_base, <Py_ssize_t>self._iov[i].iov_len)))
+                    else:
+                        out.append(PyMemoryView_FromMemory(<char*>self._iov[i].iov_base,
+                                                           <Py_ssize_t>self._iov[i].iov_len,
+                                                           _PyBUF_READ))
+                self._w = w
+            finally:
+                self._busy = False
             yield out

@@ -163,3 +163,13 @@ def test_runs_outside_a_tensor_are_refused() -> None:
         _sender(src, [0], [1], 1 << 32)
     with pytest.raises(ValueError):
         GatherSender([0], [1], [0], [1], HEADER[:11], 1 << 20, 1, 2)
+
+
+def test_a_sender_is_initialized_once() -> None:
+    """A second ``__init__`` is refused (it would swap the runs under a stream half sent)."""
+    src = [np.zeros(64 * KiB, dtype=np.uint8)]
+    gs = _sender(src, [0], [64 * KiB], 1 << 20)
+    with pytest.raises(RuntimeError):
+        gs.__init__([int(src[0].ctypes.data)], [src[0].nbytes], [0], [1], HEADER,  # type: ignore[misc]
+                    1 << 20, 1, 2)
+    assert gs.total == 64 * KiB

@@ -7,9 +7,9 @@ byte moved), then walks the stream piece by piece: consecutive short runs are ga
 scattered from) one staging buffer of at most ``STAGE_CHUNK`` bytes by the copy kernels; long runs
 (>= ``STAGE_RUN_BYTES``) are sent from / received into the tensor's memory directly, many runs
 gathered per system call (``GATHER_BYTES``) in DATA frames of up to ``MAX_DATA`` bytes; a READ
-whose runs are all long (blocks) is sent by compiled code, :class:`~kvdd._native._gather.GatherSender`.  Memory per
-request is O(STAGE_CHUNK + J) and CPU per request is proportional to its bytes plus
-K x (pieces per tensor), whatever the peer asks.
+whose runs are all long (blocks) is sent by compiled code
+(:class:`~kvdd._native._gather.GatherSender`).  Memory per request is O(STAGE_CHUNK + J) and CPU
+per request is proportional to its bytes plus K x (pieces per tensor), whatever the peer asks.
 """
 
 from __future__ import annotations
@@ -23,25 +23,25 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..._native._gather import GatherSender
 from ...status import S_OK, Status
 from .. import faults
 from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
-from ..._native._gather import GatherSender
 from .streams import region_view, sendmsg_all
 from .wire import (F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
                    PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
                    frame)
 
-__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "Step", "as_lists", "serve_read", "serve_read_steps",
-           "serve_write", "serve_write_steps", "MAX_DISCARD"]
+__all__ = ["check_request", "RunPlan", "SMALL_RUNS", "Step", "as_lists", "serve_read",
+           "serve_read_steps", "serve_write", "serve_write_steps", "MAX_DISCARD"]
 
 MAX_DISCARD = 1 << 40  # bytes of a refused WRITE read and dropped before the connection is closed
 
 PLAN_SHARE = 64  # stretches of runs planned per step of a pool task (RunPlan._plan_steps)
 T = TypeVar("T")
-Step = list[memoryview] | GatherSender  # what one step of a READ's answer sends (an empty list: none)
+Step = list[memoryview] | GatherSender  # one step of a READ's answer (an empty list: nothing sent)
 _Cut = list[Any]  # RunPlan._cut's state: [stream bytes not in a frame, frame bytes left, gathered, list]
 
 GATHER_BYTES = 1 << 20  # bytes of the tensors one step of a READ's answer gathers (one sendmsg)

@@ -26,10 +26,10 @@ import threading
 from collections import deque
 from collections.abc import Generator, Mapping
 
+from ..._native._gather import GatherSender
 from .leases import LeaseTable
 from .protocol import LinkOwner, ServedCache
 from .reactor import OUT, Reactor
-from ..._native._gather import GatherSender
 from .serving import Step, serve_read_steps
 from .small import serve_small_read
 from .streams import advance
