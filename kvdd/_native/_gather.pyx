@@ -84,7 +84,8 @@ cdef class GatherSender:
     Parameters
     ----------
     addrs : sequence of int
-        The address of each of the stream's tensors, in stream order (a tensor may repeat).
+        The address of each tensor: of the stream's tensors in stream order (a tensor may
+        repeat), or, with ``tensors``, of the tensors it names.
     nbytes : sequence of int
         The bytes of each (every run must lie inside each: ValueError otherwise).
     off, length : sequence of int
@@ -100,12 +101,18 @@ cdef class GatherSender:
         Buffers a list holds at most (headers included), 2 to :data:`MAX_BUFFERS`.
     keep : object
         Kept alive as long as the sender (what keeps the memory registered).
+    tensors : buffer of uint32 or None
+        The stream's tensors (index into ``addrs``, in stream order; checked): a READ of K
+        tensors costs the sender O(distinct tensors) Python objects, not O(K).  None: the
+        stream's tensors are ``addrs`` in order.
     """
 
     cdef int64_t* _addr
     cdef int64_t* _off
     cdef int64_t* _len
-    cdef Py_ssize_t _nk, _nj
+    cdef Py_ssize_t _nk, _nj, _na
+    cdef const uint32_t[::1] _which  # the stream's tensor k is addrs[_which[k]] (when _pwhich)
+    cdef const uint32_t* _pwhich
     cdef int64_t _max_data, _gather
     cdef int _buffers
     cdef Walk _w
@@ -120,20 +127,30 @@ cdef class GatherSender:
         self._addr = self._off = self._len = NULL
         self._iov = NULL
         self._hdrs = NULL
+        self._pwhich = NULL
 
     def __init__(self, addrs, nbytes, off, length, bytes header, int64_t max_data,
-                 int64_t gather_bytes, int buffers, keep=None):
-        cdef Py_ssize_t i, nk = len(addrs), nj = len(off)
+                 int64_t gather_bytes, int buffers, keep=None, tensors=None):
+        cdef Py_ssize_t i, na = len(addrs), nk = na, nj = len(off)
         cdef int64_t o, n, hi = 0, size, per_k = 0
-        if self._iov != NULL:
+        cdef const uint32_t[::1] which
+        if self._addr != NULL or self._busy:  # (its arrays are in use: a sender is made once)
             raise RuntimeError("a GatherSender is initialized once")
-        if len(nbytes) != nk or len(length) != nj:
+        if tensors is not None:
+            which = tensors
+            nk = which.shape[0]
+            for i in range(nk):
+                if which[i] >= <uint32_t>na:
+                    raise ValueError(f"the stream's tensor {i} is not one of the {na} given")
+            self._which = which
+            self._pwhich = &which[0] if nk else NULL
+        if len(nbytes) != na or len(length) != nj:
             raise ValueError("addrs and nbytes, off and length must have one length")
         if len(header) != _HSIZE:
             raise ValueError(f"a DATA header has {_HSIZE} bytes")
         if not 0 < max_data <= 0xFFFFFFFF or gather_bytes < 1 or not 2 <= buffers <= _MAX_BUFFERS:
             raise ValueError("max_data, gather_bytes or buffers out of range")
-        self._addr = <int64_t*>PyMem_Malloc((nk + 1) * sizeof(int64_t))
+        self._addr = <int64_t*>PyMem_Malloc((na + 1) * sizeof(int64_t))
         self._off = <int64_t*>PyMem_Malloc((nj + 1) * sizeof(int64_t))
         self._len = <int64_t*>PyMem_Malloc((nj + 1) * sizeof(int64_t))
         self._iov = <iovec*>PyMem_Malloc(buffers * sizeof(iovec))
@@ -152,7 +169,7 @@ cdef class GatherSender:
                 if per_k > (<int64_t>0x7FFFFFFFFFFFFFFF) - n:
                     raise ValueError("the stream is longer than 2^63 - 1 bytes")
                 per_k += n
-        for i in range(nk):
+        for i in range(na):
             size = nbytes[i]
             if hi > size:
                 raise ValueError(f"a run ends at byte {hi}, past the {size} bytes of tensor {i}")
@@ -160,6 +177,7 @@ cdef class GatherSender:
         if nk and per_k > (<int64_t>0x7FFFFFFFFFFFFFFF) // nk:
             raise ValueError("the stream is longer than 2^63 - 1 bytes")
         self._nk = nk
+        self._na = na
         self._nj = nj
         self._max_data = max_data
         self._gather = gather_bytes
@@ -189,11 +207,17 @@ cdef class GatherSender:
     @property
     def left(self):
         """Bytes not yet sent, headers included."""
-        cdef int64_t frames = (self._w.stream + self._max_data - 1) // self._max_data
-        return self._w.stream + frames * _HSIZE + self._w.frame_left + self._w.hdr_left
+        if self._max_data == 0:  # (never initialized)
+            return 0
+        stream = int(self._w.stream)  # (Python integers: a stream near 2^63 bytes has more)
+        return stream + (stream + self._max_data - 1) // self._max_data * _HSIZE \
+            + self._w.frame_left + self._w.hdr_left
 
     cdef inline bint _done(self, const Walk* w) noexcept nogil:
         return w.stream == 0 and w.frame_left == 0 and w.hdr_left == 0
+
+    cdef inline int64_t _base(self, Py_ssize_t k) noexcept nogil:
+        return self._addr[self._pwhich[k]] if self._pwhich != NULL else self._addr[k]
 
     cdef inline void _next_run(self, Walk* w) noexcept nogil:
         w.pos = 0
@@ -235,7 +259,7 @@ cdef class GatherSender:
                 take = w.frame_left
             if take > self._gather - gathered:
                 take = self._gather - gathered
-            self._iov[count].iov_base = <void*><size_t>(self._addr[w.k] + self._off[w.j] + w.pos)
+            self._iov[count].iov_base = <void*><size_t>(self._base(w.k) + self._off[w.j] + w.pos)
             self._iov[count].iov_len = <size_t>take
             count += 1
             w.pos += take
@@ -305,6 +329,8 @@ cdef class GatherSender:
                     while not self._done(&self._w) and sent < budget:
                         w = self._w
                         count = self._fill(&w)
+                        if count == 0:  # (never: a stream not done has a byte to list)
+                            break
                         msg.msg_iovlen = <size_t>count
                         r = c_sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
                         if r < 0:

@@ -165,11 +165,91 @@ def test_runs_outside_a_tensor_are_refused() -> None:
         GatherSender([0], [1], [0], [1], HEADER[:11], 1 << 20, 1, 2)
 
 
+def test_a_read_naming_one_tensor_a_million_times_costs_no_object_per_tensor() -> None:
+    """A 4 MiB READ may name one tensor about a million times (two long runs each): the sender
+    is made from the distinct tensors and compact indices, in one short step, without a
+    Python object (or 8-byte address) per tensor named."""
+    import tracemalloc
+
+    from kvdd.sim.fabric.serving import RunPlan
+    from kvdd.sim.memory import Region
+
+    src = [np.arange(128 * KiB, dtype=np.uint8), np.full(128 * KiB, 7, dtype=np.uint8)]
+    regions = [Region(int(a.ctypes.data), a.nbytes, a) for a in src]
+    k = (wire.MAX_REQUEST - wire.REQ.size - 32) // 4
+    tensors = np.ones(k, dtype=np.int64)
+    tensors[1] = 0
+    plan = RunPlan(regions, tensors, np.array([0, 64 * KiB], np.int64),
+                   np.full(2, 64 * KiB, np.int64))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        steps = plan.send_steps(7)
+        gs = next(steps)
+        while isinstance(gs, list):
+            gs = next(steps)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert isinstance(gs, GatherSender) and gs.total == k * 128 * KiB
+    assert peak < 6 * k, f"{peak} bytes to make the sender of {k} tensors"  # (4-byte indices)
+    first = bytes(b"".join(bytes(b) for b in next(gs.lists())))
+    assert first[wire.HDR.size:wire.HDR.size + 256 * KiB] == \
+        src[1].tobytes() + src[0].tobytes()  # tensors 1, 0, then 1 again
+
+
 def test_a_sender_is_initialized_once() -> None:
-    """A second ``__init__`` is refused (it would swap the runs under a stream half sent)."""
-    src = [np.zeros(64 * KiB, dtype=np.uint8)]
-    gs = _sender(src, [0], [64 * KiB], 1 << 20)
-    with pytest.raises(RuntimeError):
-        gs.__init__([int(src[0].ctypes.data)], [src[0].nbytes], [0], [1], HEADER,  # type: ignore[misc]
-                    1 << 20, 1, 2)
-    assert gs.total == 64 * KiB
+    """Its arrays are made once: a second __init__ (refused runs, or any) is refused and the
+    sender still sends its own stream exactly (not runs read through stale counts)."""
+    src = [np.arange(64 * KiB, dtype=np.uint8)]
+    off, length = [i * 256 for i in range(200)], [64] * 200
+    gs = _sender(src, off, length, 1 << 20)
+    with pytest.raises((RuntimeError, ValueError)):  # (ValueError: it was taken up to the runs)
+        gs.__init__([int(src[0].ctypes.data)], [src[0].nbytes], [70_000], [64], HEADER,  # type: ignore[misc]
+                    1 << 20, 64 * KiB, 64, src)
+    a, b = socket.socketpair()
+    try:
+        assert gs.send(a, 1 << 40) == len(_wire(src, off, length, 1 << 20)) and gs.done
+        expected = _wire(src, off, length, 1 << 20)
+        assert b.recv(len(expected), socket.MSG_WAITALL) == expected
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lists_are_refused_while_a_send_walks_the_stream() -> None:
+    """lists() and send() walk one state and one set of buffers (send with the GIL released):
+    a list asked for while a send is in progress is refused, and no byte of the stream is lost."""
+    src = [np.arange(256 * KiB, dtype=np.uint8)]
+    off, length = [0, 100 * KiB], [64 * KiB, 64 * KiB]
+    gs = _sender(src, off, length, 1 << 20, gather=48 * KiB)
+    a, b = socket.socketpair()
+
+    class Meddling:  # send() has the stream when it asks for the file descriptor
+        def fileno(self) -> int:
+            next(gs.lists())
+            return a.fileno()
+
+    try:
+        with pytest.raises(RuntimeError):
+            gs.send(Meddling(), 1 << 40)  # type: ignore[arg-type]
+        gs.send(a, 1 << 40)
+        assert gs.done
+        expected = _wire(src, off, length, 1 << 20)
+        assert b.recv(len(expected), socket.MSG_WAITALL) == expected
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_uninitialized_or_huge_sender_counts_its_bytes(tmp_path: Path) -> None:
+    """``left`` of a sender never initialized is 0 (not a division by zero that kills the
+    process), and of a stream of 2^63 - 1 bytes it counts every header (no wrap-around)."""
+    code = "from kvdd._native._gather import GatherSender as G; print(G.__new__(G).left)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "0"), out.stderr
+    big = (1 << 63) - 1
+    gs = GatherSender([4096], [big], [0], [big], HEADER, 0xFFFFFFFF, 1, 2)  # (nothing is sent)
+    assert gs.left == big + -(-big // 0xFFFFFFFF) * wire.HDR.size

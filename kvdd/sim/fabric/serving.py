@@ -218,12 +218,19 @@ class RunPlan:
             yield st[3]
 
     def gather_sender(self, req: int) -> GatherSender:
-        """The stream when every run is long, as compiled lists of the rule of :meth:`_cut`."""
-        regions = [self.regions[k] for k in self.tensors.tolist()]
+        """The stream when every run is long, as compiled lists of the rule of :meth:`_cut`:
+        the distinct tensors named as Python objects, the stream's K as compact indices (a
+        request naming one tensor a million times costs no million objects)."""
+        tensors = self.tensors
+        named = np.zeros(len(self.regions), dtype=bool)
+        named[tensors] = True
+        distinct = np.flatnonzero(named)
+        which = (np.cumsum(named, dtype=np.int64) - 1).astype(np.uint32)[tensors]
+        regions = [self.regions[k] for k in distinct.tolist()]
         return GatherSender([r.addr for r in regions], [r.nbytes for r in regions],
                             self._runs_off, self._runs_len,
                             HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, 0), MAX_DATA,
-                            GATHER_BYTES, GATHER_BUFFERS, regions)
+                            GATHER_BYTES, GATHER_BUFFERS, regions, which)
 
     def _cut(self, req: int, view: memoryview, st: _Cut) -> Iterator[list[memoryview]]:
         """One piece into the lists (``st``: the stream's bytes not yet in a frame, the current

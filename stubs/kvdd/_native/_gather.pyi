@@ -26,6 +26,7 @@ class GatherSender:
         gather_bytes: int,
         buffers: int,
         keep: object = None,
+        tensors: object = None,
     ) -> None: ...
     @property
     def done(self) -> bool: ...
