@@ -232,10 +232,37 @@ cdef class GatherSender:
         _put32(w.hdr + 8, <uint32_t>w.frame_left)
         w.hdr_left = _HSIZE
 
+    cdef bint _ready(self, Walk* w) noexcept nogil:
+        """``w`` at its next byte of the tensors (runs of length 0 skipped, a frame begun where
+        the last one ended: its header is then the next thing on the wire); False at the end."""
+        while not self._done(w) and w.k < self._nk:
+            if w.pos >= self._len[w.j]:  # (a run of length 0)
+                self._next_run(w)
+            elif w.frame_left == 0:
+                self._new_frame(w)
+                return True
+            else:
+                return True
+        return False
+
+    cdef int64_t _take(self, Walk* w, int64_t limit) noexcept nogil:
+        """``w`` moved past the next piece of a run (cut where the run, the frame or ``limit``
+        ends): its length."""
+        cdef int64_t take = self._len[w.j] - w.pos
+        if take > w.frame_left:
+            take = w.frame_left
+        if take > limit:
+            take = limit
+        w.pos += take
+        w.frame_left -= take
+        if w.pos == self._len[w.j]:
+            self._next_run(w)
+        return take
+
     cdef int _fill(self, Walk* w) noexcept nogil:
         """The next list into ``_iov`` from ``w`` (advanced past it): its buffer count."""
         cdef int count = 0
-        cdef int64_t gathered = 0, n, take
+        cdef int64_t gathered = 0, at
         cdef char* h
         while True:
             if w.hdr_left:  # (whole, or its rest after a send that stopped inside it)
@@ -245,60 +272,31 @@ cdef class GatherSender:
                 self._iov[count].iov_len = <size_t>w.hdr_left
                 count += 1
                 w.hdr_left = 0
-            if w.k >= self._nk or self._done(w):
+            if not self._ready(w):
                 break
-            n = self._len[w.j]
-            if w.pos >= n:  # (a run of length 0)
-                self._next_run(w)
+            if w.hdr_left:  # a frame begins: its header first
                 continue
-            if w.frame_left == 0:
-                self._new_frame(w)
-                continue
-            take = n - w.pos
-            if take > w.frame_left:
-                take = w.frame_left
-            if take > self._gather - gathered:
-                take = self._gather - gathered
-            self._iov[count].iov_base = <void*><size_t>(self._base(w.k) + self._off[w.j] + w.pos)
-            self._iov[count].iov_len = <size_t>take
+            at = self._base(w.k) + self._off[w.j] + w.pos
+            self._iov[count].iov_base = <void*><size_t>at
+            self._iov[count].iov_len = <size_t>self._take(w, self._gather - gathered)
+            gathered += <int64_t>self._iov[count].iov_len
             count += 1
-            w.pos += take
-            w.frame_left -= take
-            gathered += take
-            if w.pos == n:
-                self._next_run(w)
             if gathered >= self._gather or count >= self._buffers - 1:
                 break
         return count
 
     cdef void _advance(self, Walk* w, int64_t sent) noexcept nogil:
         """``w`` moved past ``sent`` bytes of the wire (headers included), as :meth:`_fill` walks."""
-        cdef int64_t n, take
+        cdef int64_t take
         while sent > 0:
             if w.hdr_left:
                 take = w.hdr_left if w.hdr_left < sent else sent
                 w.hdr_left -= <int>take
                 sent -= take
-                continue
-            if w.k >= self._nk:  # (never: a send takes at most what was listed)
+            elif not self._ready(w):  # (never: a send takes at most what was listed)
                 break
-            n = self._len[w.j]
-            if w.pos >= n:
-                self._next_run(w)
-                continue
-            if w.frame_left == 0:
-                self._new_frame(w)
-                continue
-            take = n - w.pos
-            if take > w.frame_left:
-                take = w.frame_left
-            if take > sent:
-                take = sent
-            w.pos += take
-            w.frame_left -= take
-            sent -= take
-            if w.pos == n:
-                self._next_run(w)
+            elif not w.hdr_left:
+                sent -= self._take(w, sent)
 
     def send(self, sock, int64_t budget):
         """Send lists on ``sock`` (non-blocking, GIL released, ``MSG_NOSIGNAL``) until the stream
