@@ -21,8 +21,10 @@ the registration meanwhile, as for the Python path's memoryviews).
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EAGAIN, EBADF, EINTR, errno
-from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, uint32_t
 from libc.string cimport memcpy
+
+from kvdd._native._le cimport put32 as _put32
 
 import os
 
@@ -69,14 +71,6 @@ cdef struct Walk:
     char hdr[_HSIZE]  # that header
 
 
-cdef inline void _put32(char* p, uint32_t v) noexcept nogil:
-    cdef uint8_t* b = <uint8_t*>p
-    b[0] = v & 0xFF
-    b[1] = (v >> 8) & 0xFF
-    b[2] = (v >> 16) & 0xFF
-    b[3] = (v >> 24) & 0xFF
-
-
 cdef class GatherSender:
     """The DATA frames of runs ``(off[j], length[j])`` of the memory at ``addrs[k]`` (k outer,
     j inner), sent by gathering ``sendmsg`` calls (not thread-safe: one sender at a time).
@@ -110,7 +104,7 @@ cdef class GatherSender:
     cdef int64_t* _addr
     cdef int64_t* _off
     cdef int64_t* _len
-    cdef Py_ssize_t _nk, _nj, _na
+    cdef Py_ssize_t _nk, _nj
     cdef const uint32_t[::1] _which  # the stream's tensor k is addrs[_which[k]] (when _pwhich)
     cdef const uint32_t* _pwhich
     cdef int64_t _max_data, _gather
@@ -177,7 +171,6 @@ cdef class GatherSender:
         if nk and per_k > (<int64_t>0x7FFFFFFFFFFFFFFF) // nk:
             raise ValueError("the stream is longer than 2^63 - 1 bytes")
         self._nk = nk
-        self._na = na
         self._nj = nj
         self._max_data = max_data
         self._gather = gather_bytes

@@ -29,6 +29,8 @@ from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memmove
 
+from kvdd._native._le cimport put32 as _put32, u32 as _u32
+
 import os
 
 cdef extern from "sys/socket.h" nogil:
@@ -50,19 +52,6 @@ cdef enum:
     _F_LEASE_READ = 22
     _ONE_RUN = 36
     _CHUNK = 1 << 20
-
-
-cdef inline uint32_t _u32(const char* p) noexcept nogil:
-    cdef const uint8_t* b = <const uint8_t*>p
-    return b[0] | (<uint32_t>b[1] << 8) | (<uint32_t>b[2] << 16) | (<uint32_t>b[3] << 24)
-
-
-cdef inline void _put32(char* p, uint32_t v) noexcept nogil:
-    cdef uint8_t* b = <uint8_t*>p
-    b[0] = v & 0xFF
-    b[1] = (v >> 8) & 0xFF
-    b[2] = (v >> 16) & 0xFF
-    b[3] = (v >> 24) & 0xFF
 
 
 cdef class FrameReader:
