@@ -74,16 +74,22 @@ class Lease:
             fin = self.dropped and self.users == 0 and not self.released
             if fin:
                 self.released = True
+                WATCHDOG.cancel(self.timer)  # (kept by a drop during the copy)
         if fin:
             self.entry.release()
 
     def drop(self) -> None:
+        """No new copy under this lease; the cache is released now, or when the copy in
+        progress ends.  A copy in progress stays bounded by the lease's expiry (which closes
+        the connection): a revocation or a RELEASE does not stop that clock."""
         with self.lock:
-            # a second drop is a no-op without this too (released, unwatch cleared, timer gone)
+            # a second drop is a no-op without this too (released, unwatch cleared, timer gone
+            # or still needed by the copy in progress)
             if self.dropped:  # mutation: equivalent(skip)
                 return
             self.dropped = True
-            WATCHDOG.cancel(self.timer)
+            if self.users == 0:
+                WATCHDOG.cancel(self.timer)
             fin = self.users == 0 and not self.released
             if fin:
                 self.released = True
