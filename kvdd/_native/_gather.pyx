@@ -83,7 +83,8 @@ cdef class GatherSender:
     nbytes : sequence of int
         The bytes of each (every run must lie inside each: ValueError otherwise).
     off, length : sequence of int
-        The runs, bytes (the same for every tensor; a run of length 0 sends nothing).
+        The runs, bytes (the same for every tensor; a run of length 0 sends nothing); int64
+        buffers (``array('q')``, numpy) are read without a Python object per run.
     header : bytes
         A DATA frame's 12-byte header; its last 4 bytes (the payload length, little-endian)
         are written per frame.
@@ -128,6 +129,8 @@ cdef class GatherSender:
         cdef Py_ssize_t i, na = len(addrs), nk = na, nj = len(off)
         cdef int64_t o, n, hi = 0, size, per_k = 0
         cdef const uint32_t[::1] which
+        cdef const int64_t[::1] offv, lenv
+        cdef bint typed = False
         if self._addr != NULL or self._busy:  # (its arrays are in use: a sender is made once)
             raise RuntimeError("a GatherSender is initialized once")
         if tensors is not None:
@@ -151,9 +154,19 @@ cdef class GatherSender:
         self._hdrs = <char*>PyMem_Malloc(buffers * _HSIZE)
         if not (self._addr and self._off and self._len and self._iov and self._hdrs):
             raise MemoryError()
+        try:  # runs given as int64 buffers (the server's arrays): no Python object per run
+            offv = off
+            lenv = length
+            typed = True
+        except (TypeError, ValueError):
+            pass
         for i in range(nj):
-            o = off[i]
-            n = length[i]
+            if typed:
+                o = offv[i]
+                n = lenv[i]
+            else:
+                o = off[i]
+                n = length[i]
             if o < 0 or n < 0 or o > (<int64_t>0x7FFFFFFFFFFFFFFF) - n:
                 raise ValueError(f"run {i} ({o}, {n}) is not a range of bytes")
             self._off[i] = o

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +37,24 @@ def _wire(src: list[np.ndarray], off: list[int], length: list[int], max_data: in
 
 
 def _sender(src: list[np.ndarray], off: list[int], length: list[int], max_data: int,
-            gather: int = 64 * KiB, buffers: int = 64) -> GatherSender:
-    return GatherSender([int(s.ctypes.data) for s in src], [s.nbytes for s in src], off, length,
+            gather: int = 64 * KiB, buffers: int = 64, runs_as: str = "lists") -> GatherSender:
+    """A sender of the runs given as Python lists, or as int64 buffers (``array('q')``, as the
+    server gives them: read without a Python object per run)."""
+    o: object = off
+    n: object = length
+    if runs_as == "int64 buffers":
+        o, n = array("q", off), array("q", length)
+    return GatherSender([int(s.ctypes.data) for s in src], [s.nbytes for s in src], o, n,
                         HEADER, max_data, gather, buffers, src)
 
 
+RUNS_AS = ["lists", "int64 buffers"]
+
+
+@pytest.mark.parametrize("runs_as", RUNS_AS)
 @pytest.mark.parametrize("max_data, buffers", [(21, 1024), (1_000, 64), (100_003, 64)])
-def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffers: int) -> None:
+def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffers: int,
+                                                           runs_as: str) -> None:
     """A connection of a few KiB, drained each time the socket is full: sends stop at
     arbitrary bytes (inside headers, with frames of 21 bytes, and inside runs), each resumes
     there, and the peer receives the frames of the stream exactly."""
@@ -54,7 +66,8 @@ def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffer
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     got = bytearray()
-    gs = _sender([src[1], src[0], src[1]], off, length, max_data, buffers=buffers)
+    gs = _sender([src[1], src[0], src[1]], off, length, max_data, buffers=buffers,
+                 runs_as=runs_as)
     assert gs.total == 3 * sum(length) and gs.left == len(expected)
     frame = wire.HDR.size + max_data
     stops = {"header": 0, "run": 0}
@@ -150,15 +163,17 @@ def test_a_closed_connection_does_not_raise_sigpipe(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout.strip()) == (0, "refused"), out.stderr
 
 
-def test_runs_outside_a_tensor_are_refused() -> None:
+@pytest.mark.parametrize("runs_as", RUNS_AS)
+def test_runs_outside_a_tensor_are_refused(runs_as: str) -> None:
     """A run ending exactly at a tensor's last byte is taken; one byte further, a negative
     offset or length, or an end past 2^63 is refused before anything is sent."""
     src = [np.zeros(64 * KiB, dtype=np.uint8), np.zeros(32 * KiB, dtype=np.uint8)]
-    _sender(src, [0, 16 * KiB], [32 * KiB, 16 * KiB], 1 << 20)  # ends at the smaller one's end
+    gs = _sender(src, [0, 16 * KiB], [32 * KiB, 16 * KiB], 1 << 20, runs_as=runs_as)
+    assert gs.total == 2 * 48 * KiB  # (ends at the smaller one's end)
     for off, length in (([16 * KiB], [16 * KiB + 1]), ([-1], [10]), ([0], [-1]),
                         ([1], [(1 << 63) - 1])):
         with pytest.raises(ValueError):
-            _sender(src, off, length, 1 << 20)
+            _sender(src, off, length, 1 << 20, runs_as=runs_as)
     with pytest.raises(ValueError):  # a frame longer than a header can say
         _sender(src, [0], [1], 1 << 32)
     with pytest.raises(ValueError):

@@ -65,8 +65,10 @@ def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: 
             if o < 0 or n < 0 or n > t or o > t - n:
                 return Status.LLM_PARAM_INVALID
         return Status.LLM_SUCCESS
-    if (len(tensors) and int(tensors.max()) >= n_tensors) or np.any(off < 0) \
-            or np.any(length < 0) or np.any(length > t) or np.any(off > t - length):
+    # (reductions, not masks: one temporary array; t - length cannot wrap once no length is
+    # negative, and a length past t makes it negative, below every offset)
+    if (len(tensors) and int(tensors.max()) >= n_tensors) or int(off.min()) < 0 \
+            or int(length.min()) < 0 or bool((off > t - length).any()):
         return Status.LLM_PARAM_INVALID
     return Status.LLM_SUCCESS
 
@@ -117,15 +119,12 @@ class RunPlan:
             biggest = int(length[0]) if staged else 0
         else:
             # consecutive short runs grouped up to STAGE_CHUNK bytes (staged); each long run alone
-            csum = np.concatenate(([0], np.cumsum(length)))  # bytes before run j
             j, n = 0, len(length)
-            is_long = length >= STAGE_RUN_BYTES
-            if is_long.all():  # every run long (blocks): each its own segment, nothing to plan
-                self._each_run = True
-                longs: list[int] = []
-                j = n
-            else:
-                longs = np.flatnonzero(is_long).tolist()
+            if not n or int(length.min()) >= STAGE_RUN_BYTES:  # every run long (blocks): each
+                self._each_run = True  # its own segment, nothing to plan
+                return
+            csum = np.concatenate(([0], np.cumsum(length)))  # bytes before run j
+            longs = np.flatnonzero(length >= STAGE_RUN_BYTES).tolist()
             for i, stop in enumerate((*longs, n)):
                 if i % PLAN_SHARE == PLAN_SHARE - 1:
                     yield tick
