@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,8 @@ def _sender(src: list[np.ndarray], off: list[int], length: list[int], max_data: 
             gather: int = 64 * KiB, buffers: int = 64, runs_as: str = "lists") -> GatherSender:
     """A sender of the runs given as Python lists, or as int64 buffers (``array('q')``, as the
     server gives them: read without a Python object per run)."""
-    o: object = off
-    n: object = length
+    o: Sequence[int] = off
+    n: Sequence[int] = length
     if runs_as == "int64 buffers":
         o, n = array("q", off), array("q", length)
     return GatherSender([int(s.ctypes.data) for s in src], [s.nbytes for s in src], o, n,
