@@ -65,10 +65,15 @@ class Layout:
         self._runs_off = self._runs_len = array("q")  # the runs, for iter_views (plain ints)
         if self.total and not self.staged:
             off, length = self.off, self.length
-            used = length != 0
-            for region in self.regions:
-                if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
-                    raise ValueError("run outside its region")
+            if int(length.min()) > 0:  # every run used (blocks): reductions, one temporary
+                for region in self.regions:
+                    if int(off.min()) < 0 or bool((off > region.nbytes - length).any()):
+                        raise ValueError("run outside its region")
+            else:
+                used = length != 0
+                for region in self.regions:
+                    if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
+                        raise ValueError("run outside its region")
             self._runs_off = array("q", off.tobytes())
             self._runs_len = array("q", length.tobytes())
         if self.staged:
