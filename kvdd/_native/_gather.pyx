@@ -157,8 +157,8 @@ cdef class GatherSender:
         try:  # runs given as int64 buffers (the server's arrays): no Python object per run
             offv = off
             lenv = length
-            typed = True
-        except (TypeError, ValueError):
+            typed = offv.shape[0] == nj and lenv.shape[0] == nj  # (else: as a sequence)
+        except (TypeError, ValueError, BufferError):
             pass
         for i in range(nj):
             if typed:

@@ -181,6 +181,26 @@ def test_runs_outside_a_tensor_are_refused(runs_as: str) -> None:
         GatherSender([0], [1], [0], [1], HEADER[:11], 1 << 20, 1, 2)
 
 
+class _LongerThanItsBuffer(array):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+
+def test_runs_whose_buffer_is_not_their_length_are_read_as_sequences() -> None:
+    """Runs are read from their int64 buffer only when it holds exactly the runs: a buffer
+    shorter than its object's length is indexed as a sequence (IndexError, nothing read past
+    it), and a strided one is read item by item (as before it was read from a buffer)."""
+    src = [np.zeros(64 * KiB, dtype=np.uint8)]
+    with pytest.raises(IndexError):
+        GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], _LongerThanItsBuffer("q", [0, 100]),
+                     _LongerThanItsBuffer("q", [10, 20]), HEADER, 1 << 20, 64 * KiB, 64, src)
+    every_other = memoryview(array("q", [0, -1, 100, -1]))[::2]
+    lengths = memoryview(array("q", [10, -1, 20, -1]))[::2]
+    gs = GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], every_other, lengths, HEADER,
+                      1 << 20, 64 * KiB, 64, src)
+    assert gs.total == 30
+
+
 def test_a_read_naming_one_tensor_a_million_times_costs_no_object_per_tensor() -> None:
     """A 4 MiB READ may name one tensor about a million times (two long runs each): the sender
     is made from the distinct tensors and compact indices, in one short step, without a

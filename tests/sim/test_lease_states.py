@@ -81,6 +81,53 @@ def test_revoke_forgets_the_lease_as_revoked_and_drops_it() -> None:
     assert chan.forgotten == [(7, True)] and entry.releases == 1 and not lease.use()
 
 
+def test_a_drop_during_a_copy_keeps_the_expiry_until_the_copy_ends() -> None:
+    """A lease revoked or released while a copy runs under it keeps its expiry timer (the
+    bound on that copy); the last user's unuse cancels it; without a copy, a drop cancels it."""
+    lease, entry, _ = _lease()
+    lease.timer = watchdog.WATCHDOG.schedule(60.0, lambda: None)
+    assert lease.use()
+    assert lease.drop() is True  # a copy in progress
+    assert lease.timer.alive and entry.releases == 0
+    lease.unuse()
+    assert not lease.timer.alive and entry.releases == 1
+    idle, _, _ = _lease()
+    idle.timer = watchdog.WATCHDOG.schedule(60.0, lambda: None)
+    assert idle.drop() is False
+    assert not idle.timer.alive
+
+
+class _RacingChan(Chan):
+    """A server thread that looked the lease up before the expiry forgot it, starting its copy
+    just as the lease is forgotten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lease: Lease | None = None
+        self.started: list[bool] = []
+        self.killed = 0
+
+    def forget_lease(self, lease_id: int, revoked: bool = False) -> Lease | None:
+        assert self.lease is not None
+        self.started.append(self.lease.use())
+        return super().forget_lease(lease_id, revoked)
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+def test_an_expiry_racing_a_copys_start_stops_that_copy() -> None:
+    """The expiry reads whether a copy runs as it drops the lease: a copy that started while
+    the lease was being forgotten is stopped (its connection closed), not left unbounded."""
+    entry, chan = FakeServedCache(), _RacingChan()
+    lease = Lease(7, entry, chan)  # type: ignore[arg-type]
+    chan.lease = lease
+    lease.expire()
+    assert chan.started == [True] and chan.killed == 1
+    lease.unuse()
+    assert entry.releases == 1
+
+
 class Owner:
     initialized = True
 

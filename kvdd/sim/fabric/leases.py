@@ -78,15 +78,17 @@ class Lease:
         if fin:
             self.entry.release()
 
-    def drop(self) -> None:
+    def drop(self) -> bool:
         """No new copy under this lease; the cache is released now, or when the copy in
         progress ends.  A copy in progress stays bounded by the lease's expiry (which closes
-        the connection): a revocation or a RELEASE does not stop that clock."""
+        the connection): a revocation or a RELEASE does not stop that clock.  Returns whether
+        a copy is in progress (read with the drop, under the lease's lock: none starts after)."""
         with self.lock:
+            busy = self.users > 0
             # a second drop is a no-op without this too (released, unwatch cleared, timer gone
             # or still needed by the copy in progress)
             if self.dropped:  # mutation: equivalent(skip)
-                return
+                return busy
             self.dropped = True
             if self.users == 0:
                 WATCHDOG.cancel(self.timer)
@@ -98,6 +100,7 @@ class Lease:
             unwatch()
         if fin:
             self.entry.release()
+        return busy
 
     def revoke_soon(self) -> None:
         """The owner unregisters the cache: revoke this lease after REVOKE_GRACE_S (a reader
@@ -114,12 +117,12 @@ class Lease:
         self.drop()
 
     def expire(self) -> None:
-        with self.lock:
-            busy = self.users > 0
         self.chan.forget_lease(self.lease_id)
-        self.drop()
-        if busy:  # a server thread is still moving bytes: stop it, the memory may go away now
-            self.chan.kill()
+        # (whether a copy runs is read as the lease is dropped: a server thread that found the
+        # lease before it was forgotten either started its copy before, and is stopped, or
+        # finds it dropped)
+        if self.drop():  # a server thread is still moving bytes: stop it, the memory may go
+            self.chan.kill()  # away now
 
 
 class LeaseResolver(Protocol):

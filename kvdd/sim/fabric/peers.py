@@ -94,7 +94,8 @@ class InProcessPeer:
         if type(lease) is _Resolved:  # checked as the owner checks a READ (kvdd rule 1)
             entry = lease.entry
             status = check_request(entry.n, entry.T, np.asarray(tensors, dtype=np.int64),
-                                   np.asarray(src_off), np.asarray(length))
+                                   np.asarray(src_off, dtype=np.int64),
+                                   np.asarray(length, dtype=np.int64))
             if status != S_OK:
                 return status
             copy_runs([entry.regions[i] for i in tensors], dst, src_off, dst_off, length)

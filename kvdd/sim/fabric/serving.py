@@ -53,7 +53,8 @@ SMALL_RUNS = 256  # a request of at most this many tensors x runs (and STAGE_CHU
 def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: np.ndarray,
                   length: np.ndarray) -> int:
     """LLM_SUCCESS when every run lies inside a tensor of the cache and the request is within
-    the bounds; LLM_PARAM_INVALID otherwise (nothing may move then)."""
+    the bounds; LLM_PARAM_INVALID otherwise (nothing may move then).  ``off`` and ``length``
+    are int64 (signed: the bound below relies on it)."""
     if len(tensors) * len(length) > MAX_RUNS:
         return Status.LLM_PARAM_INVALID
     t = tensor_nbytes

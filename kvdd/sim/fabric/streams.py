@@ -66,8 +66,10 @@ class Layout:
         if self.total and not self.staged:
             off, length = self.off, self.length
             if int(length.min()) > 0:  # every run used (blocks): reductions, one temporary
+                if int(off.min()) < 0:
+                    raise ValueError("run outside its region")
                 for region in self.regions:
-                    if int(off.min()) < 0 or bool((off > region.nbytes - length).any()):
+                    if bool((off > region.nbytes - length).any()):
                         raise ValueError("run outside its region")
             else:
                 used = length != 0
