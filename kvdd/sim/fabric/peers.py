@@ -335,9 +335,8 @@ class RemotePeer:
                             length: np.ndarray) -> int:
         """Take the owner's lease now (LEASE) unless the transfer is small enough for one
         LEASE_READ / LEASE_WRITE (at most SMALL_BYTES in SMALL_MAX_RUNS tensors x runs)."""
-        if lease.lease_id or (len(tensors) * len(length) <= SMALL_MAX_RUNS
-                              and is_small(len(tensors), length.tolist())):
-            return S_OK  # (a block list of more runs is not small: no list of its lengths)
+        if lease.lease_id or is_small(len(tensors), length):
+            return S_OK
         if self._chan.dead.is_set():
             return TIMEOUT
         return self._take_lease(lease)

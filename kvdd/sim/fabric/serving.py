@@ -29,7 +29,7 @@ from .. import faults
 from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
-from .streams import region_view, sendmsg_all
+from .streams import region_view, runs_inside, sendmsg_all
 from .wire import (F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
                    PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
                    frame)
@@ -54,7 +54,7 @@ def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: 
                   length: np.ndarray) -> int:
     """LLM_SUCCESS when every run lies inside a tensor of the cache and the request is within
     the bounds; LLM_PARAM_INVALID otherwise (nothing may move then).  ``off`` and ``length``
-    are int64 (signed: the bound below relies on it)."""
+    are int64 (signed: :func:`~.streams.runs_inside` relies on it)."""
     if len(tensors) * len(length) > MAX_RUNS:
         return Status.LLM_PARAM_INVALID
     t = tensor_nbytes
@@ -66,10 +66,7 @@ def check_request(n_tensors: int, tensor_nbytes: int, tensors: np.ndarray, off: 
             if o < 0 or n < 0 or n > t or o > t - n:
                 return Status.LLM_PARAM_INVALID
         return Status.LLM_SUCCESS
-    # (reductions, not masks: one temporary array; t - length cannot wrap once no length is
-    # negative, and a length past t makes it negative, below every offset)
-    if (len(tensors) and int(tensors.max()) >= n_tensors) or int(off.min()) < 0 \
-            or int(length.min()) < 0 or bool((off > t - length).any()):
+    if (len(tensors) and int(tensors.max()) >= n_tensors) or not runs_inside(off, length, t):
         return Status.LLM_PARAM_INVALID
     return Status.LLM_SUCCESS
 

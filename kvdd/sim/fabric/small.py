@@ -19,6 +19,8 @@ import ctypes
 import struct
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ..._native._small import read_answer
 from ...status import PARAM_INVALID, S_OK
 from .. import faults
@@ -53,10 +55,11 @@ def _runs(k: int, j: int) -> struct.Struct:
     return layout
 
 
-def is_small(n_tensors: int, length: Sequence[int]) -> bool:
-    """Whether a transfer goes as one LEASE_READ / LEASE_WRITE."""
+def is_small(n_tensors: int, length: np.ndarray) -> bool:
+    """Whether a transfer goes as one LEASE_READ / LEASE_WRITE (the lengths are read only when
+    the runs are few enough: a block list of more is not small)."""
     return (n_tensors * len(length) <= SMALL_MAX_RUNS
-            and sum(n for n in length if n > 0) * n_tensors <= SMALL_BYTES)
+            and sum(n for n in length.tolist() if n > 0) * n_tensors <= SMALL_BYTES)
 
 
 def encode_one_run(cache_id: int, tensor: int, off: int, length: int) -> bytes:

@@ -13,8 +13,8 @@ from ..memory import Region, copy_runs
 from .rx import SCATTER_BUFFERS, Rx
 from .wire import F_DATA, HDR, MAGIC, MAX_DATA, PROTOCOL_VERSION, STAGE_RUN_BYTES, ProtocolError
 
-__all__ = ["region_view", "Layout", "Cursor", "advance", "gathered_wakeups", "sendmsg_all", "send_stream",
-           "RCV_LOWAT", "RECV_BYTES"]
+__all__ = ["region_view", "runs_inside", "Layout", "Cursor", "advance", "gathered_wakeups",
+           "sendmsg_all", "send_stream", "RCV_LOWAT", "RECV_BYTES"]
 
 #: Bytes a long DATA payload gathers in the socket before the thread receiving it is woken
 #: (``SO_RCVLOWAT``; :meth:`Cursor.recv`).  Without it, every 64 KiB segment that arrives wakes
@@ -44,6 +44,14 @@ def region_view(region: Region) -> memoryview:
     return view
 
 
+def runs_inside(off: np.ndarray, length: np.ndarray, size: int) -> bool:
+    """Whether every run ``(off[j], length[j])`` (int64, at least one run) lies inside
+    ``[0, size)``: reductions, one temporary array (``size - length`` cannot wrap once no
+    length is negative, and a length past ``size`` makes it negative, below every offset)."""
+    return (int(off.min()) >= 0 and int(length.min()) >= 0
+            and not bool((off > size - length).any()))
+
+
 class Layout:
     """The byte stream of runs ``(off[j], length[j])`` of regions ``k`` (k outer, j inner).
 
@@ -65,17 +73,11 @@ class Layout:
         self._runs_off = self._runs_len = array("q")  # the runs, for iter_views (plain ints)
         if self.total and not self.staged:
             off, length = self.off, self.length
-            if int(length.min()) > 0:  # every run used (blocks): reductions, one temporary
-                if int(off.min()) < 0:
-                    raise ValueError("run outside its region")
-                for region in self.regions:
-                    if bool((off > region.nbytes - length).any()):
-                        raise ValueError("run outside its region")
-            else:
-                used = length != 0
-                for region in self.regions:
-                    if np.any(used & ((off < 0) | (length < 0) | (off > region.nbytes - length))):
-                        raise ValueError("run outside its region")
+            size = min(region.nbytes for region in self.regions)  # (the same runs in each)
+            # runs of length 0 are not checked: the exact rule only when the plain one fails
+            if not runs_inside(off, length, size) and np.any(
+                    (length != 0) & ((off < 0) | (length < 0) | (off > size - length))):
+                raise ValueError("run outside its region")
             self._runs_off = array("q", off.tobytes())
             self._runs_len = array("q", length.tobytes())
         if self.staged:
