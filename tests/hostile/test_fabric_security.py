@@ -39,13 +39,13 @@ from shared_support import FakeServedCache as _Entry
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=f"same-host path unavailable: {samehost.availability()[1]}")
 
-_PROTO = b"kvdd-samehost/1"  # the proof's wire format, spoken from raw sockets below
+_PROTO = b"kvdd-samehost/2"  # the proof's wire format, spoken from raw sockets below
 _RAW = r"""
 import hashlib, hmac, os, socket, struct, sys, time
 from kvdd._native import _xproc
 from kvdd.sim.fabric.samehost_path import new_table_fd
 key, tr = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
-P = b"kvdd-samehost/1"
+P = b"kvdd-samehost/2"
 def proof(role):
     return hmac.new(key, P + b" " + role + b"\0" + tr + b"\0", hashlib.sha256).digest()
 def table(slots):

@@ -115,7 +115,7 @@ for line in sys.stdin:
             data, fds, pidfd = recv_msg(sock, 512)
             for fd in fds + [pidfd]:
                 close_fd(fd)
-            what = "CLOSED" if not data else data[len(b"kvdd-samehost/1"):][:1].decode()
+            what = "CLOSED" if not data else data[len(b"kvdd-samehost/2"):][:1].decode()
         except socket.timeout:
             what = "TIMEOUT"
         except OSError:

@@ -253,7 +253,7 @@ def test_a_lingering_socket_sent_with_a_hello_does_not_hold_the_endpoint(
     c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     c.connect(ep.name)
     c.settimeout(DEADLINE_S)
-    msg = b"kvdd-samehost/1" + samehost.M_HELLO + b"\0" * 64
+    msg = b"kvdd-samehost/2" + samehost.M_HELLO + b"\0" * 64
     try:
         socket.send_fds(c, [msg], [lingering.fileno()])
     except PermissionError:  # refused by the kernel: nothing of it reached the endpoint (our
@@ -276,7 +276,7 @@ def test_an_extra_file_in_a_proof_message_is_closed_off_the_thread(
     try:
         samehost_close.accept_files(b)
         r, w = os.pipe()
-        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], [r, lingering.fileno()])
+        socket.send_fds(a, [b"kvdd-samehost/2F\0\0\0\0"], [r, lingering.fileno()])
         os.close(r)
         os.close(w)
         lingering.drop_own()
@@ -318,7 +318,7 @@ def test_a_file_past_the_old_control_buffer_is_received_and_closed_off_the_threa
     fds = [fd for pair in pipes for fd in pair]
     try:
         samehost_close.accept_files(b)
-        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], fds + [lingering.fileno()])
+        socket.send_fds(a, [b"kvdd-samehost/2F\0\0\0\0"], fds + [lingering.fileno()])
         lingering.drop_own()
         before = _fds()
 
@@ -349,7 +349,7 @@ def test_files_received_in_the_proof_are_close_on_exec() -> None:
     got = -1
     try:
         samehost_close.accept_files(b)
-        socket.send_fds(a, [b"kvdd-samehost/1F\0\0\0\0"], [table])
+        socket.send_fds(a, [b"kvdd-samehost/2F\0\0\0\0"], [table])
         _body, got, _sender = samehost.recv_message(b, samehost.M_FINAL, 4)
         assert got >= 0 and fcntl.fcntl(got, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
     finally:

@@ -144,7 +144,7 @@ srv.listen(1)
 print("ready", flush=True)
 conn, _ = srv.accept()
 conn.recv(512)
-socket.send_fds(conn, [b"kvdd-samehost/1R" + secrets.token_bytes(32) + b"\x01\0\0\0"],
+socket.send_fds(conn, [b"kvdd-samehost/2R" + secrets.token_bytes(32) + b"\x01\0\0\0"],
                 [new_table_fd(1)])
 conn.settimeout(5)
 print("final" if conn.recv(512) else "closed", flush=True)
@@ -188,7 +188,7 @@ def test_other_uid_is_closed_at_once(acceptor: tuple[Session, Acceptor]) -> None
     code = ("import os, socket, sys\nos.setgid(65534)\nos.setuid(65534)\n"
             "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.settimeout(5)\n"
             "c.connect(bytes.fromhex(sys.argv[1]))\n"
-            "try:\n c.send(b'kvdd-samehost/1H' + bytes(64))\n print(c.recv(512) == b'')\n"
+            "try:\n c.send(b'kvdd-samehost/2H' + bytes(64))\n print(c.recv(512) == b'')\n"
             "except (ConnectionResetError, BrokenPipeError):\n print(True)\n")
     name = a.reply[len(samehost.offer()):]
     out = subprocess.run([sys.executable, "-c", code, name.hex()], capture_output=True, text=True,
@@ -207,7 +207,7 @@ def test_slow_and_garbage_connections_do_not_block_proofs(
         c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         c.connect(name)
         idle.append(c)
-    for junk in (b"", b"x" * 511, b"kvdd-samehost/1H" + bytes(63), b"kvdd-samehost/1F\0\0\0\0"):
+    for junk in (b"", b"x" * 511, b"kvdd-samehost/2H" + bytes(63), b"kvdd-samehost/2F\0\0\0\0"):
         c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         c.settimeout(5)
         c.connect(name)

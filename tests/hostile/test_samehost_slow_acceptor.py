@@ -1,12 +1,11 @@
-"""An acceptor that holds back its same-host proof messages (kvdd.sim.fabric.samehost.finish_proof),
-or whose endpoint accepts nothing while its queue is full.
+"""An acceptor that holds back its same-host proof (kvdd.sim.fabric.samehost.finish_proof), or
+whose endpoint accepts nothing while its queue is full.
 
-The initiator waits for the acceptor's proof and table after the link reply, then for its
-acknowledgement.  Each wait used to be SETUP_TIMEOUT_S (2 s) of its own, whatever the link call's
-timeout: an acceptor that sent each message 1.9 s late held a link call with a 300 ms timeout for
-3.8 s.  Every wait of the proof now ends by the link call's deadline, and the link goes on over
-TCP.  The connect to the endpoint, made before the link reply is read, waits at most half of the
-time left, so that the reply still has the other half.
+The initiator waits for the acceptor's proof and table after the link reply (the one message of
+the acceptor's it waits for).  That wait used to be SETUP_TIMEOUT_S (2 s) of its own, whatever the
+link call's timeout.  It now ends by the link call's deadline, and the link goes on over TCP.  The
+connect to the endpoint, made before the link reply is read, waits at most half of the time left,
+so that the reply still has the other half.
 """
 
 from __future__ import annotations
@@ -31,18 +30,15 @@ pytestmark = pytest.mark.skipif(not samehost.availability()[0],
 DELAY_S = 1.5
 TIMEOUT_MS = 300
 
-# The acceptor: sends its proof and table (a thread of its own, after the link reply) and/or its
-# acknowledgement DELAY_S late.
+# The acceptor: sends its proof and table DELAY_S late (a thread of its own, after the link reply).
 _OWNER = r"""
 import os, sys, threading, time, numpy as np, kvdd
 from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
 from kvdd.sim.fabric import samehost_endpoint
-MODE, DELAY = sys.argv[1], float(sys.argv[2])
+DELAY = float(sys.argv[1])
 real = samehost_endpoint.send_message
 def send(sock, kind, body=b"", fd=-1):
-    if kind == samehost_endpoint.M_ACK and MODE in ("ack", "both"):
-        time.sleep(DELAY)
-    if kind == samehost_endpoint.M_REPLY and MODE in ("reply", "both"):
+    if kind == samehost_endpoint.M_REPLY:
         late = os.dup(fd)
         def later():
             time.sleep(DELAY)
@@ -65,14 +61,14 @@ os._exit(0)
 """
 
 
-@pytest.fixture(params=["reply", "ack", "both"])
-def acceptor(request: pytest.FixtureRequest) -> Iterator[tuple[int, int, str]]:
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, request.param, str(DELAY_S)],
+@pytest.fixture()
+def acceptor() -> Iterator[tuple[int, int]]:
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(DELAY_S)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
         port, cid = map(int, proc.stdout.readline().split())
-        yield port, cid, request.param
+        yield port, cid
     finally:
         proc.kill()
         proc.wait(30)
@@ -88,8 +84,8 @@ def _pulls_the_owners_pattern(me: LlmDataDist, cid: int) -> None:
     assert bytes(buf) == bytes((np.arange(4096) % 251).astype(np.uint8))
 
 def test_a_late_proof_does_not_hold_the_link_past_its_timeout(
-        acceptor: tuple[int, int, str]) -> None:
-    port, cid, mode = acceptor
+        acceptor: tuple[int, int]) -> None:
+    port, cid = acceptor
     me = LlmDataDist(2, LlmRole.DECODER, backend="sim")
     me.initialize({kvdd.OPTION_DEVICE_ID: "2", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
     try:
@@ -97,7 +93,7 @@ def test_a_late_proof_does_not_hold_the_link_past_its_timeout(
         got = me.link_llm_clusters([ClusterInfo(remote_cluster_id=1, remote_ip_infos=(
             IpInfo("127.0.0.1", port),))], TIMEOUT_MS)
         took = time.monotonic() - t0
-        assert took < TIMEOUT_MS / 1000 + 0.1, f"{mode}: the link call took {took:.2f} s"
+        assert took < TIMEOUT_MS / 1000 + 0.1, f"the link call took {took:.2f} s"
         assert [int(s) for s in got] == [0]  # made, over TCP
         assert me.backend.link_data_path(1) == "tcp"  # type: ignore[attr-defined]
         _pulls_the_owners_pattern(me, cid)

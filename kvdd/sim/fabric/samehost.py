@@ -29,8 +29,12 @@ How a link gets the path
    not be the one answering (the pid-reuse attack); ``SCM_CREDENTIALS`` alone is not either (a
    sender with CAP_SYS_ADMIN chooses its pid).  Without ``SO_PASSPIDFD`` the path is not offered.
 3. Each side, as the owner of the caches it serves over the link, creates the link's lease table
-   (a sealed memfd: :mod:`.samehost_path`; ahead of time, off the proof's round trips) and passes
-   it over the socket with SCM_RIGHTS only once the peer has proven itself.
+   (a sealed memfd: :mod:`.samehost_path`; ahead of time, off the proof's round trips), attaches it
+   to the proven peer (from then on an unregister waits for the peer's copies), and only then
+   passes it over the socket with SCM_RIGHTS.  So the table is the last message each side needs:
+   the acceptor's comes with its proof, the initiator's ends the exchange, and no side waits for
+   an acknowledgement (an acceptor's transfer that starts while the initiator's table is on its
+   way waits for it: :class:`~.samehost_link.SameHostPath`).
 
 A fake peer that authenticated and announces another process's endpoint gets nothing: that process
 holds no session with this transcript (it refuses at once), and cannot produce the proof.  A fake
@@ -63,7 +67,7 @@ except ImportError:  # pragma: no cover
 if TYPE_CHECKING:
     from .samehost_endpoint import Endpoint
 from .samehost_attest import (SameHostRefused, attest, close_fd, pass_pidfd, pidfd_passing,
-                              recv_msg, same_sender)
+                              recv_msg)
 from .samehost_close import accept_files, close_file, close_socket, refuse_files, room
 
 logger = logging.getLogger(__name__)
@@ -73,18 +77,18 @@ __all__ = ["EXTENSION", "ENV_XPROC", "SessionKeys", "SameHostLink", "SameHostRef
            "LinkCallback", "TableFactory", "availability", "offer", "accept", "prove", "endpoint",
            "announcement", "expect", "announced_name", "start_proof", "finish_proof", "same_host",
            "ptrace_scope", "boot_id", "proof_of", "session_id", "send_message", "recv_message",
-           "max_slots", "M_HELLO", "M_REPLY", "M_FINAL", "M_ACK", "SETUP_TIMEOUT_S"]
+           "max_slots", "M_HELLO", "M_REPLY", "M_FINAL", "SETUP_TIMEOUT_S", "ProvenCallback"]
 
 #: The link extension's name in the authenticated hello / hello-reply.
 EXTENSION = "samehost"
 #: Environment variable selecting the same-host data path: ``auto`` (default) or ``tcp``.
 ENV_XPROC = "KVDD_SIM_XPROC"
 
-_PROTO = b"kvdd-samehost/1"
-_VERSION = 1
+_PROTO = b"kvdd-samehost/2"
+_VERSION = 2  # in the hints: sides of other versions do not try the path (TCP)
 MAX_MSG = 512  # bytes of one message on the AF_UNIX socket (SOCK_SEQPACKET)
 SETUP_TIMEOUT_S = 2.0  # a proof exchange must complete within this
-M_HELLO, M_REPLY, M_FINAL, M_ACK = b"H", b"R", b"F", b"K"
+M_HELLO, M_REPLY, M_FINAL = b"H", b"R", b"F"
 
 class SessionKeys(Protocol):
     """What the proof needs of an authenticated session (the handshake's ``Session``)."""
@@ -275,6 +279,13 @@ class LinkCallback(Protocol):
     def __call__(self, link: SameHostLink | None) -> None: ...
 
 
+class ProvenCallback(Protocol):
+    """The acceptor's: called with the proven initiator before this side's table goes to it
+    (attach the table's owner side now); False: the table is not served (no reply: TCP)."""
+
+    def __call__(self, link: SameHostLink) -> bool: ...
+
+
 class TableFactory(Protocol):
     """Gives ``(fd, slots)`` of this side's lease table (the caller closes the fd)."""
 
@@ -330,16 +341,17 @@ def expect(session: SessionKeys) -> bool:
 
 
 def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
-           on_link: LinkCallback) -> bytes:
+           on_link: LinkCallback, on_proven: ProvenCallback | None = None) -> bytes:
     """Expect ``session``, bind it and let its proof be answered at once (:func:`expect`,
     :meth:`~.samehost_endpoint.Endpoint.bind`, :meth:`~.samehost_endpoint.Endpoint.decide`):
     the announcement, or b"" (declined).  The link handshake makes these three steps apart
     (announced at authentication, bound with the link reply, decided once it is sent).
 
     ``make_table()`` gives ``(fd, slots)`` of this side's lease table when the initiator has
-    proven itself (the fd is closed once sent); ``on_link(link)`` runs on the endpoint's thread
-    after that, before the initiator is told the proof succeeded (so the caller can attach the
-    owner side of its table before the peer can use it), or ``on_link(None)`` when it never does."""
+    proven itself (the fd is closed once sent); ``on_proven(link)`` runs right after it, before
+    the table is sent (so the caller attaches the owner side of its table before the peer can use
+    it); ``on_link(link)`` runs on the endpoint's thread once the initiator's table came
+    (``link.table_fd``), or ``on_link(None)`` when it never does."""
     if not peer_offer or not same_host(peer_offer):
         return b""
     reply = announcement()
@@ -347,7 +359,7 @@ def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
         return b""
     from .samehost_endpoint import endpoint
     ep = endpoint()
-    ep.bind(session, make_table, on_link)
+    ep.bind(session, make_table, on_link, on_proven)
     ep.decide(session)
     return reply
 
@@ -461,13 +473,13 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
                  attach: LinkCallback, activate: LinkCallback | None = None,
                  deadline: float | None = None) -> SameHostLink:
     """The initiator's second step, on the socket of :func:`start_proof` (closed here, or by
-    the link it proved: :meth:`SameHostLink.keep_socket`): the
-    acceptor's proof and lease table, then ours (``own``: ``(fd, slots)``, sent only once the
-    acceptor proved itself; the caller closes the fd), then the acceptor's acknowledgement.
+    the link it proved: :meth:`SameHostLink.keep_socket`): the acceptor's proof and lease table
+    (attached to us by the acceptor before it was sent), then ours (``own``: ``(fd, slots)``, sent
+    only once the acceptor proved itself; the caller closes the fd), which ends the exchange.
 
     ``attach(link)`` runs once the acceptor proved itself, before our table is handed over;
     ``activate(link)`` (our reads of the acceptor) right after it is handed over, while the
-    acceptor attaches it.  Each wait for the acceptor ends by ``deadline`` (the link call's, in
+    acceptor attaches it.  The wait for the acceptor ends by ``deadline`` (the link call's, in
     ``time.monotonic()``) too.  Returns the proven link; raises SameHostRefused (with the
     reason) when the path is not used."""
     own_fd, own_slots = own
@@ -493,14 +505,10 @@ def finish_proof(sock: socket.socket, session: SessionKeys, own: tuple[int, int]
         send_message(sock, M_FINAL, struct.pack("<I", own_slots), own_fd)
         if activate is not None:
             activate(link)
-        _within(sock, deadline)
-        _body, extra, sender = recv_message(sock, M_ACK, 0)
-        close_file(extra)
-        same_sender(sender, pid)
         if not link.alive():
             raise SameHostRefused("the peer process exited during the proof")
-        # the exchange is over: no file or byte more can be queued, and the socket is closed
-        # with the link, off this call's path
+        # the exchange is over (the acceptor sends nothing more): no file or byte more can be
+        # queued, and the socket is closed with the link, off this call's path
         refuse_files(sock)
         sock.shutdown(socket.SHUT_RDWR)
         kept = link.keep_socket(sock)

@@ -13,9 +13,11 @@ while its link hello is being served.  Per connection, in this order:
 2. the initiator's hello: the kernel's pidfd of its sender is attested (:func:`.samehost_attest.attest`,
    same uid), the session it names is claimed (each once, only an expected one), its HMAC proof
    checked; then, once the link is decided too (whichever of the two comes second answers, on its
-   own thread: the rendezvous), our proof and our lease table;
+   own thread: the rendezvous), our lease table is attached to the proven initiator (the caller's
+   ``on_proven``) and goes with our proof;
 3. the initiator's table, from the same process, after our reply, checked; the caller's ``on_link``
-   runs, then the acknowledgement.
+   runs.  That ends the exchange: nothing is sent back (the initiator's link call does not wait
+   for this step).
 
 The accept thread serves step 2 itself when the hello is already there (it never waits for it:
 the initiator sends it as soon as it is connected), so a link does not wait for a thread
@@ -49,9 +51,9 @@ except ImportError:  # pragma: no cover
     _xproc = None  # type: ignore[assignment]
 
 from .logutil import warn_limited
-from .samehost import (M_ACK, M_FINAL, M_HELLO, M_REPLY, SETUP_TIMEOUT_S, LinkCallback,
-                       SameHostLink, SessionKeys, TableFactory, max_slots, proof_of,
-                       recv_message, send_message, session_id)
+from .samehost import (M_FINAL, M_HELLO, M_REPLY, SETUP_TIMEOUT_S, LinkCallback,
+                       ProvenCallback, SameHostLink, SessionKeys, TableFactory, max_slots,
+                       proof_of, recv_message, send_message, session_id)
 from .samehost_attest import SameHostRefused, attest, close_fd, pass_pidfd, same_sender
 from .samehost_close import (accept_files, close_file, close_socket, close_stranger,
                              refuse_files, wait_room)
@@ -76,6 +78,7 @@ class _Pending:
     expires: float
     make_table: TableFactory | None = None  # bound with the link reply
     on_link: LinkCallback | None = None
+    on_proven: ProvenCallback | None = None
     proof: _Proof | None = None  # the connection that claimed it (each session once)
     verified: bool = False  # that connection proved the session key
     decided: bool = False  # the link was made and its reply sent: the proof may be answered
@@ -151,15 +154,16 @@ class Endpoint:
         return ok
 
     def bind(self, session: SessionKeys, make_table: TableFactory,
-             on_link: LinkCallback) -> bool:
-        """The link of an expected ``session`` is being made: how to make our table and whom to
-        tell of the proven peer (:func:`.samehost.accept`); False when that session is not
-        expected (never, expired, abandoned) or bound already."""
+             on_link: LinkCallback, on_proven: ProvenCallback | None = None) -> bool:
+        """The link of an expected ``session`` is being made: how to make our table, whom to
+        tell before it goes to the proven peer and once the peer's table came
+        (:func:`.samehost.accept`); False when that session is not expected (never, expired,
+        abandoned) or bound already."""
         with self._lock:
             p = self._pending.get(session_id(session))
             if p is None or p.make_table is not None or p.forgotten:
                 return False
-            p.make_table, p.on_link = make_table, on_link
+            p.make_table, p.on_link, p.on_proven = make_table, on_link, on_proven
             return True
 
     def decide(self, session: SessionKeys) -> None:
@@ -327,6 +331,9 @@ class Endpoint:
             fd, slots = pending.make_table()
             if fd < 0:  # closed meanwhile (the session was given up on another thread)
                 raise SameHostRefused("the link's lease table was closed before our answer")
+            assert proof.link is not None
+            if pending.on_proven is not None and not pending.on_proven(proof.link):
+                raise SameHostRefused("our lease table is not served to that reader")
             with proof.lock:
                 if proof.closed:
                     return
@@ -341,7 +348,8 @@ class Endpoint:
 
     def _final(self, proof: _Proof) -> None:
         """Step 3: the initiator's table, from the process attested at its hello, after our
-        reply (the connection waits for the link decision until its session expires)."""
+        reply (the connection waits for the link decision until its session expires); the last
+        message of the exchange."""
         link, pending = proof.link, proof.pending
         assert link is not None and pending is not None
         proof.conn.settimeout(max(pending.expires - time.monotonic(), 0.0) + SETUP_TIMEOUT_S)
@@ -358,7 +366,6 @@ class Endpoint:
         assert pending.on_link is not None
         pending.on_link(link)
         proof.attached = True
-        send_message(proof.conn, M_ACK)
 
     def _end(self, proof: _Proof, failed: BaseException | None) -> None:
         """Close a connection and free its slot; a failed proof gives its session up."""

@@ -12,9 +12,12 @@ Registered with :func:`kvdd.sim.fabric.register_extension` (and as the announcer
   endpoint's session is bound to this link; the acceptor's handle (comm) gets a
   :class:`SameHostPath` that starts serving once the initiator proved itself; once the reply is
   sent, the endpoint answers the proof (a rendezvous: whichever of the proof and the decision
-  comes second answers), and a link not made abandons the session;
+  comes second answers: our table is attached to the proven initiator, then sent), and a link not
+  made abandons the session; the initiator's table, when it comes, opens our reads;
 * initiator ``accept`` (the reply): finishes the proof (:func:`~.samehost.finish_proof`); its handle
-  gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).
+  gets a :class:`SameHostPath`, or TCP when the proof fails (logged with the reason).  It returns
+  once its own table is sent: it waits for no acknowledgement, and a transfer of the acceptor's
+  that starts meanwhile waits for that table (:meth:`SameHostPath.acquire`).
 
 Each side makes the lease table of the caches it serves (:class:`~.samehost_path.ServedTable`,
 :class:`_Tables`) ahead of the proof's round trips (the acceptor from its link reply's snapshot once
@@ -63,10 +66,19 @@ class SameHostPath:
     """A link's one-sided data path (:class:`~kvdd.sim.fabric.protocol.DataPath`).
 
     ``name`` is ``"process_vm"`` while the path serves transfers, ``"tcp"`` before the proof
-    completed (acceptor side), after it failed, or after the kernel refused ``process_vm``."""
+    completed (acceptor side), after it failed, or after the kernel refused ``process_vm``.
+
+    Acceptor side: once its table went to the proven initiator (:meth:`expect_reader`), the
+    initiator's link call returns as soon as the initiator's table is sent; a transfer of ours
+    that starts before that table came waits for it (at most until ``SETUP_TIMEOUT_S`` after our
+    table left, and at most half of the transfer's timeout, so that TCP still has the other
+    half), so that a transfer after the initiator's link returned uses this path."""
 
     def __init__(self) -> None:
-        self.name = "tcp"
+        self._name = "tcp"
+        self._settled = threading.Event()  # no reader is on its way (set unless expect_reader)
+        self._settled.set()
+        self._reader_by = 0.0  # expect_reader: the reader comes by then (time.monotonic())
         self._reader: OneSidedPeer | None = None
         self._served: ServedTable | None = None  # the table of our caches the peer reads
         self._lock = threading.Lock()
@@ -103,26 +115,60 @@ class SameHostPath:
                 return
         table.close()
 
+    @property
+    def name(self) -> str:
+        """``"process_vm"`` or ``"tcp"``: what a transfer starting now uses (after the wait for a
+        reader on its way, as :meth:`acquire`)."""
+        if not self._settled.is_set():
+            self._await_reader(int(SETUP_TIMEOUT_S * 2000))  # (until the reader's deadline)
+        return self._name
+
+    def expect_reader(self, within_s: float) -> None:
+        """Our table went to the proven peer: its table, which opens our reads, comes within
+        ``within_s`` seconds (else :meth:`settle` ends the wait sooner)."""
+        with self._lock:
+            if not self._closed and self._reader is None:
+                self._reader_by = time.monotonic() + within_s
+                self._settled.clear()
+
+    def settle(self) -> None:
+        """No reader is on its way any more (it came, or never will): transfers stop waiting."""
+        self._settled.set()
+
     def activate(self, reader: OneSidedPeer) -> None:
         with self._lock:
             if not self._closed:
                 self._reader = reader
-                self.name = "process_vm"
+                self._name = "process_vm"
+                self._settled.set()
                 return
+        self._settled.set()
         reader.close()
+
+    def _await_reader(self, timeout_ms: int) -> OneSidedPeer | None:
+        """The reader, after waiting for one on its way (bounded: see the class docstring)."""
+        if not self._settled.is_set():
+            left = min(self._reader_by - time.monotonic(), max(timeout_ms, 0) / 2000.0)
+            if left > 0:
+                self._settled.wait(left)
+        return self._reader
 
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, object] | None:
         reader = self._reader
         if reader is None:
+            reader = self._await_reader(timeout_ms)
+        if reader is None:
             return None
         got = reader.acquire(rc, addrs, timeout_ms)
         if got is None and not reader.usable:
-            self.name = "tcp"
+            self._name = "tcp"
         return got
 
     def one_sided_mover(self) -> object | None:
-        """The compiled copy of the active path (``_xproc.SameHostMover``), or None (TCP)."""
+        """The compiled copy of the active path (``_xproc.SameHostMover``), or None (TCP; also
+        while a reader is on its way: the caller's Python path waits for it, within its
+        timeout, in :meth:`acquire`)."""
         reader = self._reader
         return reader.mover if reader is not None and reader.usable else None
 
@@ -155,7 +201,8 @@ class SameHostPath:
             self._closed = True
             reader, self._reader = self._reader, None
             served, self._served = self._served, None
-            self.name = "tcp"
+            self._name = "tcp"
+        self._settled.set()
         return reader, served
 
     def close(self) -> None:
@@ -278,20 +325,15 @@ class _Tables:
 
 
 def _serve_table(link: SameHostLink, table: ServedTable, peer_wait_ms: int,
-                 path: SameHostPath) -> None:
+                 path: SameHostPath) -> bool:
     """The peer is proven: attach our table to the reader (it holds its own duplicate of the
-    pidfd); unregister waits for the peer's copies from now on.  Never waits for a copy of
-    another link's (:mod:`.samehost_tables`: eviction revokes)."""
-    if serve(table, link, peer_wait_ms):  # (False: too many evicted tables of this reader)
-        path.serve(table)
-
-
-def _ready(link: SameHostLink, table: ServedTable, peer_wait_ms: int, path: SameHostPath,
-           reads: bool) -> None:
-    """Both proven: attach our table to the reader, start our reads of the peer (the reader
-    side owns ``link`` from then on)."""
-    _serve_table(link, table, peer_wait_ms, path)
-    _read(link, path, reads)
+    pidfd) before the peer gets it; unregister waits for the peer's copies from now on.  Never
+    waits for a copy of another link's (:mod:`.samehost_tables`: eviction revokes).  False: too
+    many evicted tables of this reader (the table is closed, never attached)."""
+    if not serve(table, link, peer_wait_ms):
+        return False
+    path.serve(table)
+    return True
 
 
 def _read(link: SameHostLink, path: SameHostPath, reads: bool) -> None:
@@ -305,6 +347,7 @@ def _read(link: SameHostLink, path: SameHostPath, reads: bool) -> None:
     except SameHostRefused as exc:
         logger.info("kvdd same-host: not reading pid %d one-sided: %s", link.peer_pid, exc)
         link.close()
+        path.settle()
 
 
 def _wait_ms(owner: LinkOwner) -> bytes:
@@ -323,13 +366,27 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     reads = owner.transfer_backend == "comm"  # hixl: only the initiator has an entity
     path = state.path
 
-    def on_link(link: SameHostLink | None) -> None:
-        if link is None:
-            tables.close()
-        else:
-            _ready(link, tables.made[-1], state.peer_wait_ms, path, reads)
+    served: list[bool] = []
 
-    if not endpoint().bind(session, tables.make, on_link):  # not announced, expired, abandoned
+    def on_proven(link: SameHostLink) -> bool:
+        # our table is attached to the proven initiator before it goes to it
+        if not _serve_table(link, tables.made[-1], state.peer_wait_ms, path):
+            return False
+        served.append(True)
+        if reads:  # our transfers wait for the initiator's table, which is on its way
+            path.expect_reader(SETUP_TIMEOUT_S)
+        return True
+
+    def on_link(link: SameHostLink | None) -> None:
+        if link is not None:
+            _read(link, path, reads)  # (the reader side owns ``link`` from then on)
+            return
+        path.settle()
+        if not served:  # (a table that went to the peer stays served: the path closes it)
+            tables.close()
+
+    # (not announced, expired, abandoned: no same-host path)
+    if not endpoint().bind(session, tables.make, on_link, on_proven):
         return None
     path._prepare = tables.prepare
     path._decide = lambda: endpoint().decide(session)
@@ -409,10 +466,15 @@ def extension_accept(session: SessionKeys, value: bytes) -> object:
     (peer_wait_ms,) = _WAIT.unpack(value[-_WAIT.size:])
     sock, tables, own = proof
     path = mine.path
+
+    def attach(link: SameHostLink | None) -> None:
+        # (not served: the table is closed, so the peer's reads of us find it revoked: TCP)
+        assert link is not None
+        _serve_table(link, tables.made[-1], peer_wait_ms, path)
+
     try:
-        link = finish_proof(sock, session, own,
-                            lambda link: _serve_table(link, tables.made[-1], peer_wait_ms, path),
-                            lambda link: _read(link, path, True), mine.deadline)
+        link = finish_proof(sock, session, own, attach, lambda link: _read(link, path, True),
+                            mine.deadline)
     except SameHostRefused as exc:
         logger.info("kvdd same-host: this link uses TCP: %s", exc)
         mine.end(keep_tables=path.abandon())
