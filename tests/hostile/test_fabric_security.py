@@ -143,7 +143,7 @@ def test_acceptor_attests_the_sender_of_the_proof_not_the_connect_caller() -> No
         got.append(link)
         done.set()
 
-    reply = samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), on_link)
+    reply = samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), lambda _l: True, on_link)
     name = reply[len(samehost.offer()):]
     m = _spawn(_FAKE_INITIATOR, s, name.hex())
     try:
@@ -163,7 +163,7 @@ def test_yama_scope_1_means_tcp_without_ptracer(monkeypatch: pytest.MonkeyPatch)
     ok, why = samehost.availability()
     assert not ok and "ptrace_scope=1" in why and "TCP" in why
     assert samehost.offer() == b""
-    assert samehost.accept(b"x" * 41, _Session(False), lambda: (-1, 0), lambda _l: None) == b""
+    assert samehost.accept(b"x" * 41, _Session(False), lambda: (-1, 0), lambda _l: True, lambda _l: None) == b""
 
 
 def _served(cids: tuple[int, ...], cap_ms: int = wire.MAX_LEASE_MS) -> tuple[list[_Entry], ServedTable, int]:
@@ -428,7 +428,7 @@ def test_a_proof_whose_callback_fails_frees_its_worker_and_slot(caplog: pytest.L
             raise RuntimeError("a bug in on_link")
 
     s = _Session(initiator=False)
-    reply = samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), boom)
+    reply = samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), lambda _l: True, boom)
     m = _spawn(_FAKE_INITIATOR, s, reply[len(samehost.offer()):].hex())
     try:
         assert m.stdout is not None

@@ -173,6 +173,7 @@ class Calls:
 
     def __init__(self) -> None:
         self.tables = 0
+        self.proven = 0
         self.links: list[samehost.SameHostLink | None] = []
         self.told = threading.Event()
 
@@ -180,6 +181,10 @@ class Calls:
         from kvdd.sim.fabric.samehost_path import new_table_fd
         self.tables += 1
         return new_table_fd(1), 1
+
+    def on_proven(self, link: samehost.SameHostLink) -> bool:
+        self.proven += 1
+        return True
 
     def on_link(self, link: samehost.SameHostLink | None) -> None:
         self.links.append(link)
@@ -193,7 +198,7 @@ def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
     assert ep.expect(s)
     calls = Calls()
-    assert ep.bind(s, calls.make_table, calls.on_link)
+    assert ep.bind(s, calls.make_table, calls.on_proven, calls.on_link)
     return ep, s, calls
 
 
@@ -243,10 +248,10 @@ def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Ini
     initiator.prove("prove", "b", s, ep.name)
     what, ms = initiator.wait("b")
     assert what == "CLOSED" and ms < 1000  # the second proof: refused, the first unaffected
-    assert calls.tables == 0  # nothing of ours before the decision
+    assert calls.tables == 0 and calls.proven == 0  # nothing of ours before the decision
     ep.decide(s)
-    assert initiator.wait("a")[0] == "R"  # our proof and table, once
-    assert calls.tables == 1
+    assert initiator.wait("a")[0] == "R"  # our proof and table, once, attached before it left
+    assert calls.tables == 1 and calls.proven == 1
     assert calls.told.wait(5) and calls.links == [None]  # it closed without its table
     _settled(ep, 0, 0)
 
@@ -256,7 +261,7 @@ def test_a_wrong_proof_is_refused_and_gives_the_session_up(initiator: Initiator)
     initiator.prove("badproof", "a", s, ep.name)
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0
+    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
     _settled(ep, 0, 0)
 
 
@@ -269,7 +274,7 @@ def test_the_initiators_table_before_our_proof_is_refused(initiator: Initiator,
     initiator.prove("final_first", "a", s, ep.name)
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 2000
-    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0
+    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
     _settled(ep, 0, 0)
 
 
@@ -280,7 +285,7 @@ def test_an_abandoned_session_shuts_its_waiting_proof_down(initiator: Initiator)
     ep.abandon(s)  # e.g. the link was refused
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0
+    assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
     _settled(ep, 0, 0)
 
 

@@ -7,16 +7,21 @@ initiator's table, sent once it checked that proof, is the last message, and the
 call returns as soon as it is sent.  So:
 
 * an acceptor that shuts the proof's connection right after its table left makes the handover of
-  ours fail before our reads open: the link goes on over TCP at once, and nothing of the
-  acceptor's kvdd.empty memory stays mapped here;
+  ours fail before our reads open: the link goes on over TCP at once;
+* a proof that fails after the tables were exchanged and our reads opened (the acceptor counted in
+  flight on every slot of our table) leaves the path at once: the link goes on over TCP, and our
+  mappings of the acceptor's kvdd.empty memory are dropped on the unmapper thread right away, not
+  when the collector frees the reader;
 * an acceptor that never reads our table does not hold our link call, nor our reads of it;
 * an initiator that withholds its table holds none of the acceptor's transfers past their timeout:
-  they wait for that table at most half of their timeout, then go over TCP with the exact bytes.
+  they wait for that table at most half of their timeout and at most SETUP_TIMEOUT_S after our
+  table left, then go over TCP with the exact bytes, within the timeout they started with.
 """
 
 from __future__ import annotations
 
 import gc
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +35,7 @@ import kvdd
 from kvdd import (Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmDataDist,
                   LlmRole, tensor_addrs)
 from kvdd._native import _xproc
-from kvdd.sim.fabric import samehost, samehost_close
+from kvdd.sim.fabric import samehost, samehost_close, samehost_path
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -39,13 +44,21 @@ N = 64 << 20  # the acceptor's cache (kvdd.empty, every page touched)
 
 # The acceptor.  "closed": shuts the proof's connection as soon as its table left, and lets its
 # link reply go only then (so our table's handover fails whatever the threads' timing);
-# "quiet": never reads our table (its endpoint's last step sleeps).
+# "quiet": never reads our table (its endpoint's last step sleeps); "hog": its reader enters every
+# slot of our table (the test makes our side's proof fail after its reads opened).
 _OWNER = r"""
 import os, socket, sys, threading, time, numpy as np, kvdd
 from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-from kvdd.sim.fabric import samehost_endpoint, samehost_link
+from kvdd.sim.fabric import samehost_endpoint, samehost_link, samehost_path
 N, MODE = int(sys.argv[1]), sys.argv[2]
-if MODE == "closed":
+if MODE == "hog":
+    class Reader(samehost_path.OneSidedPeer):
+        def __init__(self, link):
+            super().__init__(link)
+            for slot in range(self.table.slots):
+                self.table.enter(slot)
+    samehost_link.OneSidedPeer = Reader
+elif MODE == "closed":
     gone = threading.Event()
     real = samehost_endpoint.send_message
     def send(sock, kind, body=b"", fd=-1):
@@ -72,22 +85,24 @@ os._exit(0)
 """
 
 
-@pytest.fixture(params=["closed", "quiet"])
-def acceptor(request: pytest.FixtureRequest) -> Iterator[tuple[int, int, str]]:
+@pytest.fixture(params=["closed", "quiet", "hog"])
+def acceptor(request: pytest.FixtureRequest
+             ) -> Iterator[tuple[int, int, str, subprocess.Popen[str]]]:
     proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(N), request.param],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     try:
         port, cid = map(int, proc.stdout.readline().split())
-        yield port, cid, request.param
+        yield port, cid, request.param, proc
     finally:
         proc.kill()
         proc.wait(30)
 
 
 def test_the_end_of_the_proof_never_holds_the_link_nor_keeps_maps_of_a_failed_one(
-        acceptor: tuple[int, int, str]) -> None:
-    port, cid, mode = acceptor
+        acceptor: tuple[int, int, str, subprocess.Popen[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    port, cid, mode, proc = acceptor
     me = LlmDataDist(2, LlmRole.DECODER, backend="sim")
     me.initialize({kvdd.OPTION_DEVICE_ID: "2", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
     desc = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
@@ -96,24 +111,39 @@ def test_the_end_of_the_proof_never_holds_the_link_nor_keeps_maps_of_a_failed_on
     before = _xproc.peer_map_totals()
     collecting = gc.isenabled()
     gc.disable()  # (the collector would free an abandoned reader at a time of its own)
+    opened: list[object] = []
+    if mode == "hog":  # our side: the proof fails at its last check, after our reads opened
+        real_init = samehost_path.OneSidedPeer.__init__
+
+        def init(self: samehost_path.OneSidedPeer, link: samehost.SameHostLink) -> None:
+            real_init(self, link)
+            opened.append(self.mover.maps)
+
+        monkeypatch.setattr(samehost_path.OneSidedPeer, "__init__", init)
+        monkeypatch.setattr(samehost.SameHostLink, "alive", lambda self: False)
     try:
         t0 = time.monotonic()
         me.link_llm_clusters([ClusterInfo(remote_cluster_id=1,
                                           remote_ip_infos=(IpInfo("127.0.0.1", port),))], 1000)
         took = time.monotonic() - t0
+        monkeypatch.undo()
         path = me.backend.link_data_path(1)  # type: ignore[attr-defined]
         assert took < 0.5, f"{mode}: the link call took {took:.2f} s"
-        if mode == "closed":
+        if mode == "quiet":
+            assert path == "process_vm"
+        else:
             assert path == "tcp"
             assert samehost_close.unmaps_idle(10)
             assert _xproc.peer_map_totals() == before  # nothing of the acceptor's stays mapped
-        else:
-            assert path == "process_vm"
+        if mode == "hog":  # (the acceptor's memory was mapped, and is no more)
+            assert len(opened) == 1 and opened[0] is not None
         me.pull_kv_cache(CacheIndex(1, cid, 0), cache, size=4096)
         assert (mine == np.arange(4096, dtype=np.uint64).astype(np.uint8)).all()
     finally:
         if collecting:
             gc.enable()
+        proc.kill()  # (first: our finalize would wait for a living hog's counts, bounded)
+        proc.wait(30)
         me.finalize()
 
 
@@ -150,11 +180,17 @@ os._exit(0)
 """
 
 
-def test_an_initiator_withholding_its_table_holds_no_transfer_past_its_timeout() -> None:
+@pytest.mark.parametrize("wait_ms, stopped, waited", [
+    (1000, False, (0.45, 0.7)),  # half of the timeout
+    (10_000, False, (1.0, 2.1)),  # until SETUP_TIMEOUT_S (2 s) after our table left
+    (1000, True, None),  # the withholder stopped: LLM_TIMEOUT, by the timeout
+], ids=["half-timeout", "setup-timeout", "stopped"])
+def test_an_initiator_withholding_its_table_holds_no_transfer_past_its_timeout(
+        wait_ms: int, stopped: bool, waited: tuple[float, float] | None) -> None:
     """... and our table was attached to it before it went: an unregister waits for its count."""
     me = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
     me.initialize({kvdd.OPTION_DEVICE_ID: "1", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0",
-                   kvdd.OPTION_SYNC_CACHE_WAIT_TIME: "1000"})
+                   kvdd.OPTION_SYNC_CACHE_WAIT_TIME: str(wait_ms)})
     desc = CacheDesc(1, DataType.DT_UINT8, (1, 4096))
     mine = np.zeros(4096, np.uint8)
     cache = Cache(me.register_kv_cache(desc, tensor_addrs([mine])), (), desc)
@@ -164,11 +200,21 @@ def test_an_initiator_withholding_its_table_holds_no_transfer_past_its_timeout()
         assert proc.stdout is not None
         cid, its_path = proc.stdout.readline().split()
         assert its_path == "process_vm"  # its reads of us: our table went to it, attached
+        if stopped:
+            proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
-        me.pull_kv_cache(CacheIndex(2, int(cid), 0), cache, size=4096)
-        took = time.monotonic() - t0
-        assert 0.45 < took < 0.6 + 0.1, f"the pull took {took:.3f} s"  # (half of 1000 ms waited)
-        assert (mine == (np.arange(4096, dtype=np.uint64).astype(np.uint8) ^ 0x3C)).all()
+        if waited is None:
+            with pytest.raises(kvdd.LLMError) as info:
+                me.pull_kv_cache(CacheIndex(2, int(cid), 0), cache, size=4096)
+            took = time.monotonic() - t0
+            assert info.value.status == kvdd.Status.LLM_TIMEOUT
+            assert took < wait_ms / 1000 + 0.1, f"the pull took {took:.3f} s"
+            assert (mine == 0).all()
+        else:
+            me.pull_kv_cache(CacheIndex(2, int(cid), 0), cache, size=4096)
+            took = time.monotonic() - t0
+            assert waited[0] < took < waited[1], f"the pull took {took:.3f} s"
+            assert (mine == (np.arange(4096, dtype=np.uint64).astype(np.uint8) ^ 0x3C)).all()
         assert me.backend.link_data_path(2) == "tcp"  # type: ignore[attr-defined]
         unregister = threading.Thread(target=me.unregister_kv_cache, args=(cache.cache_id,))
         unregister.start()

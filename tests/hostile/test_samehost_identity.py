@@ -55,7 +55,7 @@ def on_link(link):
     if link is not None:
         link.close()
 offer = samehost.offer()
-reply = samehost.accept(offer, s, lambda: (new_table_fd(3), 3), on_link)
+reply = samehost.accept(offer, s, lambda: (new_table_fd(3), 3), lambda _l: True, on_link)
 print(reply.hex(), flush=True)
 sys.stdin.readline()
 """
@@ -316,7 +316,7 @@ def on_link(link):
 for line in sys.stdin.readline().split():
     key, transcript = line.split(":")
     s = S(bytes.fromhex(key), bytes.fromhex(transcript))
-    print(samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), on_link).hex(), flush=True)
+    print(samehost.accept(samehost.offer(), s, lambda: (new_table_fd(1), 1), lambda _l: True, on_link).hex(), flush=True)
 sys.stdin.readline()  # the proofs are done
 time.sleep(1.0)
 alive = sum(t.name == "kvdd-samehost-proof" for t in threading.enumerate())

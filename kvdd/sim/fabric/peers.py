@@ -217,6 +217,7 @@ class RemotePeer:
         chan = self._chan
         if chan.peer_finalized:
             return NOT_EXIST, None
+        deadline = time.monotonic() + timeout_ms / 1000.0  # (a data path's wait counts in it)
         if self._path is not None:
             got = self._path.acquire(rc, self._addrs.get(rc.cache_id, ()), timeout_ms)
             if got is not None:
@@ -225,7 +226,7 @@ class RemotePeer:
         if chan.dead.is_set() or timeout_ms <= 0:  # §10 rule 9: a 0 ms wait always times out
             return TIMEOUT, None
         # the owner's lease checks run with the transfer's first request (see :meth:`move`)
-        return S_OK, ClientLease(0, rc, time.monotonic() + timeout_ms / 1000.0)
+        return S_OK, ClientLease(0, rc, deadline)
 
     def acquire_resolved(self, request: bytes, timeout_ms: int) -> tuple[int, object, bytes]:
         """A lease the owner resolves from ``request`` (:class:`~.leases.LeaseResolver`): one

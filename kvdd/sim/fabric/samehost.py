@@ -341,7 +341,7 @@ def expect(session: SessionKeys) -> bool:
 
 
 def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
-           on_link: LinkCallback, on_proven: ProvenCallback | None = None) -> bytes:
+           on_proven: ProvenCallback, on_link: LinkCallback) -> bytes:
     """Expect ``session``, bind it and let its proof be answered at once (:func:`expect`,
     :meth:`~.samehost_endpoint.Endpoint.bind`, :meth:`~.samehost_endpoint.Endpoint.decide`):
     the announcement, or b"" (declined).  The link handshake makes these three steps apart
@@ -359,7 +359,7 @@ def accept(peer_offer: bytes, session: SessionKeys, make_table: TableFactory,
         return b""
     from .samehost_endpoint import endpoint
     ep = endpoint()
-    ep.bind(session, make_table, on_link, on_proven)
+    ep.bind(session, make_table, on_proven, on_link)
     ep.decide(session)
     return reply
 

@@ -153,8 +153,8 @@ class Endpoint:
             self._forget(p)
         return ok
 
-    def bind(self, session: SessionKeys, make_table: TableFactory,
-             on_link: LinkCallback, on_proven: ProvenCallback | None = None) -> bool:
+    def bind(self, session: SessionKeys, make_table: TableFactory, on_proven: ProvenCallback,
+             on_link: LinkCallback) -> bool:
         """The link of an expected ``session`` is being made: how to make our table, whom to
         tell before it goes to the proven peer and once the peer's table came
         (:func:`.samehost.accept`); False when that session is not expected (never, expired,
@@ -332,7 +332,7 @@ class Endpoint:
             if fd < 0:  # closed meanwhile (the session was given up on another thread)
                 raise SameHostRefused("the link's lease table was closed before our answer")
             assert proof.link is not None
-            if pending.on_proven is not None and not pending.on_proven(proof.link):
+            if pending.on_proven is None or not pending.on_proven(proof.link):
                 raise SameHostRefused("our lease table is not served to that reader")
             with proof.lock:
                 if proof.closed:

@@ -30,6 +30,7 @@ table name.  The tables kept, bounded per reader, are in :mod:`.samehost_tables`
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import struct
 import threading
@@ -157,7 +158,10 @@ class SameHostPath:
                 timeout_ms: int) -> tuple[int, object] | None:
         reader = self._reader
         if reader is None:
+            start = time.monotonic()
             reader = self._await_reader(timeout_ms)
+            # (the wait comes out of the transfer's time: the caller's deadline stands)
+            timeout_ms = max(0, timeout_ms - math.ceil((time.monotonic() - start) * 1000))
         if reader is None:
             return None
         got = reader.acquire(rc, addrs, timeout_ms)
@@ -366,27 +370,35 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     reads = owner.transfer_backend == "comm"  # hixl: only the initiator has an entity
     path = state.path
 
+    # (on_proven runs on the thread that answers the proof, on_link(None) on the one that ends
+    # it, possibly at once: one lock, so a give-up never closes a table as it is attached, nor
+    # leaves our transfers waiting for a reader that will not come)
+    lock = threading.Lock()
     served: list[bool] = []
+    given_up: list[bool] = []
 
     def on_proven(link: SameHostLink) -> bool:
-        # our table is attached to the proven initiator before it goes to it
-        if not _serve_table(link, tables.made[-1], state.peer_wait_ms, path):
-            return False
-        served.append(True)
-        if reads:  # our transfers wait for the initiator's table, which is on its way
-            path.expect_reader(SETUP_TIMEOUT_S)
-        return True
+        with lock:
+            # our table is attached to the proven initiator before it goes to it
+            if given_up or not _serve_table(link, tables.made[-1], state.peer_wait_ms, path):
+                return False
+            served.append(True)
+            if reads:  # our transfers wait for the initiator's table, which is on its way
+                path.expect_reader(SETUP_TIMEOUT_S)
+            return True
 
     def on_link(link: SameHostLink | None) -> None:
         if link is not None:
             _read(link, path, reads)  # (the reader side owns ``link`` from then on)
             return
-        path.settle()
-        if not served:  # (a table that went to the peer stays served: the path closes it)
-            tables.close()
+        with lock:
+            given_up.append(True)
+            path.settle()
+            if not served:  # (a table that went to the peer stays served: the path closes it)
+                tables.close()
 
     # (not announced, expired, abandoned: no same-host path)
-    if not endpoint().bind(session, tables.make, on_link, on_proven):
+    if not endpoint().bind(session, tables.make, on_proven, on_link):
         return None
     path._prepare = tables.prepare
     path._decide = lambda: endpoint().decide(session)
