@@ -3,7 +3,8 @@ whose endpoint accepts nothing while its queue is full.
 
 The initiator waits for the acceptor's proof and table after the link reply (the one message of
 the acceptor's it waits for).  That wait used to be SETUP_TIMEOUT_S (2 s) of its own, whatever the
-link call's timeout.  It now ends by the link call's deadline, and the link goes on over TCP.  The
+link call's timeout.  It now ends by the link call's deadline, and the link goes on over TCP
+(the acceptor's link reply comes late too, so that this wait, not the connect's, bounds the call).  The
 connect to the endpoint, made before the link reply is read, waits at most half of the time left,
 so that the reply still has the other half.
 """
@@ -28,14 +29,21 @@ pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
 
 DELAY_S = 1.5
-TIMEOUT_MS = 300
+TIMEOUT_MS = 600
+REPLY_LATE_S = 0.45  # the link reply too: the proof's wait starts with a quarter of the time left
 
-# The acceptor: sends its proof and table DELAY_S late (a thread of its own, after the link reply).
+# The acceptor: sends its link reply REPLY_LATE_S late, and its proof and table DELAY_S late (a
+# thread of its own, after the link reply).
 _OWNER = r"""
 import os, sys, threading, time, numpy as np, kvdd
 from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-from kvdd.sim.fabric import samehost_endpoint
-DELAY = float(sys.argv[1])
+from kvdd.sim.fabric import samehost_endpoint, samehost_link
+DELAY, REPLY_LATE = float(sys.argv[1]), float(sys.argv[2])
+prepare = samehost_link.SameHostPath.prepare
+def late_prepare(self, entries):
+    prepare(self, entries)
+    time.sleep(REPLY_LATE)
+samehost_link.SameHostPath.prepare = late_prepare
 real = samehost_endpoint.send_message
 def send(sock, kind, body=b"", fd=-1):
     if kind == samehost_endpoint.M_REPLY:
@@ -63,7 +71,7 @@ os._exit(0)
 
 @pytest.fixture()
 def acceptor() -> Iterator[tuple[int, int]]:
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(DELAY_S)],
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(DELAY_S), str(REPLY_LATE_S)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
