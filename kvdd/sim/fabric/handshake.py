@@ -268,6 +268,10 @@ class RemoteConnection:
         self._send(frame(F_HELLO_LINK, 0, bytes(w.buf)))
         # (the same-host proof leaves while the peer serves our hello, bounded by our deadline)
         announce.sent(session, self.deadline)
+        sock = self.sock
+        assert sock is not None
+        # made while the peer serves our hello (unstarted, it is dropped if the link fails)
+        chan = Channel(sock, local, f"{local.cluster_id}->?")
         ftype, reply = self._recv()
         if ftype != F_LINK_REPLY:
             raise ProtocolError("unexpected reply")
@@ -287,10 +291,8 @@ class RemoteConnection:
             return LinkResult(Status.LLM_LINK_FAILED, f"malformed handshake reply: {exc}")
         session = session.linked(session.local_cluster_id, offer.cluster_id, boot_id)
         path = _pick_path(accept_extensions(session, exts))
-        sock = self.sock
-        assert sock is not None
         self.sock = None  # adopted by the channel
-        chan = Channel(sock, local, f"{local.cluster_id}->{offer.cluster_id}")
+        chan.label = f"{local.cluster_id}->{offer.cluster_id}"
         chan.served = entries
         chan.peer_wait_ms = offer.sync_wait_ms
         chan.peer_user = comm  # comm: the acceptor made an entity for us over this connection
