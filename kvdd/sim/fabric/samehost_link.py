@@ -157,7 +157,7 @@ class SameHostPath:
     def acquire(self, rc: RemoteCache, addrs: tuple[int, ...],
                 timeout_ms: int) -> tuple[int, object] | None:
         reader = self._reader
-        if reader is None:
+        if reader is None and not self._settled.is_set():
             start = time.monotonic()
             reader = self._await_reader(timeout_ms)
             # (the wait comes out of the transfer's time: the caller's deadline stands)
