@@ -1,12 +1,17 @@
-"""The acceptor's proof given up (the initiator closed its proof connection) while the thread that
-answers the proof attaches our lease table (kvdd.sim.fabric.samehost_link.extension_offer's
-``on_proven`` against ``on_link(None)``).
+"""The acceptor's end of the same-host proof racing the rest of its process
+(kvdd.sim.fabric.samehost_link: ``on_proven`` against ``on_link(None)``; our reads opened against
+the link's close).
 
-The two run on different threads of the endpoint.  Given up in the middle of the attach, the
-table used to be closed under it (its drain hooks then outlived it on the cache) and the path was
-left waiting for a reader that would not come (every transfer of ours on that link waited half its
-timeout, ``link_data_path`` 2 s).  Now the give-up waits for the attach and ends both: the path
-stops waiting at once, and the table, attached, is closed with the path."""
+* The proof given up (the initiator closed its proof connection) while the thread that answers
+  the proof attaches our lease table: the table used to be closed under the attach (its drain hooks
+  then outlived it on the cache) and the path was left waiting for a reader that would not come
+  (every transfer of ours on that link waited half its timeout, ``link_data_path`` 2 s).  Now the
+  give-up waits for the attach and ends both: the path stops waiting at once, and the table,
+  attached, is closed with the path.
+* Our reads of the initiator open after its link call returned (its table is the last message):
+  a finalize right then used to return while our reader of its memory was still being built, which
+  then mapped the initiator's memory after the finalize.  Now the close waits for a reader being
+  built, and none is built once it returned."""
 
 from __future__ import annotations
 
@@ -18,7 +23,11 @@ import time
 
 import pytest
 
-from kvdd.sim.fabric import samehost, samehost_link, samehost_tables
+import numpy as np
+
+import kvdd
+from kvdd import CacheDesc, ClusterInfo, DataType, IpInfo, LlmDataDist, LlmRole, tensor_addrs
+from kvdd.sim.fabric import samehost, samehost_link, samehost_path, samehost_tables
 
 from shared_support import FakeServedCache
 
@@ -116,3 +125,49 @@ def test_a_give_up_during_the_attach_neither_leaks_the_table_nor_leaves_transfer
         path.close()
         child.kill()
         child.wait(30)
+
+
+# The initiator: a cache in kvdd.empty memory; links to the acceptor on its command line, says so,
+# then waits.
+_LINKER = r"""
+import sys, numpy as np, kvdd
+from kvdd import CacheDesc, ClusterInfo, DataType, IpInfo, LlmDataDist, LlmRole, tensor_addrs
+arena = kvdd.empty(1 << 20, np.uint8)
+arena[:] = 7
+dd = LlmDataDist(2, LlmRole.DECODER, backend="sim")
+dd.initialize({kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0", kvdd.OPTION_DEVICE_ID: "2"})
+dd.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, 1 << 20)), tensor_addrs([arena]))
+dd.link_llm_clusters([ClusterInfo(remote_cluster_id=1,
+                                  remote_ip_infos=(IpInfo("127.0.0.1", int(sys.argv[1])),))], 5000)
+print("linked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_no_reader_is_built_after_a_finalize_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[float] = []
+    real_init = samehost_path.OneSidedPeer.__init__
+
+    def slow_init(self: samehost_path.OneSidedPeer, link: samehost.SameHostLink) -> None:
+        time.sleep(0.3)  # (our reader of the initiator's memory, made slow to build)
+        real_init(self, link)
+        built.append(time.monotonic())
+
+    monkeypatch.setattr(samehost_path.OneSidedPeer, "__init__", slow_init)
+    me = LlmDataDist(1, LlmRole.PROMPT, backend="sim")
+    me.initialize({kvdd.OPTION_DEVICE_ID: "1", kvdd.OPTION_LISTEN_IP_INFO: "127.0.0.1:0"})
+    mine = kvdd.empty(4096, np.uint8)
+    me.register_kv_cache(CacheDesc(1, DataType.DT_UINT8, (1, 4096)), tensor_addrs([mine]))
+    child = subprocess.Popen([sys.executable, "-c", _LINKER, str(me.listening_port)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "linked"  # (our reader: being built)
+        me.finalize()
+        finalized = time.monotonic()
+        time.sleep(0.5)  # (a build still running would end meanwhile)
+        assert all(t <= finalized for t in built), "a reader was built after the finalize"
+    finally:
+        child.kill()
+        child.wait(30)
+        me.finalize()

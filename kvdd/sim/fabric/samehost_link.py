@@ -83,6 +83,7 @@ class SameHostPath:
         self._reader: OneSidedPeer | None = None
         self._served: ServedTable | None = None  # the table of our caches the peer reads
         self._lock = threading.Lock()
+        self._opening = threading.Lock()  # held while our reader is built: a close waits for it
         self._closed = False
         self._prepare: Callable[[Mapping[int, ServedCache]], None] | None = None
         self._decide: Callable[[], None] | None = None
@@ -145,6 +146,15 @@ class SameHostPath:
                 return
         self._settled.set()
         reader.close()
+
+    def open_reads(self, link: SameHostLink) -> None:
+        """Build our reader of the proven peer and start using it, unless the path closed: its
+        close waits for a reader being built (bounded: no wait for the peer), so nothing of the
+        peer's stays mapped, nor appears, once the close returned.  Raises SameHostRefused."""
+        with self._opening:
+            if self._closed:
+                raise SameHostRefused("the link closed before its reads opened")
+            self.activate(OneSidedPeer(link))
 
     def _await_reader(self, timeout_ms: int) -> OneSidedPeer | None:
         """The reader, after waiting for one on its way (bounded: see the class docstring)."""
@@ -210,7 +220,8 @@ class SameHostPath:
         return reader, served
 
     def close(self) -> None:
-        reader, served = self._detach()
+        with self._opening:  # (a reader being built is built, then closed here)
+            reader, served = self._detach()
         if reader is not None:
             reader.close()
         if served is not None:  # revoke the peer's access and wait for its copies (bounded)
@@ -222,7 +233,8 @@ class SameHostPath:
         frees it), the peer's access to our table is revoked without waiting here (the link call
         returns; an unregister still waits for a copy of its, bounded, once); True when a table
         was served (it stays attached until its reader exits)."""
-        reader, served = self._detach()
+        with self._opening:
+            reader, served = self._detach()
         if reader is not None:
             reader.close()
         if served is not None:
@@ -347,7 +359,7 @@ def _read(link: SameHostLink, path: SameHostPath, reads: bool) -> None:
         link.close()
         return
     try:
-        path.activate(OneSidedPeer(link))
+        path.open_reads(link)
     except SameHostRefused as exc:
         logger.info("kvdd same-host: not reading pid %d one-sided: %s", link.peer_pid, exc)
         link.close()
