@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SameHostPath", "install", "extension_offer", "extension_accept", "live_tables"]
 
 _WAIT = struct.Struct("<I")  # SyncKvCacheWaitTime (ms) of the side that sends the entry
+OPENING_WAIT_S = 0.1  # the longest a close of the path waits for a reader being built
 _STATE_TTL_S = 30.0
 _MAX_STATES = 1024
 
@@ -148,9 +149,11 @@ class SameHostPath:
         reader.close()
 
     def open_reads(self, link: SameHostLink) -> None:
-        """Build our reader of the proven peer and start using it, unless the path closed: its
-        close waits for a reader being built (bounded: no wait for the peer), so nothing of the
-        peer's stays mapped, nor appears, once the close returned.  Raises SameHostRefused."""
+        """Build our reader of the proven peer and start using it, unless the path closed
+        (raises SameHostRefused).  A close waits for a reader being built, at most
+        ``OPENING_WAIT_S``: building never waits for the peer, but the kernel can hold one of
+        its calls (``pidfd_getfd`` on a peer in ``execve`` waits while the old address space is
+        freed); a reader finished after the close is closed unused (:meth:`activate`)."""
         with self._opening:
             if self._closed:
                 raise SameHostRefused("the link closed before its reads opened")
@@ -219,9 +222,15 @@ class SameHostPath:
         self._settled.set()
         return reader, served
 
+    def _detach_after_opening(self) -> tuple[OneSidedPeer | None, ServedTable | None]:
+        """:meth:`_detach`, then the wait (bounded) for a reader being built, which closes it."""
+        got = self._detach()  # (closed: no reader starts being built from now on)
+        if self._opening.acquire(timeout=OPENING_WAIT_S):
+            self._opening.release()
+        return got
+
     def close(self) -> None:
-        with self._opening:  # (a reader being built is built, then closed here)
-            reader, served = self._detach()
+        reader, served = self._detach_after_opening()
         if reader is not None:
             reader.close()
         if served is not None:  # revoke the peer's access and wait for its copies (bounded)
@@ -233,8 +242,7 @@ class SameHostPath:
         frees it), the peer's access to our table is revoked without waiting here (the link call
         returns; an unregister still waits for a copy of its, bounded, once); True when a table
         was served (it stays attached until its reader exits)."""
-        with self._opening:
-            reader, served = self._detach()
+        reader, served = self._detach_after_opening()
         if reader is not None:
             reader.close()
         if served is not None:
