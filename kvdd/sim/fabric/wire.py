@@ -20,7 +20,9 @@ from .protocol import KIND_BLOCKS, KIND_MIX, LinkOffer, RemoteCache, ServedCache
 #: Version 2: mutual authentication before anything else (version 1 had none).  Version 3: the
 #: one-round-trip LEASE_READ / LEASE_WRITE requests for small transfers.  Version 4: the
 #: acceptor's authentication answer carries an announcement after its MAC (its same-host endpoint).
-PROTOCOL_VERSION = 4
+#: Version 5: the same-host proof's last message is the initiator's lease table (no
+#: acknowledgement; :mod:`.samehost`), so kvdd versions that disagree on it refuse each other.
+PROTOCOL_VERSION = 5
 MAGIC = b"KV"
 HDR = struct.Struct("<2sBBII")
 
