@@ -29,6 +29,8 @@ from kvdd import (CacheDesc, ClusterInfo, DataType, IpInfo, LlmDataDist, LlmRole
 from kvdd.sim.fabric import samehost, samehost_link, samehost_tables
 from kvdd.sim.fabric.samehost_path import DRAIN_GRACE_MS, ServedTable
 
+from hostile.hog import HOG_READER
+
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
 
@@ -39,16 +41,11 @@ BOUND_S = (CAP_MS + DRAIN_GRACE_MS) / 1000.0  # one wait for the hog's counts
 # The hog: K instances; its reader enters every slot of every table we serve it and never leaves.
 # Each line on stdin, "i cluster cache_id", pushes instance i's cache (bytes 0xEE) into that
 # cache of ours and prints the status.
-_HOG = r"""
+_HOG = HOG_READER + r"""
 import os, sys, numpy as np, kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, DataType, LlmDataDist, LlmRole, tensor_addrs
-from kvdd.sim.fabric import samehost_link, samehost_path
-class Reader(samehost_path.OneSidedPeer):
-    def __init__(self, link):
-        super().__init__(link)
-        for slot in range(self.table.slots):
-            self.table.enter(slot)
-samehost_link.OneSidedPeer = Reader
+from kvdd.sim.fabric import samehost_link
+samehost_link.OneSidedPeer = HogReader
 dds, caches, bufs = [], [], []
 for i in range(int(sys.argv[1])):
     dd = LlmDataDist(100 + i, LlmRole.PROMPT, backend="sim")

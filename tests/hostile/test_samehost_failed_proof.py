@@ -37,6 +37,8 @@ from kvdd import (Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, L
 from kvdd._native import _xproc
 from kvdd.sim.fabric import samehost, samehost_close, samehost_path
 
+from hostile.hog import HOG_READER
+
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
 
@@ -46,18 +48,13 @@ N = 64 << 20  # the acceptor's cache (kvdd.empty, every page touched)
 # link reply go only then (so our table's handover fails whatever the threads' timing);
 # "quiet": never reads our table (its endpoint's last step sleeps); "hog": its reader enters every
 # slot of our table (the test makes our side's proof fail after its reads opened).
-_OWNER = r"""
+_OWNER = HOG_READER + r"""
 import os, socket, sys, threading, time, numpy as np, kvdd
 from kvdd import CacheDesc, DataType, LlmDataDist, LlmRole, tensor_addrs
-from kvdd.sim.fabric import samehost_endpoint, samehost_link, samehost_path
+from kvdd.sim.fabric import samehost_endpoint, samehost_link
 N, MODE = int(sys.argv[1]), sys.argv[2]
 if MODE == "hog":
-    class Reader(samehost_path.OneSidedPeer):
-        def __init__(self, link):
-            super().__init__(link)
-            for slot in range(self.table.slots):
-                self.table.enter(slot)
-    samehost_link.OneSidedPeer = Reader
+    samehost_link.OneSidedPeer = HogReader
 elif MODE == "closed":
     gone = threading.Event()
     real = samehost_endpoint.send_message
@@ -150,16 +147,11 @@ def test_the_end_of_the_proof_never_holds_the_link_nor_keeps_maps_of_a_failed_on
 # The initiator: withholds its own table (proves the key, takes ours, never sends its table, and
 # keeps the proof's connection open), and its reader counts itself in flight on every slot of our
 # table; links to the acceptor given on its command line, then waits.
-_WITHHOLDER = r"""
+_WITHHOLDER = HOG_READER + r"""
 import os, socket, sys, numpy as np, kvdd
 from kvdd import CacheDesc, ClusterInfo, DataType, IpInfo, LlmDataDist, LlmRole, tensor_addrs
-from kvdd.sim.fabric import samehost, samehost_link, samehost_path
-class Reader(samehost_path.OneSidedPeer):
-    def __init__(self, link):
-        super().__init__(link)
-        for slot in range(self.table.slots):
-            self.table.enter(slot)
-samehost_link.OneSidedPeer = Reader
+from kvdd.sim.fabric import samehost, samehost_link
+samehost_link.OneSidedPeer = HogReader
 real = samehost.send_message
 def send(sock, kind, body=b"", fd=-1):
     if kind != samehost.M_FINAL:

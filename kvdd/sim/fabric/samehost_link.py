@@ -394,25 +394,26 @@ def extension_offer(session: SessionKeys, owner: LinkOwner) -> bytes | None:
     # it, possibly at once: one lock, so a give-up never closes a table as it is attached, nor
     # leaves our transfers waiting for a reader that will not come)
     lock = threading.Lock()
-    served: list[bool] = []
-    given_up: list[bool] = []
+    served = given_up = False
 
     def on_proven(link: SameHostLink) -> bool:
+        nonlocal served
         with lock:
             # our table is attached to the proven initiator before it goes to it
             if given_up or not _serve_table(link, tables.made[-1], state.peer_wait_ms, path):
                 return False
-            served.append(True)
+            served = True
             if reads:  # our transfers wait for the initiator's table, which is on its way
                 path.expect_reader(SETUP_TIMEOUT_S)
             return True
 
     def on_link(link: SameHostLink | None) -> None:
+        nonlocal given_up
         if link is not None:
             _read(link, path, reads)  # (the reader side owns ``link`` from then on)
             return
         with lock:
-            given_up.append(True)
+            given_up = True
             path.settle()
             if not served:  # (a table that went to the peer stays served: the path closes it)
                 tables.close()
