@@ -69,6 +69,7 @@ cdef struct Walk:
     int64_t frame_left  # bytes of the current frame not yet walked
     int hdr_left  # bytes of the current frame's header not yet walked (its end)
     char hdr[_HSIZE]  # that header
+    Py_ssize_t trailer_left  # bytes of the trailer not yet walked (after the stream)
 
 
 cdef class GatherSender:
@@ -100,6 +101,9 @@ cdef class GatherSender:
         The stream's tensors (index into ``addrs``, in stream order; checked): a READ of K
         tensors costs the sender O(distinct tensors) Python objects, not O(K).  None: the
         stream's tensors are ``addrs`` in order.
+    trailer : bytes
+        Sent after the stream, in the system call of its last bytes when the list has room for
+        one buffer more (the READ's DONE: the peer gets it with the data, not one wake-up later).
     """
 
     cdef int64_t* _addr
@@ -114,6 +118,9 @@ cdef class GatherSender:
     cdef iovec* _iov
     cdef char* _hdrs  # a copy of each list's headers (buffers x 12 bytes)
     cdef object _keep
+    cdef bytes _trailer
+    cdef const char* _tp  # its bytes, and how many
+    cdef Py_ssize_t _tn
     cdef bint _busy
     cdef readonly int64_t total
     cdef readonly bint blocked  # the last send stopped because the socket was full
@@ -123,9 +130,12 @@ cdef class GatherSender:
         self._iov = NULL
         self._hdrs = NULL
         self._pwhich = NULL
+        self._tp = NULL
+        self._tn = 0
 
     def __init__(self, addrs, nbytes, off, length, bytes header, int64_t max_data,
-                 int64_t gather_bytes, int buffers, keep=None, tensors=None):
+                 int64_t gather_bytes, int buffers, keep=None, tensors=None,
+                 bytes trailer=b""):
         cdef Py_ssize_t i, na = len(addrs), nk = na, nj = len(off)
         cdef int64_t o, n, hi = 0, size, per_k = 0
         cdef const uint32_t[::1] which
@@ -196,6 +206,10 @@ cdef class GatherSender:
         self._w.stream = self.total
         self._w.frame_left = 0
         self._w.hdr_left = 0
+        self._trailer = trailer
+        self._tp = trailer
+        self._tn = len(trailer)
+        self._w.trailer_left = self._tn
         memcpy(self._w.hdr, <const char*>header, _HSIZE)
 
     def __dealloc__(self):
@@ -207,20 +221,24 @@ cdef class GatherSender:
 
     @property
     def done(self):
-        """Every byte of the stream was sent (or walked, by :meth:`lists`)."""
-        return self._done(&self._w)
+        """Every byte of the stream and the trailer was sent (or walked, by :meth:`lists`)."""
+        return self._finished(&self._w)
 
     @property
     def left(self):
-        """Bytes not yet sent, headers included."""
+        """Bytes not yet sent, headers and the trailer included."""
         if self._max_data == 0:  # (never initialized)
             return 0
         stream = int(self._w.stream)  # (Python integers: a stream near 2^63 bytes has more)
         return stream + (stream + self._max_data - 1) // self._max_data * _HSIZE \
-            + self._w.frame_left + self._w.hdr_left
+            + self._w.frame_left + self._w.hdr_left + self._w.trailer_left
 
     cdef inline bint _done(self, const Walk* w) noexcept nogil:
+        """The stream walked (the trailer may follow)."""
         return w.stream == 0 and w.frame_left == 0 and w.hdr_left == 0
+
+    cdef inline bint _finished(self, const Walk* w) noexcept nogil:
+        return self._done(w) and w.trailer_left == 0
 
     cdef inline int64_t _base(self, Py_ssize_t k) noexcept nogil:
         return self._addr[self._pwhich[k]] if self._pwhich != NULL else self._addr[k]
@@ -278,7 +296,12 @@ cdef class GatherSender:
                 self._iov[count].iov_len = <size_t>w.hdr_left
                 count += 1
                 w.hdr_left = 0
-            if not self._ready(w):
+            if not self._ready(w):  # the stream walked: the trailer, if the list has room
+                if w.trailer_left and count < self._buffers:
+                    self._iov[count].iov_base = <void*>(self._tp + self._tn - w.trailer_left)
+                    self._iov[count].iov_len = <size_t>w.trailer_left
+                    count += 1
+                    w.trailer_left = 0
                 break
             if w.hdr_left:  # a frame begins: its header first
                 continue
@@ -299,8 +322,12 @@ cdef class GatherSender:
                 take = w.hdr_left if w.hdr_left < sent else sent
                 w.hdr_left -= <int>take
                 sent -= take
-            elif not self._ready(w):  # (never: a send takes at most what was listed)
-                break
+            elif not self._ready(w):  # the trailer (a send takes at most what was listed)
+                take = w.trailer_left if w.trailer_left < sent else sent
+                w.trailer_left -= take
+                sent -= take
+                if not take:
+                    break
             elif not w.hdr_left:
                 sent -= self._take(w, sent)
 
@@ -330,7 +357,7 @@ cdef class GatherSender:
             msg.msg_iov = self._iov
             while True:
                 with nogil:
-                    while not self._done(&self._w) and sent < budget:
+                    while not self._finished(&self._w) and sent < budget:
                         w = self._w
                         count = self._fill(&w)
                         if count == 0:  # (never: a stream not done has a byte to list)
@@ -361,7 +388,8 @@ cdef class GatherSender:
         cdef int count, i
         cdef Walk w
         cdef list out
-        while not self._done(&self._w):
+        cdef char* base
+        while not self._finished(&self._w):
             if self._busy:
                 raise RuntimeError("another thread is sending this stream")
             self._busy = True
@@ -370,8 +398,9 @@ cdef class GatherSender:
                 count = self._fill(&w)
                 out = []
                 for i in range(count):
-                    if <char*>self._iov[i].iov_base >= self._hdrs and \
-                            <char*>self._iov[i].iov_base < self._hdrs + self._buffers * _HSIZE:
+                    base = <char*>self._iov[i].iov_base
+                    if (self._hdrs <= base < self._hdrs + self._buffers * _HSIZE
+                            or self._tp <= base < self._tp + self._tn):  # (copied)
                         out.append(memoryview(PyBytes_FromStringAndSize(
                             <char*>self._iov[i].iov_base, <Py_ssize_t>self._iov[i].iov_len)))
                     else:

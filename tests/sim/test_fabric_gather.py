@@ -312,3 +312,56 @@ def test_a_cursor_receives_a_frame_of_many_runs_in_pieces() -> None:
     for j, o in enumerate(off.tolist()):
         expected[o:o + 64 * KiB] = np.frombuffer(payload[j * 64 * KiB:(j + 1) * 64 * KiB], np.uint8)
     assert np.array_equal(dst, expected)
+
+
+class _Lease:
+    """A lease the stand-in checker grants: the cache's regions, the owner's action before DONE."""
+
+    def __init__(self, regions: list[Region], on_served: object) -> None:
+        self.entry = type("Entry", (), {"regions": regions})()
+        self.on_served = on_served
+        self.unused = 0
+
+    def unuse(self) -> None:
+        self.unused += 1
+
+
+class _Checker:
+    def __init__(self, lease: _Lease) -> None:
+        self.lease = lease
+
+    def check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
+                   length: np.ndarray) -> tuple[int, _Lease]:
+        return 0, self.lease
+
+
+@pytest.mark.parametrize("runs", ["blocks", "row", "no byte"])
+def test_a_reads_done_goes_in_the_system_call_of_its_last_bytes(runs: str) -> None:
+    """A READ's DONE is the last buffer of the list of its last DATA bytes (one system call: the
+    caller gets both with one wake-up), for a READ of blocks (the compiled sender) and of one
+    long row (a READ of no byte: DONE alone); when the owner acts before DONE (a two-sided pull's
+    key), DONE follows that action in a list of its own.  The lease is let go once the last list
+    was taken."""
+    src = [np.arange(8 << 20, dtype=np.uint8)]
+    off, length = {"blocks": (np.arange(0, 64) * 128 * KiB, np.full(64, 64 * KiB)),
+                   "row": (np.array([5]), np.array([(6 << 20) + 3])),
+                   "no byte": (np.array([5, 9]), np.array([0, 0]))}[runs]
+    payload = wire.encode_request(9, [0], off, length)
+    done = wire.frame(wire.F_DONE, 7, (0).to_bytes(4, "little"))
+    acted: list[list[int]] = []
+    for on_served in (None, acted.append):
+        lease = _Lease([_region(src[0])], on_served)
+        steps = serving.serve_read_steps(_Checker(lease), MinimalOwner(), 7, payload)  # type: ignore[arg-type]
+        got = [[bytes(b) for b in bufs] for bufs in as_lists(steps)]
+        assert lease.unused == 1
+        wire_bytes = b"".join(b for bufs in got for b in bufs)
+        assert wire_bytes.endswith(done) and wire_bytes.count(done) == 1
+        if on_served is None:
+            assert got[-1][-1] == done  # with the last DATA bytes (alone when there are none)
+            assert len(got[-1]) == 1 if runs == "no byte" else len(got[-1]) > 1
+            assert not acted
+        else:
+            assert got[-1] == [done] and acted == [[0]]  # alone, after the owner's action
+        data = [memoryview(b) for bufs in got for b in bufs][:-1]  # (DONE left out)
+        _frames, _lengths, payload_bytes = _walk(iter([data]))
+        assert payload_bytes == _stream(src, [0], off, length)

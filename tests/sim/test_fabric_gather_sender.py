@@ -98,6 +98,64 @@ def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffer
         b.close()
 
 
+def test_the_trailer_ends_the_list_of_the_last_bytes_or_a_list_of_its_own() -> None:
+    """The trailer (a READ's DONE) is the last buffer of the list of the stream's last bytes
+    when that list has room for one more buffer, else a list of its own; :attr:`left` counts
+    it."""
+    src = [np.arange(200 * KiB, dtype=np.uint8)]
+    done = b"DONE-of-request7"
+    runs = ([0, 100 * KiB], [64 * KiB, 64 * KiB])
+
+    def lists(buffers: int) -> list[list[bytes]]:
+        gs = GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], *runs, HEADER, 1 << 20,
+                          1 << 20, buffers, src, None, done)
+        assert gs.left == wire.HDR.size + 128 * KiB + len(done)
+        return [[bytes(b) for b in bufs] for bufs in gs.lists()]
+
+    one = lists(64)
+    assert len(one) == 1 and len(one[0]) == 4 and one[0][3] == done  # header, 2 runs, trailer
+    assert one[0][1] == src[0][:64 * KiB].tobytes()
+    full = lists(2)  # [header, run 0], [run 1]: no room left, the trailer alone
+    assert [len(bufs) for bufs in full] == [2, 1, 1] and full[2] == [done]
+    assert [b for bufs in full for b in bufs] == one[0]
+
+
+def test_a_send_that_stops_inside_the_trailer_resumes_there() -> None:
+    """A trailer longer than the socket takes at once: sends stop inside it and each resumes
+    at the next byte; the peer receives the stream, then the trailer, exactly."""
+    rng = np.random.default_rng(3)
+    src = [rng.integers(0, 256, 4 * KiB, dtype=np.uint8)]
+    trailer = rng.integers(0, 256, 64 * KiB, dtype=np.uint8).tobytes()
+    expected = _wire(src, [0], [100], 1 << 20) + trailer
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    gs = GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], [0], [100], HEADER, 1 << 20,
+                      1 << 20, 64, src, None, trailer)
+    got = bytearray()
+    inside = 0
+    try:
+        while not gs.done:
+            before = gs.left
+            sent = gs.send(a, 1 << 40)
+            assert gs.left == before - sent
+            if not gs.done:
+                assert gs.blocked
+                inside += 0 < gs.left < len(trailer)
+                select.select([b], [], [], 0.01)
+                while True:
+                    try:
+                        got.extend(b.recv(1 << 20, socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        break
+        while len(got) < len(expected):
+            got.extend(b.recv(1 << 20))
+        assert bytes(got) == expected and gs.left == 0
+        assert inside > 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_budget_ends_a_send_between_system_calls() -> None:
     """A budget of one byte: one list (one system call) per send, the socket never full."""
     src = [np.arange(256 * KiB, dtype=np.uint8)]

@@ -180,26 +180,30 @@ class RunPlan:
         for bufs in as_lists(self.send_steps(req)):
             sendmsg_all(sock, bufs)
 
-    def send_steps(self, req: int) -> Iterator[Step]:
+    def send_steps(self, req: int, trailer: bytes = b"") -> Iterator[Step]:
         """The stream as DATA frames of MAX_DATA bytes (the last shorter), zero-copy for long
         runs: the buffers of each system call in turn, each gathering up to GATHER_BYTES of the
         tensors in at most GATHER_BUFFERS buffers (each list sent whole before the next is asked
         for: the staging buffer is reused, so a staged piece ends its list).  When every run is
         long (blocks), the whole stream is one :class:`~kvdd._native._gather.GatherSender`,
-        which makes the same lists in C and sends them itself."""
+        which makes the same lists in C and sends them itself.  ``trailer`` (the READ's DONE)
+        ends the last list, so the peer gets it in the system call of the last bytes."""
+        tail = [memoryview(trailer)] if trailer else []
         if self.small:
             views = [memoryview(HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, self.total))]
             pairs = [(o, n) for o, n in zip(self.off.tolist(), self.length.tolist()) if n]
             for k in self.tensors.tolist():
                 mv = region_view(self.regions[k])
                 views.extend(mv[o:o + n] for o, n in pairs)
-            yield views
+            yield views + tail
             return
         if not self.total:  # no byte to send: no tensor to walk (there may be a million)
+            if tail:
+                yield tail
             return
         yield from self._plan_steps([])
         if self._each_run:
-            yield self.gather_sender(req)
+            yield self.gather_sender(req, trailer)
             return
         st: _Cut = [self.total, 0, 0, []]
         for k in self.tensors.tolist():
@@ -211,10 +215,10 @@ class RunPlan:
                 if staged and st[3]:  # sent before the staging buffer is filled again
                     yield st[3]
                     st[2], st[3] = 0, []
-        if st[3]:
-            yield st[3]
+        if st[3] or tail:
+            yield st[3] + tail
 
-    def gather_sender(self, req: int) -> GatherSender:
+    def gather_sender(self, req: int, trailer: bytes = b"") -> GatherSender:
         """The stream when every run is long, as compiled lists of the rule of :meth:`_cut`:
         the distinct tensors named as Python objects, the stream's K as compact indices (a
         request naming one tensor a million times costs no million objects)."""
@@ -227,7 +231,7 @@ class RunPlan:
         return GatherSender([r.addr for r in regions], [r.nbytes for r in regions],
                             self._runs_off, self._runs_len,
                             HDR.pack(MAGIC, PROTOCOL_VERSION, F_DATA, req, 0), MAX_DATA,
-                            GATHER_BYTES, GATHER_BUFFERS, regions, which)
+                            GATHER_BYTES, GATHER_BUFFERS, regions, which, trailer)
 
     def _cut(self, req: int, view: memoryview, st: _Cut) -> Iterator[list[memoryview]]:
         """One piece into the lists (``st``: the stream's bytes not yet in a frame, the current
@@ -380,10 +384,13 @@ def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,
     try:
         plan = RunPlan(lease.entry.regions, tensors, off, length)
         faults.on_serve(owner, "read", plan.total)
-        yield from plan.send_steps(req)
+        done = frame(F_DONE, req, struct.pack("<I", S_OK))
         served, lease.on_served = lease.on_served, None
-        if served is not None:  # the owner's action before DONE (a two-sided pull's key)
-            served(tensors.tolist())
-        yield [memoryview(frame(F_DONE, req, struct.pack("<I", S_OK)))]
+        if served is None:  # DONE goes with the last DATA
+            yield from plan.send_steps(req, done)
+            return
+        yield from plan.send_steps(req)
+        served(tensors.tolist())  # the owner's action before DONE (a two-sided pull's key)
+        yield [memoryview(done)]
     finally:
         lease.unuse()

@@ -27,6 +27,7 @@ class GatherSender:
         buffers: int,
         keep: object = None,
         tensors: object = None,
+        trailer: bytes = b"",
     ) -> None: ...
     @property
     def done(self) -> bool: ...
