@@ -283,6 +283,12 @@ cdef class GatherSender:
             self._next_run(w)
         return take
 
+    cdef inline void _trailer_into(self, Walk* w, int at) noexcept nogil:
+        """What is left of the trailer as buffer ``at`` of the list (``w`` past it)."""
+        self._iov[at].iov_base = <void*>(self._tp + self._tn - w.trailer_left)
+        self._iov[at].iov_len = <size_t>w.trailer_left
+        w.trailer_left = 0
+
     cdef int _fill(self, Walk* w) noexcept nogil:
         """The next list into ``_iov`` from ``w`` (advanced past it): its buffer count."""
         cdef int count = 0
@@ -296,12 +302,10 @@ cdef class GatherSender:
                 self._iov[count].iov_len = <size_t>w.hdr_left
                 count += 1
                 w.hdr_left = 0
-            if not self._ready(w):  # the stream walked: the trailer, if the list has room
+            if not self._ready(w):  # the stream walked (before this list): the trailer
                 if w.trailer_left and count < self._buffers:
-                    self._iov[count].iov_base = <void*>(self._tp + self._tn - w.trailer_left)
-                    self._iov[count].iov_len = <size_t>w.trailer_left
+                    self._trailer_into(w, count)
                     count += 1
-                    w.trailer_left = 0
                 break
             if w.hdr_left:  # a frame begins: its header first
                 continue
@@ -310,6 +314,11 @@ cdef class GatherSender:
             self._iov[count].iov_len = <size_t>self._take(w, self._gather - gathered)
             gathered += <int64_t>self._iov[count].iov_len
             count += 1
+            if self._done(w):  # the stream's last bytes: the trailer with them, if there is room
+                if w.trailer_left and count < self._buffers:
+                    self._trailer_into(w, count)
+                    count += 1
+                break
             if gathered >= self._gather or count >= self._buffers - 1:
                 break
         return count

@@ -10,6 +10,7 @@ goes at once when nothing else is being sent.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvdd._native._gather import GatherSender
 from kvdd.sim.fabric import serving, wire
 from kvdd.sim.fabric.channel import Channel
 from kvdd.sim.fabric.reactor import REACTOR
@@ -342,8 +344,8 @@ def test_a_reads_done_goes_in_the_system_call_of_its_last_bytes(runs: str) -> No
     long row (a READ of no byte: DONE alone); when the owner acts before DONE (a two-sided pull's
     key), DONE follows that action in a list of its own.  The lease is let go once the last list
     was taken."""
-    src = [np.arange(8 << 20, dtype=np.uint8)]
-    off, length = {"blocks": (np.arange(0, 64) * 128 * KiB, np.full(64, 64 * KiB)),
+    src = [np.arange(16 << 20, dtype=np.uint8)]
+    off, length = {"blocks": (np.arange(0, 96) * 128 * KiB, np.full(96, 64 * KiB)),  # 6 MiB
                    "row": (np.array([5]), np.array([(6 << 20) + 3])),
                    "no byte": (np.array([5, 9]), np.array([0, 0]))}[runs]
     payload = wire.encode_request(9, [0], off, length)
@@ -352,7 +354,14 @@ def test_a_reads_done_goes_in_the_system_call_of_its_last_bytes(runs: str) -> No
     for on_served in (None, acted.append):
         lease = _Lease([_region(src[0])], on_served)
         steps = serving.serve_read_steps(_Checker(lease), MinimalOwner(), 7, payload)  # type: ignore[arg-type]
-        got = [[bytes(b) for b in bufs] for bufs in as_lists(steps)]
+        first = next(steps)
+        if runs == "blocks":  # (6 MiB of long runs: the compiled sender)
+            assert isinstance(first, GatherSender)
+        got, acted_before_done = [], -1
+        for bufs in as_lists(itertools.chain([first], steps)):
+            got.append([bytes(b) for b in bufs])
+            if done in got[-1]:
+                acted_before_done = len(acted)
         assert lease.unused == 1
         wire_bytes = b"".join(b for bufs in got for b in bufs)
         assert wire_bytes.endswith(done) and wire_bytes.count(done) == 1
@@ -362,6 +371,7 @@ def test_a_reads_done_goes_in_the_system_call_of_its_last_bytes(runs: str) -> No
             assert not acted
         else:
             assert got[-1] == [done] and acted == [[0]]  # alone, after the owner's action
+            assert acted_before_done == 1
         data = [memoryview(b) for bufs in got for b in bufs][:-1]  # (DONE left out)
         _frames, _lengths, payload_bytes = _walk(iter([data]))
         assert payload_bytes == _stream(src, [0], off, length)

@@ -100,24 +100,31 @@ def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffer
 
 def test_the_trailer_ends_the_list_of_the_last_bytes_or_a_list_of_its_own() -> None:
     """The trailer (a READ's DONE) is the last buffer of the list of the stream's last bytes
-    when that list has room for one more buffer, else a list of its own; :attr:`left` counts
-    it."""
+    when that list has room for one more buffer, else a list of its own; :attr:`left` counts it;
+    :meth:`lists` gives a copy of it, valid after the sender is gone."""
     src = [np.arange(200 * KiB, dtype=np.uint8)]
     done = b"DONE-of-request7"
-    runs = ([0, 100 * KiB], [64 * KiB, 64 * KiB])
 
-    def lists(buffers: int) -> list[list[bytes]]:
+    def lists(runs: tuple[list[int], list[int]], buffers: int,
+              gather: int = 1 << 20) -> list[list[bytes]]:
         gs = GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], *runs, HEADER, 1 << 20,
-                          1 << 20, buffers, src, None, done)
-        assert gs.left == wire.HDR.size + 128 * KiB + len(done)
-        return [[bytes(b) for b in bufs] for bufs in gs.lists()]
+                          gather, buffers, src, None, done)
+        assert gs.left == wire.HDR.size + sum(runs[1]) + len(done)
+        views = list(gs.lists())
+        del gs
+        return [[bytes(b) for b in bufs] for bufs in views]
 
-    one = lists(64)
+    two = ([0, 100 * KiB], [64 * KiB, 64 * KiB])
+    one = lists(two, 64)
     assert len(one) == 1 and len(one[0]) == 4 and one[0][3] == done  # header, 2 runs, trailer
     assert one[0][1] == src[0][:64 * KiB].tobytes()
-    full = lists(2)  # [header, run 0], [run 1]: no room left, the trailer alone
-    assert [len(bufs) for bufs in full] == [2, 1, 1] and full[2] == [done]
-    assert [b for bufs in full for b in bufs] == one[0]
+    # a list ended by its buffers or its bytes, the last one with room: the trailer in it
+    assert [len(bufs) for bufs in lists(two, 2)] == [2, 2]
+    assert [len(bufs) for bufs in lists(two, 64, 64 * KiB)] == [2, 2]
+    for n in (2, 64):
+        assert [b for bufs in lists(two, n) for b in bufs] == one[0]
+    alone = lists(([0], [64 * KiB]), 2)  # [header, run 0]: no room left, the trailer alone
+    assert alone == [[one[0][0][:8] + (64 * KiB).to_bytes(4, "little"), one[0][1]], [done]]
 
 
 def test_a_send_that_stops_inside_the_trailer_resumes_there() -> None:
