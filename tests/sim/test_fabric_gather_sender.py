@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,8 @@ def _wire(src: list[np.ndarray], off: list[int], length: list[int], max_data: in
 
 
 def _sender(src: list[np.ndarray], off: list[int], length: list[int], max_data: int,
-            gather: int = 64 * KiB, buffers: int = 64, runs_as: str = "lists") -> GatherSender:
+            gather: int = 64 * KiB, buffers: int = 64, runs_as: str = "lists",
+            trailer: bytes = b"") -> GatherSender:
     """A sender of the runs given as Python lists, or as int64 buffers (``array('q')``, as the
     server gives them: read without a Python object per run)."""
     o: Sequence[int] = off
@@ -46,7 +47,38 @@ def _sender(src: list[np.ndarray], off: list[int], length: list[int], max_data: 
     if runs_as == "int64 buffers":
         o, n = array("q", off), array("q", length)
     return GatherSender([int(s.ctypes.data) for s in src], [s.nbytes for s in src], o, n,
-                        HEADER, max_data, gather, buffers, src)
+                        HEADER, max_data, gather, buffers, src, None, trailer)
+
+
+def _send_through_a_small_socket(gs: GatherSender, total: int,
+                                 on_stop: Callable[[GatherSender], None]) -> bytes:
+    """Send ``gs`` on a connection of a few KiB, drained each time the socket is full (each
+    send's bytes checked against :attr:`~GatherSender.left`; ``on_stop`` sees the sender where
+    each send stopped): the ``total`` bytes the peer received."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    got = bytearray()
+    try:
+        while not gs.done:
+            before = gs.left
+            sent = gs.send(a, 1 << 40)
+            assert gs.left == before - sent
+            if not gs.done:
+                assert gs.blocked
+                on_stop(gs)
+                select.select([b], [], [], 0.01)
+                while True:  # what has arrived
+                    try:
+                        got.extend(b.recv(1 << 20, socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        break
+        while len(got) < total:
+            got.extend(b.recv(1 << 20))
+        assert gs.left == 0 and gs.send(a, 1 << 40) == 0  # (nothing more)
+        return bytes(got)
+    finally:
+        a.close()
+        b.close()
 
 
 RUNS_AS = ["lists", "int64 buffers"]
@@ -64,38 +96,19 @@ def test_a_stream_resumes_exactly_where_the_socket_stopped(max_data: int, buffer
     off = [0, 150 * KiB, 3, 100 * KiB, 77]
     length = [5 * KiB, 50 * KiB, 0, 1, 33 * KiB]
     expected = _wire([src[1], src[0], src[1]], off, length, max_data)
-    a, b = socket.socketpair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    got = bytearray()
     gs = _sender([src[1], src[0], src[1]], off, length, max_data, buffers=buffers,
                  runs_as=runs_as)
     assert gs.total == 3 * sum(length) and gs.left == len(expected)
     frame = wire.HDR.size + max_data
     stops = {"header": 0, "run": 0}
-    try:
-        while not gs.done:
-            before = gs.left
-            sent = gs.send(a, 1 << 40)
-            assert gs.left == before - sent
-            if not gs.done:
-                assert gs.blocked
-                at = (len(expected) - gs.left) % frame
-                if at:
-                    stops["header" if at < wire.HDR.size else "run"] += 1
-                select.select([b], [], [], 0.01)
-                while True:  # what has arrived
-                    try:
-                        got.extend(b.recv(1 << 20, socket.MSG_DONTWAIT))
-                    except BlockingIOError:
-                        break
-        while len(got) < len(expected):
-            got.extend(b.recv(1 << 20))
-        assert bytes(got) == expected
-        assert gs.left == 0 and gs.send(a, 1 << 40) == 0  # (nothing more)
-        assert stops["header" if max_data == 21 else "run"] > 0
-    finally:
-        a.close()
-        b.close()
+
+    def at_stop(gs: GatherSender) -> None:
+        at = (len(expected) - gs.left) % frame
+        if at:
+            stops["header" if at < wire.HDR.size else "run"] += 1
+
+    assert _send_through_a_small_socket(gs, len(expected), at_stop) == expected
+    assert stops["header" if max_data == 21 else "run"] > 0
 
 
 def test_the_trailer_ends_the_list_of_the_last_bytes_or_a_list_of_its_own() -> None:
@@ -134,33 +147,15 @@ def test_a_send_that_stops_inside_the_trailer_resumes_there() -> None:
     src = [rng.integers(0, 256, 4 * KiB, dtype=np.uint8)]
     trailer = rng.integers(0, 256, 64 * KiB, dtype=np.uint8).tobytes()
     expected = _wire(src, [0], [100], 1 << 20) + trailer
-    a, b = socket.socketpair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    gs = GatherSender([int(src[0].ctypes.data)], [src[0].nbytes], [0], [100], HEADER, 1 << 20,
-                      1 << 20, 64, src, None, trailer)
-    got = bytearray()
+    gs = _sender(src, [0], [100], 1 << 20, gather=1 << 20, trailer=trailer)
     inside = 0
-    try:
-        while not gs.done:
-            before = gs.left
-            sent = gs.send(a, 1 << 40)
-            assert gs.left == before - sent
-            if not gs.done:
-                assert gs.blocked
-                inside += 0 < gs.left < len(trailer)
-                select.select([b], [], [], 0.01)
-                while True:
-                    try:
-                        got.extend(b.recv(1 << 20, socket.MSG_DONTWAIT))
-                    except BlockingIOError:
-                        break
-        while len(got) < len(expected):
-            got.extend(b.recv(1 << 20))
-        assert bytes(got) == expected and gs.left == 0
-        assert inside > 0
-    finally:
-        a.close()
-        b.close()
+
+    def at_stop(gs: GatherSender) -> None:
+        nonlocal inside
+        inside += 0 < gs.left < len(trailer)
+
+    assert _send_through_a_small_socket(gs, len(expected), at_stop) == expected
+    assert inside > 0
 
 
 def test_a_budget_ends_a_send_between_system_calls() -> None:
