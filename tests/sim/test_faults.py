@@ -162,6 +162,27 @@ def test_count_and_after(pair: Pair) -> None:
     assert (inj.seen, inj.fired, inj.exhausted) == (6, 2, True)
 
 
+def test_a_call_an_earlier_injection_failed_is_not_counted_by_later_ones(pair: Pair) -> None:
+    # docs/faults.md's retry example: two busy pulls, four that go through, then a timeout
+    busy = faults.inject("pull_kv_cache", status="LLM_LINK_BUSY", count=2)
+    late = faults.inject("pull_kv_cache", status="LLM_FAILED", count=1, after=4)
+    try:
+        results = []
+        for _ in range(8):
+            try:
+                pair.pull()
+                results.append(0)
+            except LLMError as exc:
+                results.append(int(exc.status))
+    finally:
+        busy.remove()
+        late.remove()
+    B, F = int(Status.LLM_LINK_BUSY), int(Status.LLM_FAILED)
+    assert results == [B, B, 0, 0, 0, 0, F, 0]
+    assert (busy.seen, busy.fired) == (8, 2)
+    assert (late.seen, late.fired) == (6, 1)
+
+
 def _pattern(seed: int) -> list[int]:
     p = make_node(1, True, 1)
     d = make_node(2, False, 2)

@@ -42,7 +42,8 @@ peer, so an injection with a peer never matches them).  Among the matching calls
 call sequence always gives the same outcome) until it has fired ``count`` times (``None`` = no
 limit).  Injections are checked in the order they were made; delays of all firing injections add up,
 the smallest bandwidth applies, and the first firing injection with a status (or peer loss) decides
-the failure.
+the failure: the injections after it do not see that call (it counts in none of their ``after``,
+``count`` or ``seen``).
 
 Where faults fire
 -----------------

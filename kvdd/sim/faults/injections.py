@@ -22,7 +22,8 @@ class Injection:
 
     Use it as a context manager (leaving the block removes it) or call :meth:`remove`.  The
     attributes are read-only descriptions of the injection; :attr:`seen` and :attr:`fired` count
-    the matching calls and the calls it acted on.
+    the matching calls that reached it (not those an earlier injection failed) and the calls it
+    acted on.
     """
 
     def __init__(self, kinds: frozenset[str], *, status: int | None, delay_ms: float,
@@ -49,7 +50,8 @@ class Injection:
     # -- state ----------------------------------------------------------------------------
     @property
     def seen(self) -> int:
-        """Calls that matched kind, instance and peer so far."""
+        """Calls that matched kind, instance and peer and reached this injection so far (a call
+        an earlier injection failed does not)."""
         return self._seen
 
     @property
