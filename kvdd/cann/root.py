@@ -255,6 +255,9 @@ def run_from_args(args: argparse.Namespace) -> int:
               "--enable-shared", file=sys.stderr)
     print("next:")
     print(f"  source {shlex.quote(str(root / 'set_env.sh'))}")
+    print("  kvdd doctor                 # which llm_datadist `import llm_datadist` loads")
+    print("  python my_connector.py      # Python: `import llm_datadist` is the simulator")
     print("  g++ -std=c++17 -D_GLIBCXX_USE_CXX11_ABI=%d -I$ASCEND_HOME_PATH/include prog.cpp "
-          "-L$ASCEND_HOME_PATH/lib64 -lllm_datadist -lmetadef -lascendcl -lpthread" % args.cxx11_abi)
+          "-L$ASCEND_HOME_PATH/lib64 -lllm_datadist -lmetadef -lascendcl -lpthread"
+          "   # C++" % args.cxx11_abi)
     return 0
