@@ -24,6 +24,7 @@ from kvdd.sim.fabric import samehost
 from kvdd.sim.fabric.protocol import RemoteCache
 from kvdd.sim.fabric.samehost_path import (STATE_CLOSED, STATE_UNREGISTERED, OneSidedLease,
                                            OneSidedPeer, ServedTable)
+from kvdd.sim.fabric.wire import MAX_LEASE_MS
 from shared_support import FakeServedCache
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
@@ -292,3 +293,32 @@ def test_a_lease_hog_cannot_hold_unregister() -> None:
         child.kill()
         child.wait()
         served.close()
+
+
+def test_a_zero_wait_times_out_before_the_table_is_read(pair: Pair) -> None:
+    """SEMANTICS.md §10 rule 9 as over TCP: a 0 ms wait is LLM_TIMEOUT whatever the cache's slot
+    says (registered or not), and enters no slot; 1 ms reads the slot."""
+    cid = 3
+    assert pair.reader.acquire(pair.snapshot[cid], _addrs(pair, cid), 0) == (Status.LLM_TIMEOUT, None)
+    pair.entries[0].unregister()
+    assert pair.reader.acquire(pair.snapshot[cid], _addrs(pair, cid), 0) == (Status.LLM_TIMEOUT, None)
+    assert pair.reader.acquire(pair.snapshot[cid], _addrs(pair, cid), 1) == (
+        Status.LLM_KV_CACHE_NOT_EXIST, None)
+    assert pair.served.table.inflight(0) == 0
+
+
+@pytest.mark.parametrize("wait_ms", [MAX_LEASE_MS - 1, MAX_LEASE_MS, MAX_LEASE_MS + 1, 0x7FFFFFFF])
+def test_a_lease_lives_at_most_the_owners_cap(pair: Pair, wait_ms: int) -> None:
+    """The reader's lease deadline is min(its wait, MAX_LEASE_MS): the owner waits no longer for
+    it (TCP leases have the same cap)."""
+    t0 = time.monotonic()
+    got = pair.reader.acquire(pair.snapshot[5], _addrs(pair, 5), wait_ms)
+    t1 = time.monotonic()
+    assert got is not None and got[0] == Status.LLM_SUCCESS
+    lease = got[1]
+    assert isinstance(lease, OneSidedLease)
+    try:
+        limit = min(wait_ms, MAX_LEASE_MS) / 1000.0
+        assert t0 + limit <= lease.deadline <= t1 + limit
+    finally:
+        pair.reader.release(lease)

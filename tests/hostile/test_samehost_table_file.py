@@ -66,3 +66,22 @@ def test_the_honest_table_passes_and_other_files_are_refused(tmp_path: object) -
     finally:
         for fd in (r, w, disk):
             os.close(fd)
+
+
+@pytest.mark.parametrize("seals", [
+    SEALS & ~fcntl.F_SEAL_SHRINK,  # the peer could shrink it under the reader: SIGBUS
+    SEALS & ~fcntl.F_SEAL_GROW,
+    SEALS & ~fcntl.F_SEAL_SEAL,  # it could still add F_SEAL_WRITE, or any other seal, later
+    SEALS | fcntl.F_SEAL_WRITE,  # the reader could not map it writable
+    0,
+], ids=["no-shrink-seal", "no-grow-seal", "no-seal-seal", "write-sealed", "unsealed"])
+def test_a_table_without_exactly_the_resize_seals_is_refused(seals: int) -> None:
+    fd = os.memfd_create("table", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, _size(3))
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        with pytest.raises(samehost.SameHostRefused, match="not sealed"):
+            check_table_fd(fd, 3, _size(3))
+    finally:
+        os.close(fd)

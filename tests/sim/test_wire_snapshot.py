@@ -105,3 +105,26 @@ def test_encoding_round_trips_a_served_table() -> None:
         snap, addrs = wire.decode_snapshot(Reader(bytes(w.buf)))
         assert list(snap) == list(entries)
         assert all(addrs[c] == entries[c].addrs and snap[c].num_tensors == n for c in entries)
+
+
+@pytest.mark.parametrize("n", [1, 64, 65])  # 65 tensors: the addresses checked with numpy
+@pytest.mark.parametrize("count", [1, 15, 16])  # 16: with a second shape, cache by cache too
+def test_a_zero_address_is_refused_cache_by_cache(count: int, n: int) -> None:
+    records = _table(random.Random(count * 100 + n), count, n)
+    if count == 16:
+        cid, _n, t, b, s, ragged, placement, addrs = records[0]
+        records[0] = (cid, n + 1, t, b, s, ragged, placement, addrs + [1 << 40])
+    clean = _encode(records)
+    assert _decoded(clean) == _reference(clean) != "refused"
+    cid, n_last, t, b, s, ragged, placement, addrs = records[-1]
+    records[-1] = (cid, n_last, t, b, s, ragged, placement, addrs[:-1] + [0])
+    assert _decoded(_encode(records)) == "refused"
+
+
+def test_a_table_holds_at_most_max_snapshot_caches() -> None:
+    cap = wire.MAX_SNAPSHOT_CACHES
+    records: list[Record] = [(i, 1, 4096, 1, 4096, 0, 0, [4096 * (i + 1)]) for i in range(cap + 1)]
+    snap, _addrs = wire.decode_snapshot(Reader(_encode(records[:cap])))  # exactly at the cap
+    assert len(snap) == cap
+    with pytest.raises(ProtocolError, match="at most"):  # one past, the bytes all there
+        wire.decode_snapshot(Reader(_encode(records)))
