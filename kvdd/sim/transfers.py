@@ -40,6 +40,15 @@ def _select(regions: list[Region], tensors: Sequence[int]) -> Sequence[Region]:
     return [regions[i] for i in tensors]
 
 
+def _timed_out(sync_wait_ms: int) -> str:
+    """Why a transfer got LLM_TIMEOUT from its peer (the link is broken from now on: rule 8)."""
+    if sync_wait_ms <= 0:
+        return ("llm.SyncKvCacheWaitTime is 0: a transfer with another process times out at once "
+                "(SEMANTICS.md §10 rule 9); unlink and link again")
+    return (f"the peer did not answer within {sync_wait_ms} ms (llm.SyncKvCacheWaitTime); "
+            "unlink and link again")
+
+
 def run(entity: Entity, local: CacheEntry, rc: RemoteCache, pull: bool, sync_wait_ms: int,
         local_tensors: Sequence[int], remote_tensors: Sequence[int],
         local_off: np.ndarray, remote_off: np.ndarray, length: np.ndarray) -> int:
@@ -54,7 +63,7 @@ def run(entity: Entity, local: CacheEntry, rc: RemoteCache, pull: bool, sync_wai
             if status == TIMEOUT:
                 entity.broken = True
             reject(status, f"remote cache {rc.cache_id} is gone" if status == NOT_EXIST
-                   else "the peer did not answer")
+                   else _timed_out(sync_wait_ms))
         try:
             regions = _select(local.regions, local_tensors)
             if pull:

@@ -350,7 +350,7 @@ def test_sync_wait_zero_times_out(world: World) -> None:
     out; the link is then broken (rule 8)."""
     d, p, dh, ph = setup_pair(world, d_extra={WAIT: "0"})
     assert link(d, p) == [S]
-    with world.rejects(TIMEOUT):
+    with world.unchanged(), pytest.raises(kvdd.LLMTimeoutError, match="SyncKvCacheWaitTime is 0"):
         d.pull_kv_cache(ph.index(), dh.cache())
     with world.rejects(TIMEOUT):
         d.push_kv_cache(dh.cache(), ph.index())
