@@ -316,3 +316,66 @@ def test_a_full_table_closes_at_accept_what_is_not_a_whole_hello() -> None:
             s.close()
         lst.close()
     del owner
+
+
+def _idle_gate(monkeypatch: pytest.MonkeyPatch) -> tuple[HandshakeGate, _Owner]:
+    """A gate whose handshake workers are all busy: the hellos submitted to it wait."""
+
+    class BusyWorker(threading.Thread):
+        def start(self) -> None:  # started, but never takes a hello
+            pass
+
+    owner = _Owner()
+    gate = HandshakeGate(cast(Callable[[], LinkOwner | None], weakref.ref(owner)),
+                         lambda conn: conn.close(), "test")
+    monkeypatch.setattr(gate_mod, "threading", types.SimpleNamespace(Thread=BusyWorker))
+    return gate, owner
+
+
+def test_hellos_waiting_from_one_address_stop_exactly_at_their_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_QUEUED_HELLOS_PER_SOURCE hellos of one address wait for the busy workers; the next
+    one from that address is refused (the listener closes it), another address's is not."""
+    gate, _owner = _idle_gate(monkeypatch)
+    session = cast(Session, None)
+    pairs = [socket.socketpair() for _ in range(wire.MAX_QUEUED_HELLOS_PER_SOURCE + 2)]
+    try:
+        for ours, _theirs in pairs[:wire.MAX_QUEUED_HELLOS_PER_SOURCE]:
+            assert gate.submit(ours, session, wire.F_HELLO_LINK, bytearray(8), "10.0.0.1")
+        assert not gate.submit(pairs[-2][0], session, wire.F_HELLO_LINK, bytearray(8), "10.0.0.1")
+        assert gate.submit(pairs[-1][0], session, wire.F_HELLO_LINK, bytearray(8), "10.0.0.2")
+    finally:
+        gate.close()
+        for x, y in pairs:
+            x.close()
+            y.close()
+
+
+def test_linked_caches_of_all_addresses_stop_exactly_at_the_global_cap() -> None:
+    """The tables of the links from every address hold at most MAX_LINKED_CACHES caches in all
+    (4 addresses at their own cap reach it exactly): one cache more from a fifth address is
+    refused with the bound named, and fits again once a link's table is given back."""
+    owner = _Owner()
+    gate = HandshakeGate(cast(Callable[[], LinkOwner | None], weakref.ref(owner)),
+                         lambda conn: conn.close(), "test")
+    per_source = wire.MAX_LINKED_CACHES_PER_SOURCE
+    sources = wire.MAX_LINKED_CACHES // per_source
+    assert sources * per_source == wire.MAX_LINKED_CACHES  # exactly at the cap, no remainder
+    tickets = []
+    for i in range(sources):
+        ticket = gate_mod.Ticket(gate, f"10.0.0.{i + 1}")
+        assert ticket.reserve(5000 + i) is None
+        assert ticket.charge(per_source) is None
+        tickets.append(ticket)
+    late = gate_mod.Ticket(gate, "10.0.1.1")
+    assert late.reserve(6000) is None
+    why = late.charge(1)
+    assert why is not None
+    assert f"{per_source} caches and {wire.MAX_LINKED_CACHES} in all" in why
+    assert why.endswith("this link's table has 1")
+    tickets[0].cancel()  # a link that was not made gives its table's count back
+    assert late.charge(1) is None
+    late.cancel()
+    for ticket in tickets[1:]:
+        ticket.cancel()
+    assert gate.links() == 0

@@ -34,7 +34,7 @@ import pytest
 
 import kvdd
 from kvdd import Cache, CacheDesc, CacheIndex, ClusterInfo, DataType, IpInfo, LlmRole, Status
-from kvdd.sim.fabric import auth, leases, wire
+from kvdd.sim.fabric import announce, auth, leases, wire
 from kvdd.sim.fabric.serving import check_request
 from kvdd.sim.fabric.auth import NONCE_BYTES, AuthError, load_secret
 
@@ -207,6 +207,8 @@ def test_a_connection_holds_at_most_max_leases(victim: Victim) -> None:
             assert status == S, req
             ids.append(lease_id)
         assert len(set(ids)) == wire.MAX_LEASES
+        # a cache the link does not show is not found, whatever the connection holds
+        assert rawpeer.lease(s, victim.cache_id + 1000, 999) == (Status.LLM_KV_CACHE_NOT_EXIST, 0)
         assert rawpeer.lease(s, victim.cache_id, 1000) == (Status.LLM_FAILED, 0)
         # releasing one makes room for exactly one more
         s.sendall(rawpeer.frame(wire.F_RELEASE, struct.pack("<Q", ids[0]), 1001))
@@ -232,6 +234,35 @@ def test_a_lease_lives_at_most_the_cap_whatever_wait_the_peer_announced(
         time.sleep((cap_ms + wire.LEASE_GRACE_MS) / 1000 + 0.5)
         status, data = _read(s, lease_id, [0], [0], [T], 3)
         assert status != S and data == b""
+
+
+def test_a_lease_asked_while_the_owner_finalizes_is_not_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finalize first marks the instance uninitialized, then closes its links: a LEASE that
+    arrives in between, on a cache the link still shows, is LLM_KV_CACHE_NOT_EXIST (the peer
+    gets no lease that the finalize would then have to wait for)."""
+    desc = CacheDesc(num_tensors=1, data_type=DataType.DT_UINT8, shape=(1, T))
+    mem = np.zeros(T, np.uint8)
+    dd = kvdd.LlmDataDist(8, LlmRole.PROMPT, backend="sim")
+    dd.initialize({kvdd.OPTION_DEVICE_ID: "0", kvdd.OPTION_LISTEN_IP_INFO: f"{LOCALHOST}:0"})
+    cache_id = dd.register_kv_cache(desc, kvdd.tensor_addrs([mem]))
+    s, snap = rawpeer.link(dd.listening_port, 4245)
+    answers: list[tuple[int, int]] = []
+    real_closed = announce.closed
+
+    def closed(owner_id: int) -> None:  # finalize's first step once uninitialized (its listener)
+        if not answers:
+            answers.append(rawpeer.lease(s, cache_id, 5))
+        real_closed(owner_id)
+
+    with s:
+        assert cache_id in snap
+        status, lease_id = rawpeer.lease(s, cache_id, 4)
+        assert status == S  # before: granted (then released)
+        s.sendall(rawpeer.frame(wire.F_RELEASE, struct.pack("<Q", lease_id), 6))
+        monkeypatch.setattr(announce, "closed", closed)
+        dd.finalize()
+    assert answers == [(Status.LLM_KV_CACHE_NOT_EXIST, 0)]
 
 
 # ---- the listener's authentication: malformed hellos and mode refusals ------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvdd import Status
@@ -187,3 +188,72 @@ def test_resolved_leases_count_against_the_cap() -> None:
         assert _resolved(table, owner)[0] == Status.LLM_SUCCESS
     assert _resolved(table, owner)[:2] == (Status.LLM_FAILED, 0)  # the 65th
     assert served.acquired == wire.MAX_LEASES
+
+
+def _lease_on(table: leases.LeaseTable, owner: Any, entries: Any, cache_id: int) -> tuple[int, int]:
+    answer = table.grant(owner, entries, struct.pack("<Q", cache_id), 1000)
+    status, lease_id = struct.unpack("<IQ", answer)
+    return status, lease_id
+
+
+def test_a_full_lease_table_still_answers_not_exist_for_an_unknown_cache() -> None:
+    """The checks of a LEASE in their order: a cache not visible over the link is
+    LLM_KV_CACHE_NOT_EXIST whatever the connection holds; only a lease that would be granted
+    meets the MAX_LEASES cap (LLM_FAILED), and one below the cap is still granted."""
+    table = leases.LeaseTable(Chan())
+    served = FakeServedCache()
+    owner: Any = Owner()
+    entries: Any = {3: served}
+    for _ in range(wire.MAX_LEASES - 1):
+        assert _lease_on(table, owner, entries, 3)[0] == Status.LLM_SUCCESS
+    status, lease_id = _lease_on(table, owner, entries, 3)  # the last one below the cap
+    assert status == Status.LLM_SUCCESS and lease_id == wire.MAX_LEASES
+    assert _lease_on(table, owner, entries, 4) == (Status.LLM_KV_CACHE_NOT_EXIST, 0)  # unknown
+    assert _lease_on(table, owner, entries, 3) == (Status.LLM_FAILED, 0)  # known: the cap
+    assert served.acquired == wire.MAX_LEASES  # the refusals acquired nothing
+    table.forget(1)  # one lease ends: room for one more
+    assert _lease_on(table, owner, entries, 3)[0] == Status.LLM_SUCCESS
+
+
+@pytest.mark.parametrize("held", [0, wire.MAX_LEASES])
+def test_an_owner_no_longer_initialized_grants_no_lease_on_a_served_cache(held: int) -> None:
+    """Finalize marks the owner uninitialized before its connections close: a LEASE arriving
+    then, on a cache still in the link's table, is LLM_KV_CACHE_NOT_EXIST (with a full lease
+    table too: not the cap's LLM_FAILED), and acquires nothing."""
+    table = leases.LeaseTable(Chan())
+    served = FakeServedCache()
+    owner: Any = Owner()
+    entries: Any = {3: served}
+    for _ in range(held):
+        assert _lease_on(table, owner, entries, 3)[0] == Status.LLM_SUCCESS
+    finalizing: Any = Owner()
+    finalizing.initialized = False
+    assert _lease_on(table, finalizing, entries, 3) == (Status.LLM_KV_CACHE_NOT_EXIST, 0)
+    assert table.grant_small(finalizing, entries, 3) == (Status.LLM_KV_CACHE_NOT_EXIST, None)
+    assert served.acquired == held
+
+
+def _read_status(table: leases.LeaseTable, lease_id: int) -> int:
+    zero = np.zeros(1, np.int64)
+    return table.check_runs(lease_id, zero, zero, zero)[0]
+
+
+def test_revoked_lease_ids_are_remembered_up_to_max_revoked() -> None:
+    """A READ under a lease revoked by an unregister gets LLM_KV_CACHE_NOT_EXIST; the connection
+    remembers the last MAX_REVOKED revoked ids, exactly: the oldest beyond them is forgotten and
+    answered as an expired lease (LLM_TIMEOUT)."""
+    table = leases.LeaseTable(Chan())
+    owner: Any = Owner()
+    entries: Any = {3: FakeServedCache()}
+    ids = []
+    for _ in range(leases.MAX_REVOKED + 1):
+        status, lease_id = _lease_on(table, owner, entries, 3)
+        assert status == Status.LLM_SUCCESS
+        assert table.forget(lease_id, revoked=True) is not None
+        ids.append(lease_id)
+        if len(ids) == leases.MAX_REVOKED:  # exactly MAX_REVOKED: all remembered
+            assert _read_status(table, ids[0]) == Status.LLM_KV_CACHE_NOT_EXIST
+    assert _read_status(table, ids[0]) == Status.LLM_TIMEOUT  # the oldest, forgotten
+    for lease_id in ids[1:]:
+        assert _read_status(table, lease_id) == Status.LLM_KV_CACHE_NOT_EXIST
+    assert _read_status(table, ids[-1] + 1) == Status.LLM_TIMEOUT  # never granted
