@@ -23,8 +23,9 @@ import kvdd
 from kvdd import Status
 from kvdd.sim.fabric import wire
 
+from conformance.harness import World, register
 from hostile import rawpeer
-from hostile.test_attacks import Victim, victim  # noqa: F401  (the fixture)
+from hostile.test_attacks import BIG, Victim, victim  # noqa: F401  (the fixture)
 
 S = Status.LLM_SUCCESS
 GUARD = 4096
@@ -182,3 +183,110 @@ def test_small_request_with_no_tensors_moves_nothing(victim: Victim) -> None:  #
         ftype, rreq, reply = rawpeer.read_frame(s)
         assert (ftype, rreq) == (wire.F_DONE, 13)
         assert struct.unpack("<I", reply)[0] == S
+
+
+
+def _runs(ftype: int, cache_id: int, tensors: list[int], off: list[int], length: list[int],
+          req: int) -> bytes:
+    body = wire.encode_request(cache_id, tensors, np.array(off, np.int64), np.array(length, np.int64))
+    return rawpeer.frame(ftype, body, req)
+
+
+def _nothing_then_closed(s: socket.socket) -> None:
+    """The victim sends nothing and closes the connection (within 5 s)."""
+    s.settimeout(5.0)
+    got = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the connection is still open ({len(got)} byte(s) answered)")
+    assert got == b"", f"the victim answered {len(got)} byte(s)"
+
+
+@pytest.mark.parametrize("tensors, off, length", [
+    ([0], [0, 8], [16, -1]),
+    ([0], [200, 0], [-1, 16]),
+    ([2, 5], [0, 0], [16, -(2**63)]),
+])
+def test_small_reads_of_several_runs_with_a_negative_length_are_refused(
+        victim: Victim, world: World, tensors: list[int], off: list[int],  # noqa: F811
+        length: list[int]) -> None:
+    """A LEASE_READ of several runs, one of negative length: DONE(LLM_PARAM_INVALID) and no DATA
+    (not one byte of the victim's memory is sent); the same runs without it then get exactly
+    their bytes on the same connection."""
+    ph = victim.ph
+    s, _snap = rawpeer.link(victim.port, 5151)
+    with s:
+        s.sendall(_runs(wire.F_LEASE_READ, ph.cache_id, tensors, off, length, 21))
+        ftype, rreq, reply = rawpeer.read_frame(s)
+        assert (ftype, rreq, reply) == (wire.F_DONE, 21,
+                                        struct.pack("<I", Status.LLM_PARAM_INVALID))
+        good = [(o, n) for o, n in zip(off, length) if n > 0]
+        s.sendall(_runs(wire.F_LEASE_READ, ph.cache_id, tensors, [o for o, _ in good],
+                        [n for _, n in good], 22))
+        ftype, rreq, data = rawpeer.read_frame(s)
+        mem = world.snapshot().tensors(ph)
+        assert (ftype, rreq) == (wire.F_DATA, 22)
+        assert data == b"".join(bytes(mem[k][o:o + n]) for k in tensors for o, n in good)
+        ftype, rreq, reply = rawpeer.read_frame(s)
+        assert (ftype, rreq, reply) == (wire.F_DONE, 22, struct.pack("<I", S))
+
+
+HALF = wire.SMALL_BYTES // 2
+
+
+@pytest.mark.parametrize("ftype", [wire.F_LEASE_READ, wire.F_LEASE_WRITE],
+                         ids=["lease_read", "lease_write"])
+def test_small_requests_of_several_runs_are_served_up_to_small_bytes(
+        victim: Victim, world: World, ftype: int) -> None:  # noqa: F811
+    """Exactly SMALL_BYTES in two runs: a LEASE_READ gets every byte of both runs, a
+    LEASE_WRITE lands every byte; both end with DONE(LLM_SUCCESS)."""
+    p = victim.p
+    big = register(p, BIG)
+    s, _snap = rawpeer.link(victim.port, 5252)
+    with s:
+        off, length = [0, HALF + 64], [HALF, HALF]
+        new = bytes((3 * i + 1) & 0xFF for i in range(wire.SMALL_BYTES))
+        before = world.snapshot().tensors(big)[1].copy()
+        if ftype == wire.F_LEASE_READ:
+            s.sendall(_runs(ftype, big.cache_id, [1], off, length, 31))
+            rftype, rreq, data = rawpeer.read_frame(s)
+            assert (rftype, rreq) == (wire.F_DATA, 31)
+            assert data == bytes(before[:HALF]) + bytes(before[HALF + 64:2 * HALF + 64])
+        else:
+            s.sendall(_runs(ftype, big.cache_id, [1], off, length, 31)
+                      + rawpeer.frame(wire.F_DATA, new, 31))
+        rftype, rreq, reply = rawpeer.read_frame(s)
+        assert (rftype, rreq, reply) == (wire.F_DONE, 31, struct.pack("<I", S))
+        after = world.snapshot().tensors(big)[1]
+        if ftype == wire.F_LEASE_WRITE:
+            before[:HALF] = np.frombuffer(new[:HALF], np.uint8)
+            before[HALF + 64:2 * HALF + 64] = np.frombuffer(new[HALF:], np.uint8)
+        assert (after == before).all()
+    p.unregister(big.cache_id)
+
+
+@pytest.mark.parametrize("ftype", [wire.F_LEASE_READ, wire.F_LEASE_WRITE],
+                         ids=["lease_read", "lease_write"])
+def test_small_requests_of_several_runs_beyond_small_bytes_close_the_link(
+        victim: Victim, world: World, ftype: int) -> None:  # noqa: F811
+    """One byte past SMALL_BYTES in two runs (a correct peer sends it as LEASE + READ / WRITE):
+    the connection closes, nothing is answered and no byte of the cache changes."""
+    p = victim.p
+    big = register(p, BIG)
+    s, _snap = rawpeer.link(victim.port, 5353)
+    with s:
+        before = world.snapshot().tensors(big)[1].copy()
+        request = _runs(ftype, big.cache_id, [1], [0, HALF + 64], [HALF, HALF + 1], 41)
+        if ftype == wire.F_LEASE_WRITE:
+            request += rawpeer.frame(wire.F_DATA, b"\xee" * (wire.SMALL_BYTES + 1), 41)
+        try:
+            s.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed while the DATA was on its way
+        _nothing_then_closed(s)
+        assert (world.snapshot().tensors(big)[1] == before).all()
+    p.unregister(big.cache_id)

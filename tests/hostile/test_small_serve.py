@@ -139,3 +139,76 @@ def test_a_release_runs_even_when_the_entry_is_broken() -> None:
     with pytest.raises(OverflowError):
         _compiled(e, 0, 5, ONE_RUN.pack(1, 1, 1, 0, 0, 8))
     assert e.held == 0 and e.releases == 1
+
+
+# -- requests of several runs or tensors: the Python serve alone ---------------------------------
+
+def _runs_payload(cache_id: int, tensors: list[int], off: list[int], length: list[int]) -> bytes:
+    return (struct.pack("<QII", cache_id, len(tensors), len(length))
+            + struct.pack(f"<{len(tensors)}I{len(off)}q{len(length)}q", *tensors, *off, *length))
+
+
+def _done_frame(req: int, status: int) -> bytes:
+    return wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_DONE, req, 4) + struct.pack(
+        "<I", status)
+
+
+@pytest.mark.parametrize("tensors, off, length", [
+    ([0], [0, 8], [16, -1]),  # a negative length after a valid run
+    ([0], [8, 0], [-1, 16]),  # ... before it
+    ([0], [64, 0], [-1, 16]),  # at the tensor's end
+    ([0], [0, 0], [16, -(2**63)]),  # the most negative length
+    ([0, 1], [0, 0], [16, -64]),  # two tensors
+    ([1], [0, 0, 0], [-1, -1, -1]),  # nothing positive: zero bytes announced
+])
+def test_a_negative_length_in_a_request_of_several_runs_is_refused(tensors: list[int],
+                                                                   off: list[int],
+                                                                   length: list[int]) -> None:
+    """A LEASE_READ of several runs where one length is negative: the answer is exactly
+    DONE(LLM_PARAM_INVALID), with no DATA (not one byte of the owner's memory is read), and the
+    cache is released once."""
+    e = Entry(64, [64, 64])
+    assert _python(e, 0, 9, _runs_payload(1, tensors, off, length)) == _done_frame(9, PARAM_INVALID)
+    assert e.held == 0 and e.releases == 1
+
+
+def test_the_same_runs_without_the_negative_length_are_served_exactly() -> None:
+    """The valid counterpart: two runs of tensor 0 and 1 answered with exactly their bytes."""
+    e = Entry(64, [64, 64])
+    got = _python(e, 0, 9, _runs_payload(1, [0, 1], [0, 40], [16, 24]))
+    want = [e.arenas[k][o:o + n].tobytes() for k in (0, 1) for o, n in ((0, 16), (40, 24))]
+    assert got == (wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_DATA, 9, 80)
+                   + b"".join(want) + _done_frame(9, 0))
+    assert e.held == 0 and e.releases == 1
+
+
+HALF = wire.SMALL_BYTES // 2
+
+
+@pytest.mark.parametrize("tensors, length, served", [
+    ([0], [HALF, HALF], True),  # exactly SMALL_BYTES in two runs
+    ([0], [HALF, HALF + 1], False),  # one byte more
+    ([0, 0], [HALF // 2, HALF // 2], True),  # exactly SMALL_BYTES in two tensors x two runs
+    ([0, 0], [HALF // 2, HALF // 2 + 1], False),  # two bytes more (one per tensor)
+    ([0], [HALF, -5, HALF], True),  # a negative length adds nothing to the total (then refused)
+])
+def test_a_small_request_of_several_runs_is_bounded_by_small_bytes(tensors: list[int],
+                                                                   length: list[int],
+                                                                   served: bool) -> None:
+    """SMALL_BYTES bounds the bytes of a LEASE_READ of several runs or tensors: at the bound it
+    is served (every byte, from the checked runs); one byte past it is a ProtocolError before
+    the cache is granted (a correct peer sends it as LEASE + READ)."""
+    e = Entry(70000, [70000])
+    off = [0] * len(length)
+    got = _python(e, 0, 3, _runs_payload(1, tensors, off, length))
+    if not served:
+        assert got is wire.ProtocolError
+        assert e.held == 0 and e.releases == 0
+        return
+    assert e.held == 0 and e.releases == 1
+    if any(n < 0 for n in length):
+        assert got == _done_frame(3, PARAM_INVALID)
+        return
+    run = [e.arenas[0][:n].tobytes() for n in length]
+    assert got == (wire.HDR.pack(wire.MAGIC, wire.PROTOCOL_VERSION, wire.F_DATA, 3, wire.SMALL_BYTES)
+                   + b"".join(run) * len(tensors) + _done_frame(3, 0))
