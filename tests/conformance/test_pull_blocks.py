@@ -118,6 +118,23 @@ def test_pull_blocks_tensor_count_mismatch(world: World) -> None:
     pull_blocks_checked(world, d, ph, dh, [1], [2], ext_param=ext((3, 3), (0, 0)))
 
 
+def test_pull_blocks_remote_with_more_tensors_is_refused(world: World) -> None:
+    """§3.11 step 10 (tensor-count rule of §3.10 step 14): without layer ranges a remote cache
+    with more tensors than the local one is refused too, and nothing is written."""
+    d, p, dh, ph = linked(world, pspec=Spec(n=12))
+    with world.rejects(PARAM_INVALID):
+        d.pull_kv_blocks(ph.index(), dh.cache(), [0], [0])
+
+
+def test_pull_blocks_dst_run_starting_at_the_last_uint64_index_is_refused(world: World) -> None:
+    """§3.11 step 9: every group's first and last dst index must be < L.B.  Pairs (0, 2**64-1),
+    (1, 0) form one run (both indices step by +1 modulo 2**64) whose last dst index 0 is in range
+    but whose first is not: LLM_PARAM_INVALID, nothing written."""
+    d, p, dh, ph = linked(world)
+    with world.rejects(PARAM_INVALID):
+        d.pull_kv_blocks(ph.index(), dh.cache(), [0, 1], [2**64 - 1, 0])
+
+
 # -- block size = local stride (§3.11, §7.4) and the remote bounds (step 11, rule 1) -------------------
 
 

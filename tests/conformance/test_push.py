@@ -309,6 +309,15 @@ def test_s76_push_blocks_out_of_range(world: World, src: list[int], dst: list[in
         d.push_kv_blocks(dh.cache(), ph.index(), src, dst)
 
 
+def test_push_blocks_src_run_starting_at_the_last_uint64_index_is_refused(world: World) -> None:
+    """§3.13 step 8: for every group the first and last src index must be < L.B.  Pairs
+    (2**64-1, 0), (0, 1) form one run (both indices step by +1 modulo 2**64) whose last src index
+    0 is in range but whose first is not: LLM_PARAM_INVALID, nothing written."""
+    d, p, dh, ph = linked(world)
+    with world.rejects(PARAM_INVALID):
+        d.push_kv_blocks(dh.cache(), ph.index(), [2**64 - 1, 0], [0, 1])
+
+
 def test_push_blocks_partial_multi_layer(world: World, transfer: str) -> None:
     d, p, dh, ph = linked(world, transfer)
     push_blocks_checked(world, d, dh, ph, [0], [1], ext_param=ext((0, 1), (4, 5)),

@@ -12,6 +12,7 @@ from pkg_fake import RecordingWrapper, blocks, contiguous, desc, fake, outcome, 
 
 from kvdd.llm_datadist import (
     BlocksCacheKey,
+    CacheKey,
     CacheKeyByIdAndIndex,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -196,3 +197,78 @@ def test_utils_checks_take_upstreams_positional_arguments() -> None:
     with pytest.raises(TypeError):
         u.check_list_uint64("x", ["a", -1])
     u.check_list_int64("x", iter([1, 2]))
+
+
+def test_pull_cache_checks_the_cache_type_before_the_batch_index(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.5 Python order: ``cache`` is a Cache (TypeError) before ``batch_index`` uint32
+    (ValueError)."""
+    mgr = started().cache_manager
+    key = CacheKeyByIdAndIndex(1, 1)
+    dst = contiguous(mgr)
+    assert outcome(fake, lambda: mgr.pull_cache(key, "x", batch_index=-1)) is TypeError  # type: ignore[arg-type]
+    assert outcome(fake, lambda: mgr.pull_cache(key, dst, batch_index=-1)) is ValueError
+
+
+def test_pull_cache_checks_the_size_type_before_the_destination_kind(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.5 Python order: ``size`` int64 (ValueError) before a blocks destination
+    (LLM_PARAM_INVALID)."""
+    mgr = started().cache_manager
+    key = CacheKeyByIdAndIndex(1, 1)
+    dst = blocks(mgr)
+    assert outcome(fake, lambda: mgr.pull_cache(key, dst, size=2**63)) is ValueError
+    assert outcome(fake, lambda: mgr.pull_cache(key, dst, size=8)) == PI
+
+
+def test_pull_cache_checks_tensor_num_per_layer_before_the_key_ids(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.5 Python order: ``tensor_num_per_layer`` uint32 (ValueError) before the CacheKey
+    req_id/prefix_id rule (LLM_PARAM_INVALID)."""
+    mgr = started(RA_OFF).cache_manager
+    dst = contiguous(mgr)
+    both_ids = CacheKey(1, req_id=3, prefix_id=4)
+    assert outcome(fake, lambda: mgr.pull_cache(both_ids, dst, tensor_num_per_layer=2**32)) is ValueError
+    assert outcome(fake, lambda: mgr.pull_cache(both_ids, dst)) == PI
+
+
+def test_pull_blocks_checks_dst_blocks_empty_before_tensor_num_per_layer(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.6 Python order: empty ``dst_blocks`` (LLM_PARAM_INVALID) before
+    ``tensor_num_per_layer`` uint32 (ValueError)."""
+    mgr = started().cache_manager
+    dst = blocks(mgr)
+    key = BlocksCacheKey(1, 0)
+    assert outcome(fake, lambda: mgr.pull_blocks(key, dst, [0], [], tensor_num_per_layer=2**32)) == PI
+    assert outcome(fake, lambda: mgr.pull_blocks(key, dst, [0], [0], tensor_num_per_layer=2**32)) is ValueError
+
+
+def test_pull_blocks_checks_the_block_list_types_before_the_destination_kind(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.6 Python order: block lists of int (TypeError) before "destination must be a
+    blocks cache" (LLM_PARAM_INVALID)."""
+    mgr = started().cache_manager
+    plain = contiguous(mgr)
+    key = BlocksCacheKey(1, 0)
+    assert outcome(fake, lambda: mgr.pull_blocks(key, plain, [0], ["a"])) is TypeError  # type: ignore[list-item]
+    assert outcome(fake, lambda: mgr.pull_blocks(key, plain, [0], [0])) == PI
+
+
+def test_pull_layer_range_start_sign_before_its_uint32_bound(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.7: a negative start (LLM_PARAM_INVALID) is checked before the uint32 bound of
+    the same range (ValueError)."""
+    mgr = started().cache_manager
+    dst = contiguous(mgr)
+    key = CacheKeyByIdAndIndex(1, 1)
+    assert outcome(fake, lambda: mgr.pull_cache(key, dst, src_layer_range=range(-1, 2**32 + 1),
+                                                dst_layer_range=range(0, 1))) == PI
+
+
+def test_pull_layer_range_ending_at_the_last_uint32_layer_reaches_the_engine(fake: RecordingWrapper) -> None:
+    """PYPKG.md §4.7: first/last layer must be uint32 (ValueError beyond); layer 2**32 - 1 itself is
+    in range and its tensor indices are passed to the engine."""
+    mgr = started().cache_manager
+    dst = contiguous(mgr)
+    key = CacheKeyByIdAndIndex(1, 1)
+    last = range(2**32 - 1, 2**32)
+    mgr.pull_cache(key, dst, src_layer_range=last, dst_layer_range=last, tensor_num_per_layer=1)
+    param = fake.last("pull_cache_v2")[2]
+    assert (param[4], param[5]) == ([2**32 - 1], [2**32 - 1])
+    beyond = range(2**32, 2**32 + 1)
+    assert outcome(fake, lambda: mgr.pull_cache(key, dst, src_layer_range=beyond, dst_layer_range=beyond,
+                                                tensor_num_per_layer=1)) is ValueError
