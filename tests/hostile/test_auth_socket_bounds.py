@@ -5,16 +5,21 @@ from a raw socket, so a check weakened by one, or skipped, fails here:
 
 * ``context`` is at most 255 bytes: 255 authenticates, 256 is a ValueError before a byte is sent;
 * the exchange's deadline is exact: with no time left it gives up although the peer's bytes are
-  waiting, with 0.9 s left (a frozen clock) it completes;
+  waiting, with 0.9 s left (a frozen clock) it completes; an acceptor's whole exchange ends
+  ``timeout`` after it started, not after its hello;
 * a peer that closes mid-exchange is reported as closed at once (not as a timeout);
 * a hello whose mode byte is neither 0 nor 1 is refused by both roles, and an acceptor refuses it
   without a challenge;
 * two sides whose ``KVDD_FABRIC_AUTH`` differs each say what to set on their side;
-* an acceptor refuses a wrong initiator proof with exactly one ``\\x00`` byte and no proof of its own.
+* an acceptor refuses a wrong initiator proof with exactly one ``\\x00`` byte and no proof of its own,
+  also the right proof with any one byte changed (the whole MAC is compared);
+* an initiator refuses an acceptor that says ``\\x01`` but whose proof is random, the initiator's
+  own reflected, or the right one with a byte changed, and sends nothing more.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import socket
 import threading
@@ -198,3 +203,119 @@ def test_acceptor_refuses_a_wrong_proof_with_one_zero_byte_and_no_proof_of_its_o
             got += chunk
         assert len(got) == NONCE_BYTES + 1 + 1  # the challenge, then the refusal, then EOF
         assert got[NONCE_BYTES] == 0 and got[-1:] == b"\x00"
+
+
+# ---- the acceptor's answer ------------------------------------------------------------------------------
+
+
+def _raw_acceptor(answer: Callable[[bytes, bytes, bytes, bytes], bytes]
+                  ) -> Callable[[socket.socket], object]:
+    """An acceptor side played from raw bytes: it accepts the initiator's proof (``\\x01``) and
+    sends ``answer(hello, challenge, t0, proof)`` as its own."""
+
+    def run(s: socket.socket) -> object:
+        s.settimeout(5.0)
+        hello = _recv(s, NONCE_BYTES + 1)
+        challenge = secrets.token_bytes(NONCE_BYTES) + b"\x00"
+        s.sendall(challenge)
+        proof = _recv(s, 32)
+        t0 = hashlib.sha256(bytes([len(CONTEXT)]) + CONTEXT + hello + challenge).digest()
+        s.sendall(b"\x01" + answer(hello, challenge, t0, proof))
+        return s.recv(1)  # b"": the initiator closed without another byte
+
+    return run
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = s.recv(n - len(got))
+        assert chunk
+        got += chunk
+    return got
+
+
+def _honest(hello: bytes, challenge: bytes, t0: bytes, proof: bytes) -> bytes:
+    return auth.mac(KEY, "acceptor", hello[:NONCE_BYTES], challenge[:NONCE_BYTES],
+                    hashlib.sha256(t0 + proof).digest())
+
+
+def test_an_answer_made_with_the_secret_authenticates_the_acceptor() -> None:
+    mine, theirs = _both(_initiator(ON), _raw_acceptor(_honest))
+    assert isinstance(mine, auth.Session) and mine.initiator
+    assert theirs == b""
+
+
+def _off_by_one(where: int) -> Callable[[bytes, bytes, bytes, bytes], bytes]:
+    def answer(hello: bytes, challenge: bytes, t0: bytes, proof: bytes) -> bytes:
+        got = bytearray(_honest(hello, challenge, t0, proof))
+        got[where] ^= 1
+        return bytes(got)
+
+    return answer
+
+
+@pytest.mark.parametrize("answer", [
+    lambda h, c, t0, proof: secrets.token_bytes(32),  # made without the secret
+    lambda h, c, t0, proof: proof,  # the initiator's own proof, reflected
+    _off_by_one(0), _off_by_one(31),
+], ids=["random", "reflected", "first-byte", "last-byte"])
+def test_initiator_refuses_an_acceptor_that_accepts_without_proving_the_secret(
+        answer: Callable[[bytes, bytes, bytes, bytes], bytes]) -> None:
+    mine, theirs = _both(_initiator(ON), _raw_acceptor(answer))
+    assert isinstance(mine, AuthError)
+    assert str(mine).startswith("the peer did not prove that it holds the secret")
+    assert theirs == b""  # nothing sent after the answer
+
+
+@pytest.mark.parametrize("where", [0, 15, 16, 31])
+def test_acceptor_refuses_the_right_proof_with_any_one_byte_changed(where: int) -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        hello = secrets.token_bytes(NONCE_BYTES) + b"\x00"
+        b.sendall(hello)
+        out: list[object] = [None]
+
+        def acceptor() -> None:
+            try:
+                out[0] = auth.authenticate_socket(a, initiator=False, context=CONTEXT,
+                                                  timeout=5.0, secret=ON)
+            except Exception as exc:
+                out[0] = exc
+
+        t = threading.Thread(target=acceptor, daemon=True)
+        t.start()
+        b.settimeout(5.0)
+        challenge = _recv(b, NONCE_BYTES + 1)
+        t0 = hashlib.sha256(bytes([len(CONTEXT)]) + CONTEXT + hello + challenge).digest()
+        proof = bytearray(auth.mac(KEY, "initiator", hello[:NONCE_BYTES], challenge[:NONCE_BYTES], t0))
+        proof[where] ^= 1
+        b.sendall(bytes(proof))
+        t.join(10)
+        assert not t.is_alive()
+        assert isinstance(out[0], AuthError)
+        assert str(out[0]).startswith("the peer failed the challenge-response")
+        a.close()
+        assert _recv(b, 1) == b"\x00"  # refused, and no proof of its own
+        assert b.recv(64) == b""
+
+
+def test_the_acceptor_s_whole_exchange_ends_timeout_after_it_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its hello read in time, the proof (already waiting) is not read once ``timeout`` has passed
+    since the start, although less than twice that has."""
+    calls = [0]
+
+    def clock() -> float:  # the start and the hello's read at 1000.0; from then on 1001.5
+        calls[0] += 1
+        return 1000.0 if calls[0] <= 2 else 1001.5
+
+    monkeypatch.setattr(auth, "time", types.SimpleNamespace(monotonic=clock))
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(secrets.token_bytes(NONCE_BYTES) + b"\x00" + secrets.token_bytes(32))
+        with pytest.raises(AuthError, match="did not complete authentication in time"):
+            auth.authenticate_socket(a, initiator=False, context=CONTEXT, timeout=1.0, secret=ON)
+        b.settimeout(1.0)
+        assert len(_recv(b, NONCE_BYTES + 1)) == NONCE_BYTES + 1  # the challenge, nothing after it
+        assert _nothing_sent(b)

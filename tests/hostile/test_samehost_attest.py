@@ -6,6 +6,7 @@ kernels without it)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -116,3 +117,100 @@ def test_a_process_of_our_real_uid_acting_as_another_is_refused() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+# ---- what the attestation refuses ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change a process's real uid")
+def test_a_process_acting_as_our_uid_with_another_real_uid_is_refused() -> None:
+    """Effective uid ours, real and saved uid another's (a set-uid program another user runs):
+    every uid must match, not only the effective one."""
+    code = ("import os, time; os.setresuid(65534, 0, 65534); print('ok', flush=True); "
+            "time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ok"
+        fd = _xproc.pidfd_open(child.pid)
+        assert A.pidfd_identity(fd) == (child.pid, (65534, 0, 65534, 0))
+        with pytest.raises(A.SameHostRefused, match="the process at the other end runs as uid"):
+            A.attest(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed on refusal
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_our_own_process_is_no_peer() -> None:
+    fd = _xproc.pidfd_open(os.getpid())
+    with pytest.raises(A.SameHostRefused, match="the kernel reports no usable peer process"):
+        A.attest(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_no_pidfd_is_refused_as_such() -> None:
+    with pytest.raises(A.SameHostRefused, match="the kernel attached no pidfd to the proof"):
+        A.attest(-1)
+
+
+def test_a_peer_of_ours_is_attested_and_its_pidfd_kept() -> None:
+    child = subprocess.Popen(_SLEEPER)
+    fd = _xproc.pidfd_open(child.pid)
+    try:
+        assert A.attest(fd) == (child.pid, os.geteuid(), fd)
+        os.fstat(fd)  # kept
+    finally:
+        os.close(fd)
+        child.kill()
+        child.wait()
+
+
+def test_a_peer_that_exits_while_its_uids_are_read_is_refused(way: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """(/proc: its pid was read, then its uids, then it exited: the uids may be another
+    process's, so the pidfd must still be alive after the reads.)"""
+    if way != "proc":
+        pytest.skip("one read with the ioctl")
+    child = subprocess.Popen(_SLEEPER)
+    real = A.uids_of
+
+    def then_exit(pid: int) -> tuple[int, ...]:
+        got = real(pid)
+        child.kill()
+        child.wait()
+        return got
+
+    monkeypatch.setattr(A, "uids_of", then_exit)
+    fd = _xproc.pidfd_open(child.pid)
+    with pytest.raises(A.SameHostRefused, match="the peer process exited during the proof"):
+        A.attest(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_later_message_from_another_process_is_refused() -> None:
+    child = subprocess.Popen(_SLEEPER)
+    try:
+        A.same_sender(_xproc.pidfd_open(child.pid), child.pid)  # the attested one: fine
+        other = _xproc.pidfd_open(os.getpid())
+        with pytest.raises(A.SameHostRefused, match="a later proof message came from another process"):
+            A.same_sender(other, child.pid)
+        with pytest.raises(OSError):
+            os.fstat(other)  # closed
+        with pytest.raises(A.SameHostRefused, match="came from another process"):
+            A.same_sender(-1, child.pid)  # no sender named
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_message_longer_than_asked_is_refused_as_truncated() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        b.sendall(b"x" * 65)
+        with pytest.raises(A.SameHostRefused, match="truncated message"):
+            A.recv_msg(a, 64)
+        b.sendall(b"x" * 64)
+        assert A.recv_msg(a, 64)[:2] == (b"x" * 64, [])

@@ -198,6 +198,27 @@ def test_other_uid_is_closed_at_once(acceptor: tuple[Session, Acceptor]) -> None
     link.close()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process of another uid")
+def test_a_silent_connection_of_another_uid_is_closed_before_it_is_read(
+        acceptor: tuple[Session, Acceptor]) -> None:
+    """By its kernel credentials, right after accept: it never waits for a message (which would
+    hold one of the MAX_SETUPS proof slots for SETUP_TIMEOUT_S each)."""
+    s, a = acceptor
+    code = ("import os, socket, sys, time\nos.setgid(65534)\nos.setuid(65534)\n"
+            "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.settimeout(5)\n"
+            "c.connect(bytes.fromhex(sys.argv[1]))\nt0 = time.monotonic()\n"
+            "try:\n got = c.recv(512)\nexcept ConnectionResetError:\n got = b''\n"
+            "print(got == b'', time.monotonic() - t0)\n")
+    name = a.reply[len(samehost.offer()):]
+    out = subprocess.run([sys.executable, "-c", code, name.hex()], capture_output=True, text=True,
+                         timeout=30)
+    closed, waited = out.stdout.split()
+    assert closed == "True", out.stderr
+    assert float(waited) < samehost.SETUP_TIMEOUT_S / 2  # not dropped at the message deadline
+    link = _prove(a.reply, s)
+    link.close()
+
+
 def test_slow_and_garbage_connections_do_not_block_proofs(
         acceptor: tuple[Session, Acceptor]) -> None:
     s, a = acceptor

@@ -101,3 +101,15 @@ def test_macs_bind_role_nonces_and_transcript() -> None:
     assert base != auth.mac(key, "initiator", a, b, os.urandom(32))
     assert base != auth.mac(os.urandom(32), "initiator", a, b, t)
     assert len(auth.session_key(key, a, b, t)) == 32
+
+
+def test_a_mac_and_a_session_key_change_with_each_nonce_alone() -> None:
+    key, a, b, t = os.urandom(32), os.urandom(32), os.urandom(32), os.urandom(32)
+    for role in ("initiator", "acceptor"):
+        base = auth.mac(key, role, a, b, t)
+        assert base != auth.mac(key, role, os.urandom(32), b, t)  # the initiator's nonce
+        assert base != auth.mac(key, role, a, os.urandom(32), t)  # the acceptor's nonce
+    base = auth.session_key(key, a, b, t)
+    assert base != auth.session_key(key, os.urandom(32), b, t)
+    assert base != auth.session_key(key, a, os.urandom(32), t)
+    assert base != auth.session_key(key, a, b, os.urandom(32))

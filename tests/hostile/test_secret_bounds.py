@@ -9,6 +9,9 @@ Each test names a rule and sits on its boundary, so a check weakened by one, or 
 * ``$XDG_RUNTIME_DIR`` is used only when it is an absolute path to a real directory of this user,
   not world-writable; anything else falls back to ``~/.config``;
 * a secret file holds at most 4096 bytes; exactly 32 bytes are the raw key, even when they are text;
+* a secret of all zero bytes, a FIFO (even with a secret in it), a secret directory of any mode but
+  exactly 0700, and a symbolic link of another user on the way are refused; a file made readable by
+  others after it was read is refused on the next call (what was kept is not used);
 * while nothing changes, the per-user secret costs three ``lstat`` calls and no ``open`` per call;
   a rewritten file is read again.
 """
@@ -248,3 +251,85 @@ def test_the_first_call_of_a_process_reads_the_secret(env: Path, source: str) ->
     if source == "automatic":
         key = path.read_bytes()
     assert out.stdout.split("\n")[:2] == [want, key.hex()]
+
+
+# ---- what else a secret source must be -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["env", "file"])
+def test_a_secret_of_all_zero_bytes_is_refused(env: Path, monkeypatch: pytest.MonkeyPatch,
+                                               how: str) -> None:
+    if how == "env":
+        monkeypatch.setenv(auth.ENV_SECRET, bytes(32).hex())
+        where = f"\\${auth.ENV_SECRET}"
+    else:
+        f = env / "secret"
+        f.write_bytes(bytes(32))  # raw, as the automatic file holds a key
+        f.chmod(0o600)
+        monkeypatch.setenv(auth.ENV_SECRET_FILE, str(f))
+        where = f"secret file {f}"
+    with pytest.raises(auth.SecretError, match=f"{where} is all zero bytes, not a secret"):
+        auth.load_secret()
+
+
+def test_a_fifo_is_refused_as_such_even_with_a_secret_waiting_in_it(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fifo = env / "secret"
+    os.mkfifo(fifo, 0o600)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(fifo))
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # (a writer holds it open)
+    try:
+        os.write(writer, os.urandom(32).hex().encode())
+        with pytest.raises(auth.SecretError,
+                           match=f"secret file {fifo} is not a regular file \\(a FIFO\\)"):
+            auth.load_secret()
+    finally:
+        os.close(writer)
+
+
+@pytest.mark.parametrize("mode", [0o500, 0o300, 0o1700, 0o2700], ids=lambda m: f"{m:o}")
+def test_the_secret_directory_must_have_mode_exactly_700(env: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         mode: int) -> None:
+    runtime = _dir(env / "run", 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    d = _dir(runtime / "kvdd", mode)
+    with pytest.raises(auth.SecretError, match=f"kvdd has mode {mode:o}, not 700"):
+        auth.load_secret(create=False)
+    d.chmod(0o700)
+    with pytest.raises(auth.SecretError, match="is created on the first link"):
+        auth.load_secret(create=False)  # the same directory at 0700 passes that check
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a link owned by someone else")
+def test_a_symbolic_link_of_another_user_on_the_way_is_refused(env: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its owner could point it elsewhere at any time: what it leads to is not judged."""
+    real = _dir(env / "real-home", 0o700)
+    link = env / "home-link"
+    link.symlink_to(real)
+    monkeypatch.setenv("HOME", str(link))
+    os.lchown(link, 12345, 12345)
+    with pytest.raises(auth.SecretError, match="lies under a world-writable directory"):
+        auth.load_secret()
+    assert not (real / ".config" / "kvdd" / "fabric.secret").exists()
+    os.lchown(link, os.geteuid(), os.getegid())  # ours: its target is judged, and it passes
+    assert len(auth.load_secret().key) == 32
+
+
+def test_a_secret_file_made_readable_by_others_after_it_was_read_is_refused(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = env / "secret"
+    key = os.urandom(32)
+    f.write_bytes(key.hex().encode())
+    f.chmod(0o600)
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(f))
+    assert auth.load_secret().key == key
+    f.chmod(0o644)
+    with pytest.raises(auth.SecretError, match="is accessible by group or others \\(mode 644\\)"):
+        auth.load_secret()
+    f.chmod(0o600)
+    other = os.urandom(32)
+    f.write_bytes(other.hex().encode())  # rewritten: the new secret, not the one kept
+    os.utime(f, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert auth.load_secret().key == other
