@@ -133,7 +133,8 @@ def test_a_process_acting_as_our_uid_with_another_real_uid_is_refused() -> None:
         assert child.stdout is not None and child.stdout.readline().strip() == "ok"
         fd = _xproc.pidfd_open(child.pid)
         assert A.pidfd_identity(fd) == (child.pid, (65534, 0, 65534, 0))
-        with pytest.raises(A.SameHostRefused, match="the process at the other end runs as uid"):
+        with pytest.raises(A.SameHostRefused, match=r"runs as uid 65534 \(real, effective, "
+                           r"saved, filesystem: 65534, 0, 65534, 0\), not 0"):
             A.attest(fd)
         with pytest.raises(OSError):
             os.fstat(fd)  # closed on refusal

@@ -247,9 +247,12 @@ def attest(pidfd: int) -> tuple[int, int, int]:
             raise SameHostRefused("the kernel reports no usable peer process")
         if not _xproc.pidfd_alive(pidfd):  # (/proc: so the read above was of this very process)
             raise SameHostRefused("the peer process exited during the proof")
-        if any(u != os.getuid() for u in uids):
-            raise SameHostRefused(f"the process at the other end runs as uid {uids[1]}, not "
-                                  f"{os.getuid()}")
+        me = os.getuid()
+        other = next((u for u in uids if u != me), None)
+        if other is not None:
+            raise SameHostRefused(
+                f"the process at the other end runs as uid {other} (real, effective, saved, "
+                f"filesystem: {', '.join(map(str, uids))}), not {me}")
     except BaseException:
         close_fd(pidfd)
         raise
