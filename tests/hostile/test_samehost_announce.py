@@ -20,9 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,8 @@ from kvdd.sim.fabric.auth import NONCE_BYTES, answer_transcript, load_secret, ma
 from kvdd.sim.fabric.handshake import connect, transcript_of
 
 from hostile import rawpeer
+from hostile.endpoint_sessions import (Calls, Session, bound_session, emptied_endpoint,
+                                      new_session, settled)
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -151,14 +151,6 @@ class Initiator:
         self.proc.wait(10)
 
 
-@dataclass(frozen=True)
-class Session:
-    key: bytes
-    transcript: bytes
-    channel: bytes = b""
-    initiator: bool = False
-
-
 @pytest.fixture(scope="module")
 def initiator() -> Iterator[Initiator]:
     i = Initiator()
@@ -168,75 +160,26 @@ def initiator() -> Iterator[Initiator]:
         i.close()
 
 
-class Calls:
-    """The endpoint's calls back for one session: the tables it made, the links it told of."""
-
-    def __init__(self) -> None:
-        self.tables = 0
-        self.proven = 0
-        self.links: list[samehost.SameHostLink | None] = []
-        self.told = threading.Event()
-
-    def make_table(self) -> tuple[int, int]:
-        from kvdd.sim.fabric.samehost_path import new_table_fd
-        self.tables += 1
-        return new_table_fd(1), 1
-
-    def on_proven(self, link: samehost.SameHostLink) -> bool:
-        self.proven += 1
-        return True
-
-    def on_link(self, link: samehost.SameHostLink | None) -> None:
-        self.links.append(link)
-        if link is not None:
-            link.close()
-        self.told.set()
-
-
 def _expected() -> tuple[samehost_endpoint.Endpoint, Session, Calls]:
     ep = samehost.endpoint()
-    s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
-    assert ep.expect(s)
-    calls = Calls()
-    assert ep.bind(s, calls.make_table, calls.on_proven, calls.on_link)
+    s, calls = bound_session(ep)
     return ep, s, calls
 
 
 @pytest.fixture(autouse=True)
 def _no_sessions_left_by_others() -> None:
-    """Each test starts with the endpoint holding nothing (:func:`_settled` counts from zero):
-    sessions other tests of this process left to expire (an authentication whose hello never
-    came) are dropped by an expect() once expired; wait for that (at most PENDING_TTL_S)."""
-    ep = samehost.endpoint()
-    deadline = time.monotonic() + samehost_endpoint.PENDING_TTL_S + 5
-    while True:
-        probe = Session(secrets.token_bytes(32), secrets.token_bytes(32))
-        if ep.expect(probe):  # (drops the expired ones)
-            ep.abandon(probe)
-        held = ep.held()
-        if held["pending"] == 0 and held["proving"] == 0:
-            return
-        assert time.monotonic() < deadline, held
-        time.sleep(0.1)
-
-
-def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int, proven: int = 0) -> None:
-    """The endpoint holds that many sessions, proof connections and proven sessions (each test
-    starts from none: :func:`_no_sessions_left_by_others`)."""
-    want = {"pending": pending, "proving": proving, "proven": proven}
-    deadline = time.monotonic() + 5
-    while ep.held() != want:
-        assert time.monotonic() < deadline, ep.held()
-        time.sleep(0.005)
+    """Each test starts with the endpoint holding no session and no proof connection
+    (:func:`settled` counts from zero)."""
+    emptied_endpoint(proven=False)
 
 
 def test_a_proof_for_a_session_never_announced_is_refused_at_once(initiator: Initiator) -> None:
     ep = samehost.endpoint()
-    s = Session(secrets.token_bytes(32), secrets.token_bytes(32))
+    s = new_session()
     initiator.prove("prove", "a", s, ep.name)
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Initiator) -> None:
@@ -244,7 +187,7 @@ def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Ini
     soon as the link is decided, once; a second proof of the same session is refused."""
     ep, s, calls = _expected()
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1, 1)  # (proven: its connection claimed the session)
+    settled(ep, 1, 1, 1)  # (proven: its connection claimed the session)
     initiator.prove("prove", "b", s, ep.name)
     what, ms = initiator.wait("b")
     assert what == "CLOSED" and ms < 1000  # the second proof: refused, the first unaffected
@@ -253,7 +196,7 @@ def test_a_proof_waits_for_the_link_decision_and_is_then_answered(initiator: Ini
     assert initiator.wait("a")[0] == "R"  # our proof and table, once, attached before it left
     assert calls.tables == 1 and calls.proven == 1
     assert calls.told.wait(5) and calls.links == [None]  # it closed without its table
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 def test_a_wrong_proof_is_refused_and_gives_the_session_up(initiator: Initiator) -> None:
@@ -262,7 +205,7 @@ def test_a_wrong_proof_is_refused_and_gives_the_session_up(initiator: Initiator)
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
     assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 def test_the_initiators_table_before_our_proof_is_refused(initiator: Initiator,
@@ -275,18 +218,18 @@ def test_the_initiators_table_before_our_proof_is_refused(initiator: Initiator,
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 2000
     assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 def test_an_abandoned_session_shuts_its_waiting_proof_down(initiator: Initiator) -> None:
     ep, s, calls = _expected()
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1, 1)
+    settled(ep, 1, 1, 1)
     ep.abandon(s)  # e.g. the link was refused
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
     assert calls.told.wait(5) and calls.links == [None] and calls.tables == 0 and calls.proven == 0
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 @pytest.fixture
@@ -315,16 +258,16 @@ def test_a_proof_whose_link_hello_never_comes_is_closed_with_its_connection(
     s, announced = _auth(initiator, "t1", acceptor)
     assert announced.endswith(ep.name)
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1, 1)
+    settled(ep, 1, 1, 1)
     assert initiator.ask("closetcp", "t1") == ["OK"]
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
     s, announced = _auth(initiator, "t2", acceptor)  # silent: the hello deadline ends it
     initiator.prove("prove", "b", s, ep.name)
     what, ms = initiator.wait("b")
     assert what == "CLOSED" and ms < 2000
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
     initiator.ask("closetcp", "t2")
 
 
@@ -336,12 +279,12 @@ def test_a_proof_of_a_refused_link_is_closed_with_the_refusal(
     ep = samehost.endpoint()
     s, _announced = _auth(initiator, "t", acceptor)
     initiator.prove("prove", "a", s, ep.name)
-    _settled(ep, 1, 1, 1)
+    settled(ep, 1, 1, 1)
     states = samehost_link.held_states()
     assert initiator.ask("hello", "t", "hixl", "91") == ["REPLY", str(int(Status.LLM_LINK_FAILED))]
     what, ms = initiator.wait("a")
     assert what == "CLOSED" and ms < 1000
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
     assert samehost_link.held_states() == states
     initiator.ask("closetcp", "t")
 
@@ -352,12 +295,12 @@ def test_authenticated_connections_hold_expected_sessions_only_while_they_last(
     ep = samehost.endpoint()
     for i in range(8):
         _auth(initiator, f"c{i}", acceptor)
-    _settled(ep, 8, 0)
+    settled(ep, 8, 0)
     assert initiator.ask("unlink", "c0", "77")[0] == "REPLY"
-    _settled(ep, 7, 0)  # (its connection still open)
+    settled(ep, 7, 0)  # (its connection still open)
     for i in range(8):
         initiator.ask("closetcp", f"c{i}")
-    _settled(ep, 0, 0)
+    settled(ep, 0, 0)
 
 
 def _fake_acceptor(srv: socket.socket, announced: bytes, sent: bytes) -> None:

@@ -26,18 +26,17 @@ import select
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from kvdd.sim.fabric import announce, samehost, samehost_attest, samehost_endpoint, samehost_link
 from kvdd.sim.fabric.auth import Session as AuthSession
-from kvdd.sim.fabric.samehost_path import new_table_fd
 
 from hostile import rawpeer
+from hostile.endpoint_sessions import (Calls, Session, bound_session, emptied_endpoint,
+                                      new_session, settled)
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -146,18 +145,6 @@ class Initiator:
         self.proc.wait(10)
 
 
-@dataclass(frozen=True)
-class Session:
-    key: bytes
-    transcript: bytes
-    channel: bytes = b""
-    initiator: bool = False
-
-
-def _session() -> Session:
-    return Session(secrets.token_bytes(32), secrets.token_bytes(32))
-
-
 @pytest.fixture(scope="module")
 def initiator() -> Iterator[Initiator]:
     i = Initiator()
@@ -167,59 +154,14 @@ def initiator() -> Iterator[Initiator]:
         i.close()
 
 
-class Calls:
-    """The endpoint's calls back for one session."""
-
-    def __init__(self) -> None:
-        self.tables = 0
-        self.proven = 0
-        self.links: list[tuple[int, int] | None] = []  # (peer pid, its table's slots) or None
-        self.told = threading.Event()
-
-    def make_table(self) -> tuple[int, int]:
-        self.tables += 1
-        return new_table_fd(1), 1
-
-    def on_proven(self, link: samehost.SameHostLink) -> bool:
-        self.proven += 1
-        return True
-
-    def on_link(self, link: samehost.SameHostLink | None) -> None:
-        self.links.append(None if link is None else (link.peer_pid, link.table_slots))
-        if link is not None:
-            link.close()
-        self.told.set()
-
-
-def _bound(ep: samehost_endpoint.Endpoint) -> tuple[Session, Calls]:
-    s = _session()
-    assert ep.expect(s)
-    calls = Calls()
-    assert ep.bind(s, calls.make_table, calls.on_proven, calls.on_link)
-    return s, calls
-
-
 @pytest.fixture(autouse=True)
 def ep() -> samehost_endpoint.Endpoint:
-    """This process's endpoint, holding nothing (sessions other tests left expire: at most
-    PENDING_TTL_S)."""
-    ep = samehost.endpoint()
-    deadline = time.monotonic() + samehost_endpoint.PENDING_TTL_S + 5
-    while True:
-        probe = _session()
-        if ep.expect(probe):  # (drops the expired ones)
-            ep.abandon(probe)
-        if ep.held() == {"pending": 0, "proving": 0, "proven": 0}:
-            return ep
-        assert time.monotonic() < deadline, ep.held()
-        time.sleep(0.1)
+    """This process's endpoint, holding nothing."""
+    return emptied_endpoint(proven=True)
 
 
 def _settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int) -> None:
-    deadline = time.monotonic() + 5
-    while (ep.held()["pending"], ep.held()["proving"]) != (pending, proving):
-        assert time.monotonic() < deadline, ep.held()
-        time.sleep(0.005)
+    settled(ep, pending, proving, None)
 
 
 # ---- what is announced and offered ------------------------------------------------------------------------
@@ -250,7 +192,7 @@ def test_an_acceptor_binds_nothing_for_hints_of_another_uid_boot_or_version(
     version, uid, boot = _HINTS.unpack(samehost.offer())
     hints = _HINTS.pack(version + (field == "version"), uid + (field == "uid"),
                         boot[::-1] if field == "boot" else boot)
-    s = _session()
+    s = new_session()
     assert ep.expect(s)
     try:
         assert samehost_link.extension_accept(s, hints + struct.pack("<I", 1000)) is not None
@@ -284,7 +226,7 @@ def test_an_initiator_offers_the_path_for_a_well_formed_announcement() -> None:
 
 
 def test_a_session_is_expected_once_and_bound_once(ep: samehost_endpoint.Endpoint) -> None:
-    s, calls = _bound(ep)
+    s, calls = bound_session(ep)
     assert not ep.expect(s)  # (would replace what is bound to it)
     other = Calls()
     assert not ep.bind(s, other.make_table, other.on_proven, other.on_link)
@@ -295,7 +237,7 @@ def test_a_session_is_expected_once_and_bound_once(ep: samehost_endpoint.Endpoin
 
 
 def test_exactly_max_pending_sessions_wait(ep: samehost_endpoint.Endpoint) -> None:
-    sessions = [_session() for _ in range(samehost_endpoint.MAX_PENDING)]
+    sessions = [new_session() for _ in range(samehost_endpoint.MAX_PENDING)]
     try:
         for i, s in enumerate(sessions):
             assert ep.room()
@@ -303,7 +245,7 @@ def test_exactly_max_pending_sessions_wait(ep: samehost_endpoint.Endpoint) -> No
         assert ep.held()["pending"] == samehost_endpoint.MAX_PENDING
         assert not ep.room()
         assert samehost.announcement() == b""  # nothing announced once full
-        one_more = _session()
+        one_more = new_session()
         assert not ep.expect(one_more)
         assert ep.held()["pending"] == samehost_endpoint.MAX_PENDING
     finally:
@@ -315,14 +257,14 @@ def test_exactly_max_pending_sessions_wait(ep: samehost_endpoint.Endpoint) -> No
 def test_a_proof_after_its_session_expired_is_refused_and_never_answered(
         ep: samehost_endpoint.Endpoint, initiator: Initiator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(samehost_endpoint, "PENDING_TTL_S", 0.2)
-    s, calls = _bound(ep)
+    s, calls = bound_session(ep)
     time.sleep(0.4)
     initiator.prove("a", s, ep.name)
     ep.decide(s)  # (the link decided meanwhile: nothing goes to a refused connection)
     what, ms = initiator.next("wait", "a")
     assert what == "CLOSED" and ms < 1000
     assert calls.tables == 0 and calls.proven == 0
-    probe = _session()
+    probe = new_session()
     assert ep.expect(probe)  # drops the expired session: its caller is told
     ep.abandon(probe)
     assert calls.told.wait(5) and calls.links == [None]
@@ -334,7 +276,7 @@ def test_a_proof_after_its_session_expired_is_refused_and_never_answered(
 
 def _proven(ep: samehost_endpoint.Endpoint, initiator: Initiator) -> tuple[Session, Calls]:
     """A session bound, proven by ``initiator`` (its connection "a"), decided and answered."""
-    s, calls = _bound(ep)
+    s, calls = bound_session(ep)
     initiator.prove("a", s, ep.name)
     ep.decide(s)
     what, _ms = initiator.next("reply", "a")
