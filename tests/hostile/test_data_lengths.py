@@ -50,6 +50,23 @@ def _data(req: int, payload: bytes) -> bytes:
     return rawpeer.frame(wire.F_DATA, payload, req)
 
 
+def _pieces(req: int, sizes: list[int]) -> bytes:
+    """DATA frames of ``req`` carrying PATTERN from its start, cut into pieces of ``sizes``."""
+    out, pos = b"", 0
+    for n in sizes:
+        out += _data(req, PATTERN[pos:pos + n])
+        pos += n
+    return out
+
+
+def _two_runs_written() -> np.ndarray:
+    """A 64-byte arena of 0x5A once runs (4, 16) and (40, 8) got PATTERN's first 24 bytes."""
+    want = np.full(64, 0x5A, dtype=np.uint8)
+    want[4:20] = np.frombuffer(PATTERN[:16], np.uint8)
+    want[40:48] = np.frombuffer(PATTERN[16:24], np.uint8)
+    return want
+
+
 def _done(req: int, status: int) -> bytes:
     return rawpeer.frame(wire.F_DONE, struct.pack("<I", status), req)
 
@@ -127,19 +144,13 @@ def test_write_data_longer_than_the_write_is_refused(pair: tuple[socket.socket, 
     a, rx = pair
     arena, region = _arena(64)
     plan = RunPlan([region], np.array([0]), np.array([4, 40]), np.array([16, 8]))
-    stream, pos = b"", 0
-    for n in frames:
-        stream += _data(9, PATTERN[pos:pos + n])
-        pos += n
-    a.sendall(stream)
+    a.sendall(_pieces(9, frames))
     if fits is False:
         with pytest.raises(wire.ProtocolError, match="more DATA than the WRITE holds"):
             plan.receive(rx, 9)
         return
     plan.receive(rx, 9)
-    want = np.full(64, 0x5A, dtype=np.uint8)
-    want[4:20] = np.frombuffer(PATTERN[:16], np.uint8)
-    want[40:48] = np.frombuffer(PATTERN[16:24], np.uint8)
+    want = _two_runs_written()
     assert (arena == want).all()
     if fits is None:  # the frame after is left whole for the connection's next read
         assert rx.header() == (wire.F_DATA, 9, 1)
@@ -296,11 +307,7 @@ def test_lease_write_data_longer_than_the_request_is_refused(pair: tuple[socket.
     a, rx = pair
     e = _Entry()
     payload = encode_small(1, [0], [4, 40], [16, 8])
-    stream, pos = b"", 0
-    for n in frames:
-        stream += _data(8, PATTERN[pos:pos + n])
-        pos += n
-    a.sendall(stream)
+    a.sendall(_pieces(8, frames))
     if fits is False:
         with pytest.raises(wire.ProtocolError, match="WRITE data expected"):
             serve_small_write(MinimalOwner(), e.grant, rx, 8, payload)  # type: ignore[arg-type]
@@ -308,9 +315,7 @@ def test_lease_write_data_longer_than_the_request_is_refused(pair: tuple[socket.
         return
     got = serve_small_write(MinimalOwner(), e.grant, rx, 8, payload)  # type: ignore[arg-type]
     assert got == _done(8, S)
-    want = np.full(64, 0x5A, dtype=np.uint8)
-    want[4:20] = np.frombuffer(PATTERN[:16], np.uint8)
-    want[40:48] = np.frombuffer(PATTERN[16:24], np.uint8)
+    want = _two_runs_written()
     assert (e.arena == want).all() and e.grants == 1 and e.held == 0
     if fits is None:
         assert rx.header() == (wire.F_DATA, 8, 1)

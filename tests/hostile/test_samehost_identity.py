@@ -182,17 +182,23 @@ def _closed_without_answer(c: socket.socket) -> bool:
         return True
 
 
+def _connect_as_another_uid(a: Acceptor, then: str) -> subprocess.CompletedProcess[str]:
+    """A child of uid 65534 connects to the endpoint ``a`` named (socket ``c``, 5 s timeout)
+    and runs ``then``."""
+    code = ("import os, socket, sys, time\nos.setgid(65534)\nos.setuid(65534)\n"
+            "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.settimeout(5)\n"
+            "c.connect(bytes.fromhex(sys.argv[1]))\n" + then)
+    name = a.reply[len(samehost.offer()):]
+    return subprocess.run([sys.executable, "-c", code, name.hex()], capture_output=True, text=True,
+                          timeout=30)
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process of another uid")
 def test_other_uid_is_closed_at_once(acceptor: tuple[Session, Acceptor]) -> None:
     s, a = acceptor
-    code = ("import os, socket, sys\nos.setgid(65534)\nos.setuid(65534)\n"
-            "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.settimeout(5)\n"
-            "c.connect(bytes.fromhex(sys.argv[1]))\n"
-            "try:\n c.send(b'kvdd-samehost/2H' + bytes(64))\n print(c.recv(512) == b'')\n"
-            "except (ConnectionResetError, BrokenPipeError):\n print(True)\n")
-    name = a.reply[len(samehost.offer()):]
-    out = subprocess.run([sys.executable, "-c", code, name.hex()], capture_output=True, text=True,
-                         timeout=30)
+    out = _connect_as_another_uid(a, "try:\n c.send(b'kvdd-samehost/2H' + bytes(64))\n"
+                                     " print(c.recv(512) == b'')\n"
+                                     "except (ConnectionResetError, BrokenPipeError):\n print(True)\n")
     assert out.stdout.strip() == "True", out.stderr
     link = _prove(a.reply, s)  # the legitimate initiator is unaffected
     link.close()
@@ -204,14 +210,9 @@ def test_a_silent_connection_of_another_uid_is_closed_before_it_is_read(
     """By its kernel credentials, right after accept: it never waits for a message (which would
     hold one of the MAX_SETUPS proof slots for SETUP_TIMEOUT_S each)."""
     s, a = acceptor
-    code = ("import os, socket, sys, time\nos.setgid(65534)\nos.setuid(65534)\n"
-            "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\nc.settimeout(5)\n"
-            "c.connect(bytes.fromhex(sys.argv[1]))\nt0 = time.monotonic()\n"
-            "try:\n got = c.recv(512)\nexcept ConnectionResetError:\n got = b''\n"
-            "print(got == b'', time.monotonic() - t0)\n")
-    name = a.reply[len(samehost.offer()):]
-    out = subprocess.run([sys.executable, "-c", code, name.hex()], capture_output=True, text=True,
-                         timeout=30)
+    out = _connect_as_another_uid(a, "t0 = time.monotonic()\n"
+                                     "try:\n got = c.recv(512)\nexcept ConnectionResetError:\n got = b''\n"
+                                     "print(got == b'', time.monotonic() - t0)\n")
     closed, waited = out.stdout.split()
     assert closed == "True", out.stderr
     assert float(waited) < samehost.SETUP_TIMEOUT_S / 2  # not dropped at the message deadline

@@ -4,14 +4,12 @@ decode ends with exactly the blocks it pulled written, every other byte untouche
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import kvdd
-
+from demo_support import child_env
 from engine_support import free_port
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "llm_datadist.md"
@@ -34,19 +32,11 @@ def _snippets() -> tuple[str, str]:
     return blocks[0], blocks[1]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
-    return env
-
-
 def test_the_docs_prefill_and_decode_snippets_run_as_two_processes() -> None:
     prefill, decode = _snippets()
     assert DOC_PORT in prefill and DOC_PORT in decode
     port = str(free_port())
-    env = _env()
+    env = child_env()
     server = subprocess.Popen([sys.executable, "-c", BOOT + prefill.replace(DOC_PORT, port)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)

@@ -148,15 +148,21 @@ def test_scope_by_instance_and_peer(pair: Pair) -> None:
     assert rows(pair.d.mem, 0) == rows(pair.p.mem, 0)
 
 
+def _pull_statuses(pair: Pair, n: int) -> list[int]:
+    """The status of each of ``n`` pulls in turn (0: it succeeded)."""
+    results = []
+    for _ in range(n):
+        try:
+            pair.pull()
+            results.append(0)
+        except LLMError as exc:
+            results.append(int(exc.status))
+    return results
+
+
 def test_count_and_after(pair: Pair) -> None:
     with faults.inject("pull_kv_cache", status="LLM_FAILED", after=2, count=2) as inj:
-        results = []
-        for _ in range(6):
-            try:
-                pair.pull()
-                results.append(0)
-            except LLMError as exc:
-                results.append(int(exc.status))
+        results = _pull_statuses(pair, 6)
     F = int(Status.LLM_FAILED)
     assert results == [0, 0, F, F, 0, 0]
     assert (inj.seen, inj.fired, inj.exhausted) == (6, 2, True)
@@ -167,13 +173,7 @@ def test_a_call_an_earlier_injection_failed_is_not_counted_by_later_ones(pair: P
     busy = faults.inject("pull_kv_cache", status="LLM_LINK_BUSY", count=2)
     late = faults.inject("pull_kv_cache", status="LLM_FAILED", count=1, after=4)
     try:
-        results = []
-        for _ in range(8):
-            try:
-                pair.pull()
-                results.append(0)
-            except LLMError as exc:
-                results.append(int(exc.status))
+        results = _pull_statuses(pair, 8)
     finally:
         busy.remove()
         late.remove()
