@@ -72,24 +72,31 @@ class Helper:
 
     def hold(self, ms: int) -> None:
         """Make every cross-process read/write of this process sleep ``ms`` after its lease was
-        granted (a slow reader holding a lease); 0 restores.  Records when each finished."""
+        granted (a slow reader holding a lease): before a READ's answer is read (a READ goes
+        with its LEASE), or before the transfer is sent; 0 restores.  Records when each
+        finished."""
         from kvdd.sim import fabric
         cls: Any = fabric.RemotePeer
-        orig = cls.__dict__.get("_kvdd_orig_move") or cls.move
+        origs = cls.__dict__.get("_kvdd_orig_seams") or {name: getattr(cls, name)
+                                                         for name in ("move", "receive")}
         if ms <= 0:
-            cls.move = orig
+            for name, orig in origs.items():
+                setattr(cls, name, orig)
             return
         helper = self
 
-        def slow_move(peer: Any, *args: Any) -> Any:
-            time.sleep(ms / 1000.0)
-            try:
-                return orig(peer, *args)
-            finally:
-                helper.released_at.append(time.monotonic())
+        def slowed(orig: Any) -> Any:
+            def slow(peer: Any, *args: Any) -> Any:
+                time.sleep(ms / 1000.0)
+                try:
+                    return orig(peer, *args)
+                finally:
+                    helper.released_at.append(time.monotonic())
+            return slow
 
-        cls._kvdd_orig_move = orig
-        cls.move = slow_move
+        cls._kvdd_orig_seams = origs
+        for name, orig in origs.items():
+            setattr(cls, name, slowed(orig))
 
     def released(self) -> list[float]:
         return list(self.released_at)

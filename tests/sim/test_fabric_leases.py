@@ -53,24 +53,31 @@ from fabric_world import (
 
 
 class _Hold:
-    """Make this process's cross-process transfers sleep after their lease was granted."""
+    """Make this process's cross-process transfers sleep after their lease was granted: before
+    a READ's answer is read (a READ is sent with its LEASE) or before the transfer is sent."""
+
+    _SEAMS = ("move", "receive")
 
     def __init__(self, seconds: float) -> None:
         self.leased = threading.Event()
-        self._orig = orig = fabric.RemotePeer.move
+        self._orig = {name: getattr(fabric.RemotePeer, name) for name in self._SEAMS}
 
-        def slow(peer: fabric.RemotePeer, *args: Any) -> int:
-            self.leased.set()
-            time.sleep(seconds)
-            return orig(peer, *args)
+        def slowed(orig: Callable[..., int]) -> Callable[..., int]:
+            def slow(peer: fabric.RemotePeer, *args: Any) -> int:
+                self.leased.set()
+                time.sleep(seconds)
+                return orig(peer, *args)
+            return slow
 
-        fabric.RemotePeer.move = slow  # type: ignore[method-assign,assignment]
+        for name, orig in self._orig.items():
+            setattr(fabric.RemotePeer, name, slowed(orig))
 
     def __enter__(self) -> _Hold:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        fabric.RemotePeer.move = self._orig  # type: ignore[method-assign]
+        for name, orig in self._orig.items():
+            setattr(fabric.RemotePeer, name, orig)
 
 
 def _inflight(d: Node, h: CacheHandle) -> int:

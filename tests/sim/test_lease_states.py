@@ -139,10 +139,10 @@ def test_a_closed_connection_grants_no_lease() -> None:
     owner: Any = Owner()
     entries: Any = {3: served}
     payload = struct.pack("<Q", 3)
-    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000))
+    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000, 1))
     assert status == Status.LLM_SUCCESS and lease_id > 0
     table.take_all(close=True)  # the connection died
-    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000))
+    status, lease_id = struct.unpack("<IQ", table.grant(owner, entries, payload, 1000, 1))
     assert (status, lease_id) == (Status.LLM_TIMEOUT, 0)
     assert served.acquired == 2 and served.releases == 1  # the refused lease released its entry
 
@@ -162,7 +162,7 @@ class Resolver:
 
 def _resolved(table: leases.LeaseTable, owner: Any) -> tuple[int, int, bytes]:
     payload = struct.pack("<Q", 0) + b"request"  # cache id 0 and a request: the owner resolves it
-    answer = table.grant(owner, {}, payload, 1000)
+    answer = table.grant(owner, {}, payload, 1000, 1)
     status, lease_id = struct.unpack_from("<IQ", answer)
     return status, lease_id, answer[12:]
 
@@ -191,7 +191,7 @@ def test_resolved_leases_count_against_the_cap() -> None:
 
 
 def _lease_on(table: leases.LeaseTable, owner: Any, entries: Any, cache_id: int) -> tuple[int, int]:
-    answer = table.grant(owner, entries, struct.pack("<Q", cache_id), 1000)
+    answer = table.grant(owner, entries, struct.pack("<Q", cache_id), 1000, 1)
     status, lease_id = struct.unpack("<IQ", answer)
     return status, lease_id
 

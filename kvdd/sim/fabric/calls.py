@@ -14,6 +14,7 @@ channel's own (one object, one lock; split in two modules by concern).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import socket
@@ -27,13 +28,24 @@ from .tx import WAIT_LOCK
 from .watch import ARMED
 from .streams import Layout, send_stream
 from .watchdog import DeadlineGuard
-from .wire import F_LEASE_READ, HDR, MAGIC, PROTOCOL_VERSION, frame
+from .wire import (CHAINED_LEASE, F_LEASE, F_LEASE_READ, F_READ, HDR, MAGIC, PROTOCOL_VERSION,
+                   frame)
 
 __all__ = ["Calls"]
 
 _LEASE_READ_1 = struct.Struct("<2sBBIIQIIIqq")  # a LEASE_READ frame of one tensor and one run
+_CACHE_ID = struct.Struct("<Q")  # a LEASE on a cache
 _ONE_RUN_LEN = _LEASE_READ_1.size - HDR.size  # its payload: encode_one_run's layout
 assert len(encode_one_run(0, 0, 0, 0)) == _ONE_RUN_LEN
+
+
+def _reply(p: Pending) -> bytes | None:
+    """A request's reply, None when it failed or got none."""
+    if p.failed or not p.done:
+        return None
+    reply = p.reply
+    assert not isinstance(reply, int)
+    return reply
 
 
 class Calls:
@@ -98,6 +110,46 @@ class Calls:
             reply = p.reply
             assert not isinstance(reply, int)
             return reply
+        finally:
+            self._end(p)
+
+    def lease_read(self, cache_id: int, prepare: Callable[[int], tuple[bytes, Sink]],
+                   deadline: float) -> tuple[bytes | None, Pending | None]:
+        """A LEASE on the peer's cache ``cache_id`` and the READ under it, in one round trip.
+
+        The LEASE is sent first; ``prepare(lease field)`` then gives the READ's payload, whose
+        lease field names the LEASE's request (CHAINED_LEASE), and the sink its DATA lands in:
+        it runs while the LEASE is on its way.  Returns the LEASE's reply (None as for
+        :meth:`request`) and the READ's request (None when it could not be sent), which the
+        caller ends with :meth:`finish_read` whatever the reply said (a refused LEASE's READ
+        is answered by a DONE without DATA: the owner has no lease for it).  ``prepare``
+        raising breaks the link (the LEASE may have been granted)."""
+        p1 = self._submit(F_LEASE, _CACHE_ID.pack(cache_id), deadline, None, None)
+        if p1 is None:
+            return None, None
+        try:
+            try:
+                payload, sink = prepare(CHAINED_LEASE | p1.req)
+            except BaseException:
+                self.kill()
+                raise
+            p2 = self._submit(F_READ, payload, deadline, sink, None)
+            if not self._await(p1, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            return _reply(p1), p2
+        finally:
+            self._end(p1)
+
+    def finish_read(self, p: Pending, deadline: float) -> bytes | None:
+        """The DONE payload of a READ sent by :meth:`lease_read` (None as for :meth:`request`,
+        and when ``deadline`` passed before this was called: the link is then broken); no DATA
+        reaches its sink once this returns."""
+        try:
+            if deadline <= time.monotonic() or not self._await(p, deadline):
+                self.kill()
+            with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
+                p.cancelled = True
+            return _reply(p)
         finally:
             self._end(p)
 

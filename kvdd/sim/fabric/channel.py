@@ -337,7 +337,7 @@ class Channel(Calls, Sender, Watch):
         elif ftype == F_LEASE and len(payload) == 8 and not _injections.armed:
             # a lease on a cache (a few dict look-ups): answered at once, as a LEASE_READ is
             self._answer(req, frame(F_LEASE_REPLY, req, self.leases.grant(
-                self.owner, self.served, payload, self.peer_wait_ms)))
+                self.owner, self.served, payload, self.peer_wait_ms, req)))
         elif ftype in (F_LEASE, F_READ, F_PING):
             self._enqueue(ftype, req, payload)
         elif ftype == F_LEASE_WRITE:

@@ -150,6 +150,7 @@ class LeaseTable:
         self._ids = itertools.count(1)
         self._revoked: set[int] = set()  # lease ids revoked by an unregister (answered NOT_EXIST)
         self._revoked_order: deque[int] = deque()
+        self._by_request: dict[int, int] = {}  # LEASE request id -> its lease (a chained READ's)
         self._closed = False
 
     def forget(self, lease_id: int, revoked: bool = False) -> Lease | None:
@@ -170,8 +171,9 @@ class LeaseTable:
         return leases
 
     def grant(self, owner: LinkOwner, served: Mapping[int, ServedCache], payload: bytes,
-              peer_wait_ms: int) -> bytes:
-        """A LEASE request's answer (status, lease id)."""
+              peer_wait_ms: int, req: int) -> bytes:
+        """A LEASE request's answer (status, lease id); a granted lease is remembered by its
+        request id ``req`` for a READ that names it (:meth:`chained`)."""
         r = Reader(payload)
         cache_id = r.u("Q")
         extra = b""
@@ -194,6 +196,10 @@ class LeaseTable:
                 lease.drop()
                 return struct.pack("<IQ", TIMEOUT, 0)
             self._leases[lease.lease_id] = lease
+            by_req = self._by_request
+            if len(by_req) >= MAX_LEASES:  # bounded: the oldest names are forgotten
+                del by_req[next(iter(by_req))]
+            by_req[req] = lease.lease_id
         ms = min(peer_wait_ms, MAX_LEASE_MS) + LEASE_GRACE_MS
         lease.timer = WATCHDOG.schedule(ms / 1000.0, lease.expire)
         revoke = lease.revoke_soon  # an unregister revokes the lease (after a grace)
@@ -237,6 +243,12 @@ class LeaseTable:
         if not entry.acquire():  # unregistered (§10 rule 2)
             return NOT_EXIST, None
         return S_OK, entry
+
+    def chained(self, req: int) -> int:
+        """The lease granted to LEASE request ``req`` of this connection (forgotten now), 0 when
+        it was refused or is unknown."""
+        with self._lock:
+            return self._by_request.pop(req, 0)
 
     def check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
                    length: np.ndarray) -> tuple[int, Lease | None]:

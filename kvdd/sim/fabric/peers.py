@@ -21,7 +21,7 @@ from ..memory import Region, copy_runs
 from .channel import Channel
 from .auth import Session
 from .protocol import DataPath, LinkOffer, LinkOwner, RemoteCache, ServedCache
-from .rx import Stage
+from .rx import Pending, Sink, Stage
 from .serving import check_request
 from .small import SmallSink, encode_small, is_small
 from .streams import Cursor, Layout
@@ -261,7 +261,13 @@ class RemotePeer:
     def _take_lease(self, lease: ClientLease) -> int:
         """A LEASE round trip for a transfer too big for LEASE_READ / LEASE_WRITE; a status."""
         chan = self._chan
-        reply = chan.request(F_LEASE, struct.pack("<Q", lease.rc.cache_id), lease.deadline)
+        return self._lease_status(lease, chan.request(F_LEASE, struct.pack("<Q", lease.rc.cache_id),
+                                                      lease.deadline))
+
+    def _lease_status(self, lease: ClientLease, reply: bytes | None) -> int:
+        """A LEASE reply's status (``lease`` taken when LLM_SUCCESS); TIMEOUT, or NOT_EXIST
+        from a finalized owner, for none; a malformed one breaks the link."""
+        chan = self._chan
         if reply is None:
             return NOT_EXIST if chan.peer_finalized else TIMEOUT
         try:
@@ -314,10 +320,46 @@ class RemotePeer:
             assert self._path is not None
             return self._path.read(lease.inner, tensors, src_off, dst, dst_off, length, timeout_ms)
         assert isinstance(lease, ClientLease)
+        if not lease.lease_id and len(tensors) * len(length) <= MAX_RUNS \
+                and not is_small(len(tensors), length):
+            return self._lease_and_read(lease, tensors, src_off, dst, dst_off, length)
         status = self._lease_unless_small(lease, tensors, length)
         if status != S_OK:
             return status
         return self.move(lease, tensors, dst, dst_off, src_off, length, False)
+
+    def _lease_and_read(self, lease: ClientLease, tensors: Sequence[int], remote_off: np.ndarray,
+                        local: Sequence[Region], local_off: np.ndarray, length: np.ndarray) -> int:
+        """A READ too big for one LEASE_READ: its LEASE and the READ in one round trip
+        (:meth:`~.calls.Calls.lease_read`), with the statuses of LEASE then READ."""
+        chan = self._chan
+        if chan.dead.is_set():
+            return TIMEOUT
+        made: list[tuple[Layout, Cursor]] = []
+
+        def prepare(field: int) -> tuple[bytes, Sink]:
+            layout = Layout(local, local_off, length)
+            made.append((layout, Cursor(layout)))
+            return encode_request(field, tensors, remote_off, length), made[0][1]
+
+        reply, read = chan.lease_read(lease.rc.cache_id, prepare, lease.deadline)
+        status = self._lease_status(lease, reply)
+        done = None if read is None else self.receive(read, lease.deadline)
+        if status != S_OK:
+            return status
+        status = self._status(done, False)
+        if status == S_OK:
+            layout, cursor = made[0]
+            if cursor.left:  # the peer claimed success without sending every byte
+                chan.kill()
+                return TIMEOUT
+            layout.scatter()
+        return status
+
+    def receive(self, read: Pending, deadline: float) -> bytes | None:
+        """The DATA and DONE of a READ sent under a lease (:meth:`_lease_and_read`): the DONE's
+        payload, None as for :meth:`~.calls.Calls.request`."""
+        return self._chan.finish_read(read, deadline)
 
     def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],
               src_off: np.ndarray, dst_off: np.ndarray, length: np.ndarray,

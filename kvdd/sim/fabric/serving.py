@@ -30,7 +30,7 @@ from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
 from .streams import region_view, runs_inside, sendmsg_all
-from .wire import (F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
+from .wire import (CHAINED_LEASE, F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
                    PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
                    frame)
 
@@ -295,6 +295,8 @@ class RunChecker(Protocol):
     def check_runs(self, lease_id: int, tensors: np.ndarray, off: np.ndarray,
                    length: np.ndarray) -> tuple[int, UsedLease | None]: ...
 
+    def chained(self, req: int) -> int: ...
+
 
 class UsedLease(Protocol):
     """A lease in use by one server thread (:class:`~.leases.Lease`)."""
@@ -377,6 +379,8 @@ def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,
     call in turn (each list sent whole before the next is asked for; the lease is held until
     the last is).  The sender holds the connection's send lock meanwhile."""
     lease_id, tensors, off, length = decode_request(payload)
+    if lease_id & CHAINED_LEASE:  # the lease its LEASE request got (none: refused, answered)
+        lease_id = leases.chained(lease_id & 0xFFFFFFFF) if lease_id >> 32 == CHAINED_LEASE >> 32 else 0
     status, lease = leases.check_runs(lease_id, tensors, off, length)
     if lease is None:
         yield [memoryview(frame(F_DONE, req, struct.pack("<I", status)))]

@@ -335,7 +335,7 @@ class Sender:
             out = frame(F_DONE, req, struct.pack("<I", payload))
         elif ftype == F_LEASE:
             out = frame(F_LEASE_REPLY, req, self.leases.grant(
-                self.owner, self.served, bytes(payload), self.peer_wait_ms))
+                self.owner, self.served, bytes(payload), self.peer_wait_ms, req))
         elif ftype == F_READ:
             self._tx_gen = serve_read_steps(self.leases, self.owner, req, payload)
             return

@@ -90,6 +90,9 @@ HANDSHAKE_TIMEOUT_S = 10.0  # an initiator's whole handshake, when its caller gi
 MAX_SNAPSHOT_CACHES = 32768  # caches in one hello
 MAX_EXTENSIONS = 8  # extension entries in one hello
 MAX_EXTENSION_BYTES = 4096  # their names and values, in all
+#: A READ's lease field with this bit set names the LEASE request (its id in the low 32 bits) sent
+#: just before it on the connection: the lease that request got (LEASE and READ in one round trip).
+CHAINED_LEASE = 1 << 63
 MAX_LEASES = 64  # outstanding leases per connection (a peer needs one at a time)
 MAX_JOBS = 16  # queued requests per connection
 MAX_QUEUED_BYTES = 8 << 20  # their payload bytes
