@@ -130,7 +130,8 @@ os._exit(0)
 def test_a_full_endpoint_queue_leaves_the_link_its_tcp_reply() -> None:
     """Its queue filled by connects of our uid (no secret needed), the endpoint's connect waited
     2 s, past a link timeout of 1 s: LLM_TIMEOUT after 2.0 s for a link TCP carries; now the
-    connect gives up at half the time left and the link is made over TCP within its timeout."""
+    connect gives up at half the time left (about 0.5 s here, not the whole second) and the link
+    is made over TCP within its timeout."""
     proc = subprocess.Popen([sys.executable, "-c", _STALLED], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -154,7 +155,7 @@ def test_a_full_endpoint_queue_leaves_the_link_its_tcp_reply() -> None:
         got = me.link_llm_clusters([ClusterInfo(remote_cluster_id=1, remote_ip_infos=(
             IpInfo("127.0.0.1", port),))], 1000)
         took = time.monotonic() - t0
-        assert [int(x) for x in got] == [0] and took < 1.1, f"{got} after {took:.2f} s"
+        assert [int(x) for x in got] == [0] and 0.45 <= took < 0.8, f"{got} after {took:.2f} s"
         assert me.backend.link_data_path(1) == "tcp"  # type: ignore[attr-defined]
         _pulls_the_owners_pattern(me, cid)
     finally:
