@@ -82,12 +82,16 @@ def assert_ok(report: DemoReport) -> None:
 
 # ---- child processes ------------------------------------------------------------------------------
 
-def child_env() -> dict[str, str]:
-    """Environment for child processes: import the same kvdd as this test process."""
+def child_env(faults: str | None = None, extra_paths: Sequence[str] = ()) -> dict[str, str]:
+    """Environment for child processes: import the same kvdd as this test process (then modules
+    from ``extra_paths``), with the fault injections ``faults`` (``KVDD_SIM_FAULTS``; none by
+    default, whatever this process has)."""
     env = dict(os.environ)
     root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([root, *extra_paths, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     env.pop("KVDD_SIM_FAULTS", None)
+    if faults:
+        env["KVDD_SIM_FAULTS"] = faults
     return env
 
 

@@ -5,24 +5,18 @@ Speed is reported, never asserted here."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import kvdd
+from demo_support import child_env
 
 
 def test_the_package_rows() -> None:
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
     r = subprocess.run([sys.executable, "-m", "kvdd", "bench", "--package", "--quick", "--json", "--tokens", "256",
-                        "--repeats", "1"], capture_output=True, text=True, env=env, timeout=300)
+                        "--repeats", "1"], capture_output=True, text=True, env=child_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     doc: dict[str, Any] = json.loads(r.stdout)
     assert doc["command"] == "kvdd bench --quick --json --package --tokens 256 --repeats 1"

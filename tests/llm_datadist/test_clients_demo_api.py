@@ -5,27 +5,19 @@ pull_cache, push_blocks) in two processes, every byte verified by the demo's own
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import kvdd
+from demo_support import child_env
 
 KVDD = [sys.executable, "-m", "kvdd"]
 
 
 def _kvdd(*args: str, faults: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
-    if faults:
-        env["KVDD_SIM_FAULTS"] = faults
-    return subprocess.run([*KVDD, *args], capture_output=True, text=True, env=env, timeout=240)
+    return subprocess.run([*KVDD, *args], capture_output=True, text=True, env=child_env(faults), timeout=240)
 
 
 def _doc(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:

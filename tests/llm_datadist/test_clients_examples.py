@@ -3,24 +3,19 @@ its processes against kvdd's simulator (``run_pairs.py --sim``) and verifies eve
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import kvdd
+from demo_support import child_env
 
 RUNNER = Path(__file__).resolve().parents[2] / "examples" / "python" / "run_pairs.py"
 PAIRS = ("pull_blocks", "pull_cache", "push", "layerwise_push", "switch_role", "many_prefills", "rank_table")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
     return subprocess.run([sys.executable, str(RUNNER), "--sim", *args], capture_output=True, text=True,
-                          env=env, timeout=900)
+                          env=child_env(), timeout=900)
 
 
 def test_every_example_pair_passes() -> None:
@@ -33,10 +28,7 @@ def test_every_example_pair_passes() -> None:
 
 def test_a_failing_pair_fails_the_run_and_shows_its_output() -> None:
     # A fault the example does not expect: its first pull fails, decode exits 1, the runner says so.
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["KVDD_SIM_FAULTS"] = "pull_blocks:status=LLM_LINK_BUSY:count=1"
+    env = child_env("pull_blocks:status=LLM_LINK_BUSY:count=1")
     r = subprocess.run([sys.executable, str(RUNNER), "--sim", "--only", "pull_blocks", "--timeout", "60"],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 1
@@ -95,10 +87,7 @@ def test_the_npu_memory_branch_with_a_stand_in_torch(tmp_path: Path) -> None:
     # data_ptr, copy_, cpu): run that branch against a numpy stand-in to check its plumbing.
     (tmp_path / "torch.py").write_text(FAKE_TORCH)
     (tmp_path / "torch_npu.py").write_text("")
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root, str(tmp_path), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    env.pop("KVDD_SIM_FAULTS", None)
+    env = child_env(extra_paths=[str(tmp_path)])
     r = subprocess.run([sys.executable, str(RUNNER), "--sim", "--only", "pull_blocks,many_prefills", "--timeout", "120"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

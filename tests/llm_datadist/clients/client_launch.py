@@ -10,7 +10,6 @@ process's environment, as a user injects them into an unmodified program (docs/f
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kvdd
+from demo_support import child_env
 
 HERE = Path(__file__).resolve().parent
 PORTS = 10
@@ -67,15 +66,6 @@ def free_port_base() -> int:
             return base
     raise RuntimeError("no free range of loopback ports")
 
-
-def child_env(faults: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
-    if faults:
-        env["KVDD_SIM_FAULTS"] = faults
-    return env
 
 
 def run(script: str, roles: Sequence[tuple[str, Sequence[str]]], faults: Mapping[str, str] | None = None,
