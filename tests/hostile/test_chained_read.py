@@ -1,24 +1,29 @@
-"""A READ sent with its LEASE (one round trip, ``wire.CHAINED_LEASE``), on both ends.
-
-The owner's side against a raw peer: the READ gets the lease its LEASE request got, exactly once,
-and nothing when that LEASE was refused, named another request, or was forgotten (the owner
-remembers the last ``MAX_LEASES`` LEASE requests of a connection).  The caller's side against a raw
-owner: both frames leave before the LEASE's answer, a refused LEASE gives its status with the
-destination untouched and the link kept."""
+"""A READ sent with its LEASE (one round trip, ``wire.CHAINED_LEASE``): the owner's side against a
+raw peer.  The READ gets the lease its LEASE request got, exactly once, and nothing when that LEASE
+was refused, named another request or connection, was released, expired, revoked or forgotten (the
+owner remembers the last ``MAX_LEASES`` LEASE requests of a connection), and the owner stays
+bounded.  The caller's side: test_chained_read_caller.py."""
 
 from __future__ import annotations
 
+import gc
+import resource
 import socket
 import struct
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from kvdd import Status
+from kvdd.sim import faults
 from kvdd.sim.fabric import wire
+from kvdd.sim.fabric.channel import Channel
 
 from hostile import rawpeer
-from hostile.test_small_path_requests import GUARD, S, Honest, Peer, make  # noqa: F401 (fixture)
+from hostile.test_small_path_requests import GUARD, S, Honest, make  # noqa: F401 (fixture)
 
 N = 256 << 10  # a pull too big for one LEASE_READ: LEASE and READ
 TIMEOUT = Status.LLM_TIMEOUT
@@ -103,16 +108,16 @@ def _remembered_after(make: Callable[..., Honest], later: int) -> tuple[bytes, i
     h, s, _pattern = _owner(make)
     cid = h.caches[0].cache_id
     with s:
-        assert _lease_reply_of(s, cid, 1)[0] == S
+        assert _lease(s, cid, 1)[0] == S
         for req in range(2, 2 + later):
-            status, lease_id = _lease_reply_of(s, cid, req)
+            status, lease_id = _lease(s, cid, req)
             assert status == S
             s.sendall(rawpeer.frame(wire.F_RELEASE, struct.pack("<Q", lease_id)))
         s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 1), 9999))
         return _answer(s, 9999)
 
 
-def _lease_reply_of(s: socket.socket, cid: int, req: int) -> tuple[int, int]:
+def _lease(s: socket.socket, cid: int, req: int) -> tuple[int, int]:
     s.sendall(rawpeer.frame(wire.F_LEASE, struct.pack("<Q", cid), req))
     return _lease_reply(s, req)
 
@@ -126,87 +131,130 @@ def test_the_owner_remembers_the_last_max_leases_lease_requests(make: Callable[.
     assert _remembered_after(make, wire.MAX_LEASES) == (b"", TIMEOUT)
 
 
-def _frames_before_answering(
-        make: Callable[..., Honest], lease_statuses: list[Status], fill: int,
-        between: Callable[[Honest, Peer], None] | None = None,
-) -> tuple[list[tuple[int, int, bytes]], list[Status], Honest]:
-    """An honest caller pulls N bytes from a raw owner once per entry of ``lease_statuses``;
-    the owner reads a LEASE and the next frame before it answers either: the LEASE with the
-    entry's status (lease 7), then, for a granted lease, the READ's DATA (``fill`` bytes) and
-    DONE, else a DONE with LLM_TIMEOUT; ``between`` runs after the first pull.  Every frame the
-    owner read (its own reads' answers not included), and each pull's status."""
-    h = make(N)
-    frames: list[tuple[int, int, bytes]] = []
-    asked: list[tuple[int, int, bytes]] = []
-    answers = iter(lease_statuses)
-
-    def on(s: socket.socket, ftype: int, req: int, body: bytes) -> None:
-        if ftype in (wire.F_DATA, wire.F_DONE):  # the answer to the owner's own read
-            return
-        frames.append((ftype, req, body))
-        if ftype == wire.F_RELEASE:
-            return
-        asked.append((ftype, req, body))
-        if len(asked) < 2:
-            return
-        (lt, lreq, _), (rt, rreq, _) = asked
-        asked.clear()
-        if (lt, rt) != (wire.F_LEASE, wire.F_READ):
-            return  # the caller waits for an answer that does not come: its pull fails
-        lease_status = next(answers)
-        s.sendall(rawpeer.frame(wire.F_LEASE_REPLY, struct.pack("<IQ", lease_status, 7), lreq))
-        if lease_status == S:
-            s.sendall(rawpeer.frame(wire.F_DATA, bytes([fill]) * N, rreq)
-                      + rawpeer.frame(wire.F_DONE, struct.pack("<I", S), rreq))
-        else:
-            s.sendall(rawpeer.frame(wire.F_DONE, struct.pack("<I", TIMEOUT), rreq))
-
-    peer = Peer(h.link(), on)
-    try:
-        statuses: list[Status] = []
-        for status in lease_statuses:
-            statuses.append(h.pull())
-            if between is not None and len(statuses) == 1:
-                between(h, peer)
-        if lease_statuses[-1] == S:  # sent as the pull returns
-            assert peer.wait(wire.F_RELEASE, 0, 5.0)
-    finally:
-        peer.close()
-    return frames, statuses, h
+def _channel(h: Honest) -> Any:
+    """The owner's live channel of its one link."""
+    backend: object = h.dd.backend
+    chans = [o for o in gc.get_objects() if isinstance(o, Channel) and o.owner is backend
+             and not o.dead.is_set()]
+    assert len(chans) == 1, chans
+    return chans[0]
 
 
-def test_the_caller_sends_the_read_with_its_lease(make: Callable[..., Honest]) -> None:
-    """The caller's LEASE and its READ (naming the LEASE's request) both reach the owner before
-    the owner answered anything; the pull lands every byte, then releases lease 7."""
-    frames, statuses, h = _frames_before_answering(make, [S], 0xC3)
-    assert statuses == [S]
-    (lt, lreq, lbody), (rt, rreq, rbody) = frames[:2]
-    assert (lt, rt) == (wire.F_LEASE, wire.F_READ)
-    assert struct.unpack("<Q", lbody) == (1,)  # the raw owner's cache 1
-    field, tensors, off, length = wire.decode_request(rbody)
-    assert field == wire.CHAINED_LEASE | lreq and rreq != lreq
-    assert (tensors.tolist(), off.tolist(), length.tolist()) == ([0], [0], [N])
-    assert (h.arenas[0][GUARD:GUARD + N] == 0xC3).all()
-    assert (h.arenas[0][:GUARD] == 0x5A).all() and (h.arenas[0][GUARD + N:] == 0x5A).all()
-    assert frames[2:] == [(wire.F_RELEASE, 0, struct.pack("<Q", 7))]
+def test_another_connections_lease_gives_nothing(make: Callable[..., Honest]) -> None:
+    """A READ on connection B naming a LEASE request of connection A, or A's lease id: no byte,
+    LLM_TIMEOUT; A's READ naming it still gets every byte."""
+    h, a, pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    port = h.dd.listen_port
+    assert port
+    b, _snap = rawpeer.link(port, 9200)
+    b.settimeout(10)
+    with a, b:
+        status, lease_id = _lease(a, cid, 5)
+        assert status == S
+        b.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5), 6))
+        assert _answer(b, 6) == (b"", TIMEOUT)
+        b.sendall(rawpeer.frame(wire.F_READ, _read(lease_id), 7))
+        assert _answer(b, 7) == (b"", TIMEOUT)
+        a.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5), 8))
+        assert _answer(a, 8) == (pattern, S)
 
 
-def test_a_refused_lease_leaves_the_destination_and_the_link(make: Callable[..., Honest]) -> None:
-    """The owner refuses the LEASE (LLM_KV_CACHE_NOT_EXIST) and answers the READ with a DONE:
-    the pull raises the LEASE's status, no byte of the destination changed, nothing is
-    released (no lease was granted), the link still answers the owner's own reads at once
-    (no request of the caller is left waiting), and the next pull lands every byte."""
-    served: list[bool] = []
+def test_released_expired_and_early_named_leases_give_nothing(make: Callable[..., Honest]) -> None:
+    """A READ naming a LEASE whose lease was released, one naming a LEASE request that comes
+    only after it (that LEASE is then granted as usual), and one naming a lease that expired
+    (the raw peer's wait of 1000 ms plus the 250 ms grace): no byte, LLM_TIMEOUT."""
+    h, s, _pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    with s:
+        status, lease_id = _lease(s, cid, 5)
+        assert status == S
+        s.sendall(rawpeer.frame(wire.F_RELEASE, struct.pack("<Q", lease_id))
+                  + rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5), 6))
+        assert _answer(s, 6) == (b"", TIMEOUT)
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 9), 10))
+        assert _answer(s, 10) == (b"", TIMEOUT)
+        assert _lease(s, cid, 9)[0] == S
+        assert _lease(s, cid, 11)[0] == S
+        time.sleep(1.4)
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 11), 12))
+        assert _answer(s, 12) == (b"", TIMEOUT)
 
-    def between(h: Honest, peer: Peer) -> None:
-        ask = struct.pack("<QII", h.caches[0].cache_id, 1, 1) + struct.pack("<Iqq", 0, 0, 64)
-        peer.s.sendall(rawpeer.frame(wire.F_LEASE_READ, ask, 500))
-        served.append(peer.wait(wire.F_DONE, 500, 1.0))
 
-    frames, statuses, h = _frames_before_answering(make, [Status.LLM_KV_CACHE_NOT_EXIST, S], 0xC3,
-                                                   between)
-    assert statuses == [Status.LLM_KV_CACHE_NOT_EXIST, S]
-    assert served == [True]
-    assert [f[0] for f in frames] == [wire.F_LEASE, wire.F_READ, wire.F_LEASE, wire.F_READ,
-                                      wire.F_RELEASE]
-    assert (h.arenas[0][GUARD:GUARD + N] == 0xC3).all()
+def test_a_revoked_lease_named_by_its_request_gives_not_exist(make: Callable[..., Honest]) -> None:
+    """The cache unregistered while the lease sat unused (revoked after REVOKE_GRACE_S): the
+    READ naming its LEASE request gets LLM_KV_CACHE_NOT_EXIST and no byte, as a READ naming
+    the lease id would."""
+    h, s, _pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    with s:
+        assert _lease(s, cid, 5)[0] == S
+        t = threading.Thread(target=h.dd.unregister_kv_cache, args=(cid,))
+        t.start()
+        time.sleep(1.3)
+        t.join(10)
+        assert not t.is_alive()
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5), 6))
+        assert _answer(s, 6) == (b"", Status.LLM_KV_CACHE_NOT_EXIST)
+
+
+def test_reused_request_ids_and_the_lease_cap(make: Callable[..., Honest]) -> None:
+    """Two LEASEs under one request id: the name gives the newer lease, once, and the older
+    lives on by its id; a LEASE refused at the cap of MAX_LEASES (LLM_FAILED) names nothing;
+    the owner's names stay within MAX_LEASES."""
+    h, s, pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    with s:
+        st1, l1 = _lease(s, cid, 5)
+        st2, l2 = _lease(s, cid, 5)
+        assert (st1, st2) == (S, S) and l1 != l2
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5, 64), 6))
+        assert _answer(s, 6) == (pattern[:64], S)
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5, 64), 7))
+        assert _answer(s, 7) == (b"", TIMEOUT)
+        s.sendall(rawpeer.frame(wire.F_READ, _read(l1, 64), 8))
+        assert _answer(s, 8) == (pattern[:64], S)
+        for req in range(100, 100 + wire.MAX_LEASES - 2):
+            assert _lease(s, cid, req)[0] == S
+        assert _lease(s, cid, 999)[0] == Status.LLM_FAILED
+        s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 999, 64), 1000))
+        assert _answer(s, 1000) == (b"", TIMEOUT)
+        assert len(_channel(h).leases._by_request) <= wire.MAX_LEASES
+
+
+def test_many_chained_reads_keep_the_owner_bounded(make: Callable[..., Honest]) -> None:
+    """3,000 LEASE (+ READ naming it, every other time) + RELEASE rounds: no lease and at most
+    MAX_LEASES names left, and this process's peak RSS grows by less than 64 MiB."""
+    h, s, pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    chan = _channel(h)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with s:
+        for i in range(3000):
+            req = 2 * i + 1
+            batch = rawpeer.frame(wire.F_LEASE, struct.pack("<Q", cid), req)
+            if i % 2:
+                batch += rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | req, 64), req + 1)
+            s.sendall(batch)
+            status, lease_id = _lease_reply(s, req)
+            assert status == S
+            if i % 2:
+                assert _answer(s, req + 1) == (pattern[:64], S)
+            s.sendall(rawpeer.frame(wire.F_RELEASE, struct.pack("<Q", lease_id)))
+        time.sleep(0.1)
+        assert len(chan.leases._by_request) <= wire.MAX_LEASES
+        assert len(chan.leases._leases) == 0
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert rss1 - rss0 < 64 << 10  # KiB
+
+
+def test_with_a_serving_fault_armed_the_read_follows_its_lease(make: Callable[..., Honest]) -> None:
+    """Armed fault injections queue the LEASE instead of answering it at once: the READ sent
+    with it is still served under that lease."""
+    h, s, pattern = _owner(make)
+    cid = h.caches[0].cache_id
+    with faults.inject("pull", delay_ms=30, serve=True), s:
+        s.sendall(rawpeer.frame(wire.F_LEASE, struct.pack("<Q", cid), 5)
+                  + rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 5), 6))
+        assert _lease_reply(s, 5)[0] == S
+        assert _answer(s, 6) == (pattern, S)

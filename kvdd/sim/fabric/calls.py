@@ -105,11 +105,7 @@ class Calls:
             if p.sink is not None or p.failed or not p.done:
                 with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
                     p.cancelled = True
-            if p.failed or not p.done:
-                return None
-            reply = p.reply
-            assert not isinstance(reply, int)
-            return reply
+            return _reply(p)
         finally:
             self._end(p)
 
@@ -127,6 +123,7 @@ class Calls:
         p1 = self._submit(F_LEASE, _CACHE_ID.pack(cache_id), deadline, None, None)
         if p1 is None:
             return None, None
+        p2: Pending | None = None
         try:
             try:
                 payload, sink = prepare(CHAINED_LEASE | p1.req)
@@ -137,21 +134,44 @@ class Calls:
             if not self._await(p1, deadline):
                 self.kill()  # silent peer: the link is broken; stop others touching our memory
             return _reply(p1), p2
+        except BaseException:
+            if p2 is not None:  # (a signal handler's exception): the READ ends here too
+                self.abandon(p2)
+            raise
         finally:
             self._end(p1)
 
     def finish_read(self, p: Pending, deadline: float) -> bytes | None:
-        """The DONE payload of a READ sent by :meth:`lease_read` (None as for :meth:`request`,
-        and when ``deadline`` passed before this was called: the link is then broken); no DATA
-        reaches its sink once this returns."""
+        """The DONE payload of a READ sent by :meth:`lease_read`: None as for :meth:`request`,
+        and when ``deadline`` passed before this was called, whatever arrived (the caller held
+        its lease too long: as a READ sent late; the link is then broken); no DATA reaches its
+        sink once this returns or raises (an exception breaks the link)."""
         try:
-            if deadline <= time.monotonic() or not self._await(p, deadline):
-                self.kill()
+            if deadline <= time.monotonic():  # late: as a READ not sent in time, whatever came
+                self.kill()  # (its answer may still be on the way)
+                return None
+            if not self._await(p, deadline):
+                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            return _reply(p)
+        except BaseException:  # (a signal handler's exception) its answer may still come
+            self.kill()
+            raise
+        finally:
             with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
                 p.cancelled = True
-            return _reply(p)
-        finally:
             self._end(p)
+
+    def abandon(self, p: Pending) -> None:
+        """Give up a READ sent by :meth:`lease_read` without its answer (its caller raised): its
+        answer may still come, so the link is broken, and no DATA reaches its sink.  A READ
+        already ended (by :meth:`finish_read`) is left alone."""
+        with self._lock:
+            if self._pending.get(p.req) is not p:
+                return
+        self.kill()
+        with self._sink_lock:
+            p.cancelled = True
+        self._end(p)
 
     def read_small(self, cache_id: int, tensor: int, off: int, stage: Stage,
                    deadline: float) -> int | None:

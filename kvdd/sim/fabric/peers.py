@@ -335,21 +335,28 @@ class RemotePeer:
         chan = self._chan
         if chan.dead.is_set():
             return TIMEOUT
-        made: list[tuple[Layout, Cursor]] = []
+        layout: Layout | None = None
+        cursor: Cursor | None = None
 
-        def prepare(field: int) -> tuple[bytes, Sink]:
+        def prepare(field: int) -> tuple[bytes, Sink]:  # (while the LEASE travels)
+            nonlocal layout, cursor
             layout = Layout(local, local_off, length)
-            made.append((layout, Cursor(layout)))
-            return encode_request(field, tensors, remote_off, length), made[0][1]
+            cursor = Cursor(layout)
+            return encode_request(field, tensors, remote_off, length), cursor
 
         reply, read = chan.lease_read(lease.rc.cache_id, prepare, lease.deadline)
-        status = self._lease_status(lease, reply)
-        done = None if read is None else self.receive(read, lease.deadline)
+        try:
+            status = self._lease_status(lease, reply)
+            done = None if read is None else self.receive(read, lease.deadline)
+        except BaseException:  # (a signal handler's exception): no READ is left behind
+            if read is not None:
+                chan.abandon(read)
+            raise
         if status != S_OK:
             return status
         status = self._status(done, False)
         if status == S_OK:
-            layout, cursor = made[0]
+            assert layout is not None and cursor is not None  # (a READ was sent)
             if cursor.left:  # the peer claimed success without sending every byte
                 chan.kill()
                 return TIMEOUT
@@ -358,7 +365,9 @@ class RemotePeer:
 
     def receive(self, read: Pending, deadline: float) -> bytes | None:
         """The DATA and DONE of a READ sent under a lease (:meth:`_lease_and_read`): the DONE's
-        payload, None as for :meth:`~.calls.Calls.request`."""
+        payload, None as for :meth:`~.calls.Calls.request`.  A method of its own: the point
+        where a reader holds its granted lease while its answer comes (tests slow it down
+        there)."""
         return self._chan.finish_read(read, deadline)
 
     def write(self, lease: object, tensors: Sequence[int], src: Sequence[Region],

@@ -30,9 +30,9 @@ from ..memory import Region, copy_runs
 from .protocol import LinkOwner, ServedCache
 from .rx import Rx, Steps, drive
 from .streams import region_view, runs_inside, sendmsg_all
-from .wire import (CHAINED_LEASE, F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA, MAX_LEASE_MS, MAX_RUNS,
-                   PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES, ProtocolError, decode_request,
-                   frame)
+from .wire import (CHAINED_LEASE, F_DATA, F_DONE, HDR, LEASE_GRACE_MS, MAGIC, MAX_DATA,
+                   MAX_LEASE_MS, MAX_RUNS, PROTOCOL_VERSION, STAGE_CHUNK, STAGE_RUN_BYTES,
+                   ProtocolError, decode_request, frame)
 
 __all__ = ["check_request", "RunPlan", "SMALL_RUNS", "Step", "as_lists", "serve_read",
            "serve_read_steps", "serve_write", "serve_write_steps", "MAX_DISCARD"]
@@ -380,7 +380,8 @@ def serve_read_steps(leases: RunChecker, owner: LinkOwner, req: int,
     the last is).  The sender holds the connection's send lock meanwhile."""
     lease_id, tensors, off, length = decode_request(payload)
     if lease_id & CHAINED_LEASE:  # the lease its LEASE request got (none: refused, answered)
-        lease_id = leases.chained(lease_id & 0xFFFFFFFF) if lease_id >> 32 == CHAINED_LEASE >> 32 else 0
+        named = lease_id >> 32 == CHAINED_LEASE >> 32
+        lease_id = leases.chained(lease_id & 0xFFFFFFFF) if named else 0
     status, lease = leases.check_runs(lease_id, tensors, off, length)
     if lease is None:
         yield [memoryview(frame(F_DONE, req, struct.pack("<I", status)))]
