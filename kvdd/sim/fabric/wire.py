@@ -22,7 +22,8 @@ from .protocol import KIND_BLOCKS, KIND_MIX, LinkOffer, RemoteCache, ServedCache
 #: acceptor's authentication answer carries an announcement after its MAC (its same-host endpoint).
 #: Version 5: the same-host proof's last message is the initiator's lease table (no
 #: acknowledgement; :mod:`.samehost`), so kvdd versions that disagree on it refuse each other.
-PROTOCOL_VERSION = 5
+#: Version 6: a READ may name its LEASE's request instead of a lease (:data:`CHAINED_LEASE`).
+PROTOCOL_VERSION = 6
 MAGIC = b"KV"
 HDR = struct.Struct("<2sBBII")
 
@@ -90,8 +91,9 @@ HANDSHAKE_TIMEOUT_S = 10.0  # an initiator's whole handshake, when its caller gi
 MAX_SNAPSHOT_CACHES = 32768  # caches in one hello
 MAX_EXTENSIONS = 8  # extension entries in one hello
 MAX_EXTENSION_BYTES = 4096  # their names and values, in all
-#: A READ's lease field with this bit set names the LEASE request (its id in the low 32 bits) sent
-#: just before it on the connection: the lease that request got (LEASE and READ in one round trip).
+#: A READ's lease field with this bit set names an earlier LEASE request of the connection (its id
+#: in the low 32 bits; the bits between must be 0): the lease that request got, once (the caller
+#: sends its READ right behind its LEASE: one round trip).
 CHAINED_LEASE = 1 << 63
 MAX_LEASES = 64  # outstanding leases per connection (a peer needs one at a time)
 MAX_JOBS = 16  # queued requests per connection
