@@ -182,14 +182,15 @@ def test_silent_peer_times_out(own_world: World, own_proc: PeerProcess) -> None:
     pull_cache_checked(world, d, ph, dh)
 
 
-#: Rows of 2 x 64 KiB: above wire.SMALL_BYTES, so a pull takes a LEASE before its READ (a small
-#: transfer's lease lives only inside its one LEASE_READ / LEASE_WRITE request)
+#: Rows of 2 x 64 KiB: above wire.SMALL_BYTES, so a pull takes a LEASE, which it holds until its
+#: RELEASE (a small transfer's lease lives only inside its one LEASE_READ / LEASE_WRITE request)
 LEASED = Spec(n=2, dtype=DataType.DT_UINT8, shape=(4, 1 << 16))
 
 
 def _reader_setup(world: World, p_wait: str) -> tuple[Node, ProcessNode, CacheHandle, CacheHandle]:
     """D owns the cache; P (other process) reads it over a link P initiated (rows big enough
-    for a separate LEASE: the tests hold the transfer between lease and READ)."""
+    for a separate LEASE: the tests hold the reader after its LEASE's answer, before it reads
+    its READ's, so that it holds the lease meanwhile)."""
     d, p, dh, ph = setup_pair(world, d_listen=True, p_extra={WAIT: p_wait}, spec=LEASED)
     assert link(p, d) == [S]
     return d, p, dh, ph
