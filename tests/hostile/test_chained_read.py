@@ -131,11 +131,10 @@ def test_the_owner_remembers_the_last_max_leases_lease_requests(make: Callable[.
     assert _remembered_after(make, wire.MAX_LEASES) == (b"", TIMEOUT)
 
 
-def _channel(h: Honest) -> Any:
-    """The owner's live channel of its one link."""
+def link_channel(h: Honest) -> Any:
+    """The channel of ``h``'s one link, alive or dead."""
     backend: object = h.dd.backend
-    chans = [o for o in gc.get_objects() if isinstance(o, Channel) and o.owner is backend
-             and not o.dead.is_set()]
+    chans = [o for o in gc.get_objects() if isinstance(o, Channel) and o.owner is backend]
     assert len(chans) == 1, chans
     return chans[0]
 
@@ -219,7 +218,7 @@ def test_reused_request_ids_and_the_lease_cap(make: Callable[..., Honest]) -> No
         assert _lease(s, cid, 999)[0] == Status.LLM_FAILED
         s.sendall(rawpeer.frame(wire.F_READ, _read(wire.CHAINED_LEASE | 999, 64), 1000))
         assert _answer(s, 1000) == (b"", TIMEOUT)
-        assert len(_channel(h).leases._by_request) <= wire.MAX_LEASES
+        assert len(link_channel(h).leases._by_request) <= wire.MAX_LEASES
 
 
 def test_many_chained_reads_keep_the_owner_bounded(make: Callable[..., Honest]) -> None:
@@ -227,7 +226,7 @@ def test_many_chained_reads_keep_the_owner_bounded(make: Callable[..., Honest]) 
     MAX_LEASES names left, and this process's peak RSS grows by less than 64 MiB."""
     h, s, pattern = _owner(make)
     cid = h.caches[0].cache_id
-    chan = _channel(h)
+    chan = link_channel(h)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with s:
         for i in range(3000):

@@ -7,7 +7,6 @@ outside the destination run.  The owner's side: test_chained_read.py."""
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import socket
@@ -25,10 +24,8 @@ from kvdd.sim import fabric
 from kvdd.sim.fabric import wire
 
 from hostile import rawpeer
+from hostile.test_chained_read import N, TIMEOUT, link_channel
 from hostile.test_small_path_requests import GUARD, S, Honest, Peer, make  # noqa: F401 (fixture)
-
-N = 256 << 10  # a pull too big for one LEASE_READ: LEASE and READ
-TIMEOUT = Status.LLM_TIMEOUT
 
 
 def _frames_before_answering(
@@ -119,15 +116,6 @@ def test_a_refused_lease_leaves_the_destination_and_the_link(make: Callable[...,
     assert (h.arenas[0][GUARD:GUARD + N] == 0xC3).all()
 
 
-def _channel_any(h: Honest) -> Any:
-    """The link channel of ``h``'s instance, dead or alive."""
-    backend: Any = h.dd.backend
-    chans = [o for o in gc.get_objects() if isinstance(o, fabric.channel.Channel)
-             and o.owner is backend]
-    assert len(chans) == 1, chans
-    return chans[0]
-
-
 def _dies(chan: Any, timeout: float = 5.0) -> bool:
     """Whether ``chan`` is dead within ``timeout`` (a kill shuts the socket at once; the pool
     then finds the end)."""
@@ -206,7 +194,7 @@ def test_an_interrupted_pull_leaves_no_read_behind(make: Callable[..., Honest],
         with pytest.raises(KeyboardInterrupt):
             h.pull(0)
         assert sig.fired == 1
-        chan = _channel_any(h)
+        chan = link_channel(h)
         first = h.arenas[0].copy()
         leaked = {req: p for req, p in chan._pending.items()}
         active = chan._active
@@ -237,7 +225,7 @@ def test_an_interrupted_pull_breaks_its_link_at_once(make: Callable[..., Honest]
     try:
         with pytest.raises(KeyboardInterrupt):
             h.pull(0)
-        chan = _channel_any(h)
+        chan = link_channel(h)
         assert _dies(chan)
         assert not chan._pending and chan._active == 0, (chan._pending, chan._active)
         assert h.pull(0) == TIMEOUT
@@ -272,7 +260,7 @@ def test_an_interrupted_wait_leaves_no_read_behind(make: Callable[..., Honest],
         with pytest.raises(KeyboardInterrupt):
             h.pull(0)
         fabric.channel.Channel._await = orig  # type: ignore[method-assign]
-        chan = _channel_any(h)
+        chan = link_channel(h)
         assert _dies(chan)
         assert not chan._pending and chan._active == 0, (chan._pending, chan._active)
         assert np.array_equal(h.arenas[0], before)
