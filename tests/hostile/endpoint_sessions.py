@@ -5,6 +5,9 @@ it, and waits on what the endpoint holds."""
 from __future__ import annotations
 
 import secrets
+import select
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -87,3 +90,27 @@ def settled(ep: samehost_endpoint.Endpoint, pending: int, proving: int,
     while now() != (pending, proving, proven):
         assert time.monotonic() < deadline, ep.held()
         time.sleep(0.005)
+
+
+class InitiatorProcess:
+    """A hostile initiator's script in its own process: one command a line, one answer a line,
+    each answer within ``ANSWER_S``."""
+
+    ANSWER_S = 15.0
+
+    def __init__(self, script: str, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, *words: str) -> list[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(" ".join(words) + "\n")
+        self.proc.stdin.flush()
+        ready = select.select([self.proc.stdout], [], [], self.ANSWER_S)[0]
+        assert ready, f"no answer to {words[0]} within {self.ANSWER_S:.0f} s"
+        return self.proc.stdout.readline().split()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(10)

@@ -38,6 +38,7 @@ from conformance.harness import Spec, register
 from hostile import rawpeer
 from hostile.rawpeer import MinimalOwner
 from hostile.test_attacks import Victim, victim  # noqa: F401  (the fixture)
+from test_fabric_small import pair  # noqa: F401  (the fixture: a reader on a socket pair's end)
 
 S = int(Status.LLM_SUCCESS)
 PI = int(Status.LLM_PARAM_INVALID)
@@ -74,17 +75,6 @@ def _done(req: int, status: int) -> bytes:
 def _arena(n: int) -> tuple[np.ndarray, Region]:
     a = np.full(n, 0x5A, dtype=np.uint8)
     return a, Region(int(a.ctypes.data), n, a)
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, Rx]]:
-    """A reader on one end of a socket pair; the test writes to the other end."""
-    a, b = socket.socketpair()
-    try:
-        yield a, Rx(b)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.fixture

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import secrets
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +30,8 @@ from kvdd.sim.fabric.auth import NONCE_BYTES, answer_transcript, load_secret, ma
 from kvdd.sim.fabric.handshake import connect, transcript_of
 
 from hostile import rawpeer
-from hostile.endpoint_sessions import (Calls, Session, bound_session, emptied_endpoint,
-                                      new_session, settled)
+from hostile.endpoint_sessions import (Calls, InitiatorProcess, Session, bound_session,
+                                      emptied_endpoint, new_session, settled)
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -125,17 +123,9 @@ for line in sys.stdin:
 """
 
 
-class Initiator:
+class Initiator(InitiatorProcess):
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _INITIATOR, str(Path(__file__).resolve().parent)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, *words: str) -> list[str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(" ".join(words) + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().split()
+        super().__init__(_INITIATOR, str(Path(__file__).resolve().parent))
 
     def prove(self, cmd: str, tag: str, s: Session, name: bytes) -> None:
         assert self.ask(cmd, tag, s.key.hex(), s.transcript.hex(), s.channel.hex() or "-",
@@ -145,10 +135,6 @@ class Initiator:
         what, ms = self.ask("wait", tag)
         return what, int(ms)
 
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

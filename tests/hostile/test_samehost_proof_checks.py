@@ -24,8 +24,6 @@ import os
 import secrets
 import select
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -35,8 +33,8 @@ from kvdd.sim.fabric import announce, samehost, samehost_attest, samehost_endpoi
 from kvdd.sim.fabric.auth import Session as AuthSession
 
 from hostile import rawpeer
-from hostile.endpoint_sessions import (Calls, Session, bound_session, emptied_endpoint,
-                                      new_session, settled)
+from hostile.endpoint_sessions import (Calls, InitiatorProcess, Session, bound_session,
+                                      emptied_endpoint, new_session, settled)
 
 pytestmark = pytest.mark.skipif(not samehost.availability()[0],
                                 reason=samehost.availability()[1])
@@ -119,18 +117,9 @@ for line in sys.stdin:
 """
 
 
-class Initiator:
+class Initiator(InitiatorProcess):
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _INITIATOR],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, *words: str) -> list[str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(" ".join(words) + "\n")
-        self.proc.stdin.flush()
-        ready = select.select([self.proc.stdout], [], [], 15)[0]  # (its answers are each bounded)
-        assert ready, f"no answer to {words[0]} within 15 s"
-        return self.proc.stdout.readline().split()
+        super().__init__(_INITIATOR)
 
     def prove(self, tag: str, s: Session, name: bytes) -> None:
         assert self.ask("prove", tag, s.key.hex(), s.transcript.hex(), name.hex()) == ["SENT"]
@@ -139,10 +128,6 @@ class Initiator:
         what, ms = self.ask(cmd, tag)
         return what, int(ms)
 
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

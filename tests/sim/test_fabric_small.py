@@ -38,6 +38,7 @@ def _hdr(ftype: int, req: int, n: int, magic: bytes = wire.MAGIC,
 
 @pytest.fixture
 def pair() -> Iterator[tuple[socket.socket, Rx]]:
+    """A reader on one end of a socket pair; the test writes to the other end."""
     a, b = socket.socketpair()
     try:
         yield a, Rx(b)
