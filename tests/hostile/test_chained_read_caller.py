@@ -397,3 +397,27 @@ def test_a_refused_lease_leaves_the_destination_only_with_an_honest_owner(
         assert changed.min() >= GUARD and changed.max() < GUARD + N
     finally:
         peer.close()
+
+
+def test_a_read_that_cannot_be_built_breaks_the_link(make: Callable[..., Honest],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the READ fails after its LEASE left (the LEASE may be granted, the owner waits
+    for a READ): the pull raises that error, nothing of it stays registered, the link is
+    broken and the destination untouched."""
+    h = make(N)
+    peer = Peer(h.link(), None)  # an owner that answers nothing
+
+    def broken(*args: Any) -> Any:
+        raise ValueError("run outside its region")
+
+    monkeypatch.setattr(fabric.peers, "Layout", broken)
+    try:
+        before = h.arenas[0].copy()
+        with pytest.raises(ValueError, match="run outside its region"):
+            h.pull(0)
+        chan = link_channel(h)
+        assert _dies(chan)
+        assert not chan._pending and chan._active == 0, (chan._pending, chan._active)
+        assert np.array_equal(h.arenas[0], before)
+    finally:
+        peer.close()

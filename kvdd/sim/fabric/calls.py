@@ -125,18 +125,16 @@ class Calls:
             return None, None
         p2: Pending | None = None
         try:
-            try:
-                payload, sink = prepare(CHAINED_LEASE | p1.req)
-            except BaseException:
-                self.kill()
-                raise
+            payload, sink = prepare(CHAINED_LEASE | p1.req)
             p2 = self._submit(F_READ, payload, deadline, sink, None)
             if not self._await(p1, deadline):
                 self.kill()  # silent peer: the link is broken; stop others touching our memory
             return _reply(p1), p2
-        except BaseException:
-            if p2 is not None:  # (a signal handler's exception): the READ ends here too
-                self.abandon(p2)
+        except BaseException:  # (``prepare`` failing, a signal handler's exception)
+            if p2 is not None:
+                self.abandon(p2)  # the READ ends here too (the link broken)
+            else:
+                self.kill()  # the LEASE may have been granted, a READ half sent
             raise
         finally:
             self._end(p1)
