@@ -46,7 +46,7 @@ class CacheEntry:
 
     __slots__ = ("cache_id", "n", "T", "B", "S", "ragged", "placement", "addrs", "regions", "table",
                  "owners", "_lock", "registered", "_drains", "_drains_done", "kind", "N",
-                 "remote_accessible", "keys")
+                 "remote_accessible", "keys", "_view")
 
     def __init__(self, cache_id: int, n: int, T: int, B: int, placement: int,
                  addrs: Sequence[int], owners: tuple[object, ...], kind: int = KIND_MIX,
@@ -71,6 +71,7 @@ class CacheEntry:
         self.registered = True
         self._drains: list[Callable[[], object]] = []  # one-sided readers' lease tables (fabric)
         self._drains_done: threading.Event | None = None  # set once retire() ran the drains
+        self._view: RemoteCache | None = None  # remote_view() while ``keys`` is empty
 
     @property
     def inflight(self) -> int:
@@ -78,6 +79,16 @@ class CacheEntry:
         return self.table.inflight
 
     def remote_view(self) -> RemoteCache:
+        """What a peer linking now is told of this cache (every link's snapshot asks, for each
+        cache: made once while no key points here, as every field but ``keys`` is fixed)."""
+        if not self.keys:
+            view = self._view
+            if view is None:
+                view = self._view = self._make_view()
+            return view
+        return self._make_view()
+
+    def _make_view(self) -> RemoteCache:
         token: object = self if self.remote_accessible else _UNSERVED
         return RemoteCache(self.cache_id, self.n, self.T, self.B, self.S, self.ragged, token,
                            self.kind, self.N, self.remote_accessible, tuple(self.keys))
@@ -121,6 +132,7 @@ class CacheEntry:
         for the first caller (None for later ones, which wait for the first's)."""
         with self._lock:
             self.registered = False
+            self._view = None  # (it refers to this entry: no cycle outlives the registration)
             drained = self.table.close(threading.Event())
             first = self._drains_done is None
             drains_done = self._drains_done = self._drains_done or threading.Event()

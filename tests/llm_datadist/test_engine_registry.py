@@ -123,6 +123,7 @@ def test_cache_keys_first_wins_padding_and_prefix(pair: tuple[Engine, Engine]) -
 def test_blocks_overwrite_moves_the_published_key(pair: tuple[Engine, Engine]) -> None:
     p, _ = pair
     a = register(p, Mem(1, 4, 8), keys=[blocks_key(0, 1)])
+    assert p.instance.snapshot_for_link()[0][a].keys == ((NO, 1, 0),)  # (a link before b)
     b = register(p, Mem(1, 4, 8), keys=[blocks_key(0, 1), blocks_key(0, 2)])
     views = p.instance.snapshot_for_link()[0]
     assert views[a].keys == () and views[b].keys == ((NO, 1, 0), (NO, 2, 1))
