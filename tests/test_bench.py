@@ -13,12 +13,11 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import kvdd
+from demo_support import child_env
 from kvdd.bench.harness import interleaved
 from kvdd.cli import main as cli_main
 
@@ -78,12 +77,8 @@ def _positive(v: Any) -> bool:
 def doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # the kvdd this test imports, run from elsewhere: `-m` puts the working directory first on
     # sys.path, where a source checkout's kvdd/ (without its compiled modules) would shadow it
-    env = dict(os.environ)
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("KVDD_SIM_FAULTS", None)
     proc = subprocess.run([sys.executable, "-m", "kvdd", "bench", "--quick", "--json", *TINY],
-                          capture_output=True, text=True, timeout=300, env=env,
+                          capture_output=True, text=True, timeout=300, env=child_env(),
                           cwd=tmp_path_factory.mktemp("bench"))
     assert proc.returncode == 0, proc.stderr
     parsed: dict[str, Any] = json.loads(proc.stdout)

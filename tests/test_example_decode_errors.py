@@ -9,16 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvdd
+from demo_support import child_env
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SECRET_VARS = ("KVDD_FABRIC_SECRET", "KVDD_FABRIC_SECRET_FILE", "KVDD_FABRIC_AUTH")
 
 
 def _env(secret: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS and k != "KVDD_SIM_FAULTS"}
-    root = str(Path(kvdd.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = {k: v for k, v in child_env().items() if k not in SECRET_VARS}
     env["KVDD_FABRIC_SECRET"] = secret
     return env
 
