@@ -20,7 +20,8 @@ __all__ = ["SOURCE_TREE_MESSAGE", "compiled_problem", "has_compiled_modules", "s
 SOURCE_TREE_MESSAGE = (
     "kvdd was imported from its source directory {root}, which has no compiled modules: do not "
     "run Python there; run the installed `kvdd` and `pytest` commands, or Python from another "
-    "directory, or install kvdd in editable mode (pip install --no-build-isolation -e '.[test]')"
+    "directory, or install kvdd in editable mode (docs/development.md: pip install meson-python "
+    "meson ninja cython numpy ml_dtypes, then pip install --no-build-isolation -e '.[test]')"
 )
 
 _PROBE = "kvdd._native._runs"  # the first compiled module `import kvdd` needs

@@ -23,7 +23,8 @@ def pytest_configure(config: pytest.Config) -> None:
             f"{exc}" if "source directory" in str(exc) else
             f"kvdd cannot load its compiled modules ({exc}). Install it (pip install '.[test]') and "
             "run the `pytest` command, or use an editable install "
-            "(pip install --no-build-isolation -e '.[test]')."
+            "(docs/development.md: pip install meson-python meson ninja cython numpy ml_dtypes, then "
+            "pip install --no-build-isolation -e '.[test]')."
         ) from None
 
 

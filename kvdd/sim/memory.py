@@ -25,7 +25,8 @@ except ImportError as _exc:  # pragma: no cover - depends on how kvdd was starte
         f"{_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))}: if that is a source "
         "checkout, Python found it before the installed package (the current directory comes "
         "first on sys.path for `python script.py` and `python -m`); run from another directory, "
-        "use the `kvdd` command, or install in editable mode (pip install --no-build-isolation -e .)."
+        "use the `kvdd` command, or install in editable mode (docs/development.md: pip install "
+        "meson-python meson ninja cython numpy ml_dtypes, then pip install --no-build-isolation -e .)."
     ) from _exc
 
 __all__ = ["Region", "RegionTable", "copy_runs", "first_inaccessible"]
