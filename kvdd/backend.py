@@ -161,7 +161,7 @@ def backend_problem(name: str) -> str | None:
     if not built:
         return (
             f"the native backend was not built ({reason}). On an Atlas node with CANN, rebuild "
-            "with: pip install . -Csetup-args=-Dnative=enabled "
+            "with: pip install '.[test]' -Csetup-args=-Dnative=enabled "
             "-Csetup-args=-Dascend-home=$ASCEND_HOME_PATH"
         )
     try:
@@ -188,7 +188,8 @@ def link_data_path(backend: Backend, remote_cluster_id: int) -> str | None:
     -------
     str or None
         The simulator's ``"in_process"`` (a peer in this process: the copy kernels),
-        ``"process_vm"`` (another process on this host: process_vm_readv/writev) or ``"tcp"``
+        ``"process_vm"`` (another process on this host: one-sided copies from the peer's
+        ``/proc/<pid>/mem``, or through a mapping of its ``kvdd.empty`` memory) or ``"tcp"``
         (docs/backends.md); None when there is no such link or the backend does not say (native).
     """
     getter = getattr(backend, "link_data_path", None)

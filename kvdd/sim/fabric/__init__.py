@@ -30,9 +30,10 @@ data paths), :mod:`.handshake` (link/unlink handshakes, both sides), :mod:`.secr
 Data paths, chosen per link and direction
 -----------------------------------------
 * same process: :class:`InProcessPeer`, the copy kernels directly (``copy_runs``);
-* same host, other process: one-sided ``process_vm_readv`` / ``process_vm_writev``
-  (:mod:`kvdd._native._xproc`) on the tensor addresses of the snapshot; the peer's Python only grants
-  and releases the lease.  ``KVDD_SIM_XPROC=tcp`` disables it;
+* same host, other process (the ``"process_vm"`` path): one-sided copies (:mod:`kvdd._native._xproc`)
+  from the attested peer's ``/proc/<pid>/mem`` at the tensor addresses of the snapshot, or through a
+  mapping of its ``kvdd.empty`` memory; leases are counters in a shared lease table, so the peer's
+  Python takes no part in a copy.  ``KVDD_SIM_XPROC=tcp`` disables it;
 * other host (or the fallback): DATA frames over the link's TCP connection, read or written by the
   owner's server threads, only inside caches registered and visible to that peer.
 

@@ -269,8 +269,8 @@ def availability() -> tuple[bool, str]:
     return True, _AVAILABLE % os.getuid()
 
 
-_AVAILABLE = ("one-sided copies through /proc/<pid>/mem (kvdd.empty memory: mapped) between "
-              "processes of uid %d on this boot, identity by SCM_PIDFD of the proof")
+_AVAILABLE = ("copies through the peer's /proc/<pid>/mem (kvdd.empty memory: through a mapping of "
+              "it) between processes of uid %d on this boot, identity by SCM_PIDFD of the proof")
 
 
 class LinkCallback(Protocol):
