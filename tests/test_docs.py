@@ -19,7 +19,8 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 HISTORY = re.compile("|".join([
     r"\bissues? #?\d", r"#\d+ F\d", r"\breview ?\d", r"\breview\d", r"\breview finding", r"\bsecond review",
     r"\bthird review", r"\bround \d", r"\bround 2\b", r"\bsessions? of round", r"\bprevious session",
-    r"\bthis session", r"\bfinding F\d", r"\bfindings F\d",
+    r"\bthis session", r"\bfinding F\d", r"\bfindings F\d", r"\bthis change\b", r"\bthis tree\b",
+    r"\bthese changes\b", r"\bthe tree before\b",
 ]), re.IGNORECASE)
 TEXT_FILES = [p for pattern in ("README.md", "docs/*.md", "kvdd/**/*.py", "kvdd/**/*.pyx", "kvdd/**/*.pxi",
                                 "tests/**/*.py", "examples/**/*", "benchmarks/**/*.py", "stubs/**/*.pyi",
@@ -59,9 +60,10 @@ def test_no_text_cites_our_history() -> None:
 
 def test_history_pattern_catches_citations() -> None:
     for text in ("Targets of issue 15", "issue #11 F1", "review4 F2", "Review 3 of", "round 2 session 4",
-                 "the previous session", "(review finding F3)"):
+                 "the previous session", "(review finding F3)", "commit 1f (before) and this change (after)",
+                 "this tree against the tree before these changes"):
         assert HISTORY.search(text), text
-    for text in ("per-session key", "a round trip", "issue a FUTEX_WAKE", "reviewed"):
+    for text in ("per-session key", "a round trip", "issue a FUTEX_WAKE", "reviewed", "a changed tree"):
         assert not HISTORY.search(text), text
 
 
