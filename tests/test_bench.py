@@ -201,8 +201,8 @@ def test_targets_only(capsys: pytest.CaptureFixture[str]) -> None:
 
 XP_KEYS = {"path", "data_path", "kind", "run_bytes", "bytes", "min_ms", "median_ms", "gbps", "pvm_gbps",
            "pvm_iov_gbps", "mem_gbps", "mem_iov_gbps", "vs_mem", "vs_mem_iov",
-           "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "vs_pvm", "vs_pvm_iov", "vs_memcpy",
-           "vs_memcpy_2t", "vs_socket", "limit", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb",
+           "memcpy_1t_gbps", "memcpy_2t_gbps", "socket_gbps", "socket_chunks_gbps", "socket_gathered_gbps",
+           "vs_pvm", "vs_pvm_iov", "vs_memcpy", "vs_memcpy_2t", "vs_socket", "vs_socket_chunks", "limit", "ratio", "ratio_median", "cpu_s_per_gb", "own_cpu_s_per_gb",
            "peer_cpu_s_per_gb", "samples", "verified"}
 XP_ROWS = {("process_vm", "pull_row"): 1024 * KiB, ("process_vm", "pull_blocks"): 8 * 64 * KiB,
            ("process_vm", "push_blocks"): 8 * 64 * KiB, ("tcp", "pull_row"): 1024 * KiB,
@@ -247,10 +247,14 @@ def test_cross_process_rows(doc: dict[str, Any]) -> None:
             measured.append("peer_cpu_s_per_gb")
         else:
             assert r["peer_cpu_s_per_gb"] >= 0.0, key
+        sockets = ["socket_gbps", "vs_socket", "socket_chunks_gbps", "socket_gathered_gbps", "vs_socket_chunks"]
         if r["path"] == "tcp" and r["kind"] != "push_blocks":  # the raw socket limit: TCP pulls only
-            measured += ["socket_gbps", "vs_socket"]
+            measured += sockets
+            # the limit is the faster of the two raw receivers
+            assert r["socket_gbps"] == max(r["socket_chunks_gbps"], r["socket_gathered_gbps"]), key
+            assert r["vs_socket"] <= r["vs_socket_chunks"], key
         else:
-            assert r["socket_gbps"] is None and r["vs_socket"] is None, key
+            assert all(r[k] is None for k in sockets), key
         if not r["kind"].startswith("pull_row"):  # the bare scattered process_vm of the same iovecs
             measured += ["pvm_iov_gbps", "vs_pvm_iov", "mem_iov_gbps", "vs_mem_iov"]
         else:

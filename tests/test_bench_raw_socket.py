@@ -94,7 +94,12 @@ def test_the_bench_takes_the_faster_raw_receiver() -> None:
     def timing(best: float) -> dict[str, float]:
         return {"min_s": best, "median_s": 2 * best, "samples": 3}
 
+    both = {"transfer", "socket", "socket_chunks", "socket_gathered"}
     res = _best_socket({"transfer": timing(1.0), "socket": timing(0.5), "socket_gathered": timing(0.4)})
-    assert set(res) == {"transfer", "socket"} and res["socket"]["min_s"] == 0.4
+    assert set(res) == both and res["socket"]["min_s"] == 0.4 and res["socket_chunks"]["min_s"] == 0.5
     res = _best_socket({"transfer": timing(1.0), "socket": timing(0.5), "socket_gathered": timing(0.6)})
-    assert set(res) == {"transfer", "socket"} and res["socket"]["min_s"] == 0.5
+    assert set(res) == both and res["socket"]["min_s"] == 0.5 and res["socket_gathered"]["min_s"] == 0.6
+    # the tied case keeps the 64 KiB-chunk receiver (the gathered one must be faster)
+    res = _best_socket({"transfer": timing(1.0), "socket": timing(0.5), "socket_gathered": timing(0.5)})
+    assert res["socket"] is res["socket_chunks"]
+    assert _best_socket({"transfer": timing(1.0)}) == {"transfer": timing(1.0)}  # no raw socket: none
