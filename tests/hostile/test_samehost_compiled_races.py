@@ -70,10 +70,11 @@ print(ok, failed, marked, dd.backend.fast_transfers.taken, dd.backend.link_data_
 
 @pytest.mark.parametrize("alloc", ["numpy", "shm"])
 @pytest.mark.parametrize("write", [False, True], ids=["pull", "push"])
-@pytest.mark.parametrize("removal", ["unregister", "unlink", "finalize"])
+@pytest.mark.parametrize("removal", ["unregister", "unlink", "finalize", "force_unlink"])
 def test_nothing_moves_after_removal_returns(removal: str, write: bool, alloc: str) -> None:
     """``alloc``: the owner's cache in numpy memory (copies through its /proc/<pid>/mem) or in
-    kvdd.empty memory (mapped by the reader)."""
+    kvdd.empty memory (mapped by the reader).  ``force_unlink``: a force unlink (local: the
+    reader is not told, its copies find the link's table closed), then the cache's unregister."""
     p = subprocess.Popen([sys.executable, "-c", _READER, str(N), "1" if write else "0"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     owner = LlmDataDist(1, LlmRole.DECODER, backend="sim")
@@ -102,9 +103,12 @@ def test_nothing_moves_after_removal_returns(removal: str, write: bool, alloc: s
             owner.unregister_kv_cache(cid)
         elif removal == "unlink":
             owner.unlink_llm_clusters([info], 10_000)  # (a force unlink is local only: see docs)
-        else:
+        elif removal == "finalize":
             owner.finalize()
             finalized = True
+        else:
+            owner.unlink_llm_clusters([info], 10_000, force=True)
+            owner.unregister_kv_cache(cid)
         took = time.monotonic() - t0
         arena[:] = MARK  # the owner reuses the memory at once
         time.sleep(0.3)  # the reader keeps trying meanwhile

@@ -233,3 +233,56 @@ def test_pvm_copy_stops_when_its_lease_is_aborted() -> None:
         _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=0)
     with pytest.raises(IndexError):
         _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=2)
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["proc_mem", "mapped"])
+def test_mem_and_mapped_copies_stop_when_their_lease_is_aborted(mapped: bool) -> None:
+    """The same abort for the copies the same-host path makes: ``pread``/``pwrite`` on the peer's
+    /proc/<pid>/mem and memory copies through a mapping of its file.  The link's state
+    (``revoke(-1, LEASE_ABORT)``: an unlink's or finalize's drain) stops them as the slot's does;
+    nothing is copied."""
+    fd = _table_fd(2)
+    try:
+        table = _xproc.LeaseTable(fd, 2, True)
+    finally:
+        os.close(fd)
+    pidfd = _xproc.pidfd_open(os.getpid())
+    mem = _xproc.mem_open(os.getpid(), pidfd)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    runs = np.arange(16, dtype=np.int64) * 4096
+    args = (os.getpid(), [Region(int(dst.ctypes.data), dst.nbytes, dst)], [int(src.ctypes.data)],
+            src.nbytes, runs, runs, np.full(16, 4096, np.int64), False)
+    maps: _xproc.PeerMaps | None = None
+    if mapped:  # the source tensor placed in a sealed file of 64 KiB (copies read the file)
+        sfd = os.memfd_create("kvdd-test-source", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(sfd, 1 << 16)
+        os.pwrite(sfd, src.tobytes(), 0)
+        fcntl.fcntl(sfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        maps = _xproc.PeerMaps(2)
+        try:
+            assert maps.place(0, 0, maps.add(sfd, os.fstat(sfd).st_ino), 0)
+        finally:
+            os.close(sfd)  # (the mapping keeps the memory)
+    placed: tuple[int, ...] | None = (0,) if mapped else None
+
+    def copy() -> int:
+        return _xproc.pvm_copy(*args, chunk=4096, leases=table, slot=0, mem_fd=mem, pidfd=pidfd,
+                               maps=maps, map_tensors=placed)
+
+    try:
+        assert copy() == 1 << 16
+        assert np.array_equal(dst, src)
+        assert maps is None or maps.uses > 0  # (through the mapping, not /proc/<pid>/mem)
+        for slot in (0, -1):  # the slot's state, then (the slot clear again) the whole link's
+            dst[:] = 0
+            table.revoke(slot, _xproc.LEASE_ABORT)
+            with pytest.raises(ConnectionAbortedError):
+                copy()
+            assert not dst.any()
+            table.revoke(0, 0)
+            if slot == 0:  # cleared: the slot copies again
+                assert copy() == 1 << 16
+    finally:
+        os.close(mem)
+        os.close(pidfd)
