@@ -100,8 +100,7 @@ class Calls:
         if p is None:
             return None
         try:
-            if not self._await(p, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            self._await_or_kill(p, deadline)
             if p.sink is not None or p.failed or not p.done:
                 with self._sink_lock:  # no DATA reaches the sink once we return (§10 rule 5)
                     p.cancelled = True
@@ -127,8 +126,7 @@ class Calls:
         try:
             payload, sink = prepare(CHAINED_LEASE | p1.req)
             p2 = self._submit(F_READ, payload, deadline, sink, None)
-            if not self._await(p1, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            self._await_or_kill(p1, deadline)
             return _reply(p1), p2
         except BaseException:  # (``prepare`` failing, a signal handler's exception)
             if p2 is not None:
@@ -148,8 +146,7 @@ class Calls:
             if deadline <= time.monotonic():  # late: as a READ not sent in time, whatever came
                 self.kill()  # (its answer may still be on the way)
                 return None
-            if not self._await(p, deadline):
-                self.kill()  # silent peer: the link is broken; stop others touching our memory
+            self._await_or_kill(p, deadline)
             return _reply(p)
         except BaseException:  # (a signal handler's exception) its answer may still come
             self.kill()
@@ -238,8 +235,8 @@ class Calls:
                     self._fail(exc)
                     if not isinstance(exc, Exception):
                         raise
-            elif not self._await(p, deadline):
-                self.kill()
+            else:
+                self._await_or_kill(p, deadline)
             if p.failed or not p.done:
                 with self._sink_lock:
                     p.cancelled = True
@@ -303,6 +300,12 @@ class Calls:
         finally:
             if not sent:
                 self._end(p)
+
+    def _await_or_kill(self, p: Pending, deadline: float) -> None:
+        """Wait for ``p``'s reply; a silent peer past ``deadline`` breaks the link (so that
+        nothing it sends later touches our memory)."""
+        if not self._await(p, deadline):
+            self.kill()
 
     def _waiting(self) -> list[float]:
         """The deadlines of the requests still waiting (for the guard)."""

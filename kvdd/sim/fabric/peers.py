@@ -357,11 +357,17 @@ class RemotePeer:
         status = self._status(done, False)
         if status == S_OK:
             assert layout is not None and cursor is not None  # (a READ was sent)
-            if cursor.left:  # the peer claimed success without sending every byte
-                chan.kill()
-                return TIMEOUT
-            layout.scatter()
+            return self._landed(layout, cursor)
         return status
+
+    def _landed(self, layout: Layout, cursor: Cursor) -> int:
+        """A READ its owner answered LLM_SUCCESS: its bytes go to the caller's memory when every
+        one arrived; otherwise the peer broke the protocol (the link is killed: TIMEOUT)."""
+        if cursor.left:  # the peer claimed success without sending every byte
+            self._chan.kill()
+            return TIMEOUT
+        layout.scatter()
+        return S_OK
 
     def receive(self, read: Pending, deadline: float) -> bytes | None:
         """The DATA and DONE of a READ sent under a lease (:meth:`_lease_and_read`): the DONE's
@@ -422,10 +428,7 @@ class RemotePeer:
             reply = chan.request(F_READ, payload, lease.deadline, sink=cursor)
         status = self._status(reply, False)
         if status == S_OK and cursor is not None:
-            if cursor.left:  # the peer claimed success without sending every byte
-                chan.kill()
-                return TIMEOUT
-            layout.scatter()
+            return self._landed(layout, cursor)
         return status
 
     def _move_small(self, lease: ClientLease, tensors: Sequence[int], local: Sequence[Region],
